@@ -1,0 +1,37 @@
+"""megatron-slimpack: SlimPack (fine-grained asymmetric packing) for Megatron-LM.
+
+Public contract (design.md section 8):
+
+    from megatron_slimpack import plan, simulate, CostModel, ModelSpec, ParallelConfig, SlimPackConfig
+    p = plan(lengths, parallel=ParallelConfig(dp=4, pp=4, tp=8),
+             cost=CostModel.analytic("llama-7b", "h100-sxm"),
+             config=SlimPackConfig(strategy="slimpack", context_length=262144))
+    p.validate(); p.to_json(path); Plan.from_json(path)
+    report = simulate(p, cost)
+"""
+from .config import SlimPackConfig
+from .costmodel import CostModel
+from .plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
+from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
+
+__version__ = "0.1.0"
+
+
+def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig | None = None) -> Plan:
+    """Plan one global batch of document lengths with the configured strategy."""
+    from .solver.strategies import plan_global_batch
+
+    return plan_global_batch(lengths, parallel=parallel, cost=cost, config=config or SlimPackConfig())
+
+
+def simulate(plan: Plan, cost: CostModel):
+    """Simulate one training step of `plan`; returns a `SimulationReport`."""
+    from .simulator.dag import simulate as run
+
+    return run(plan, cost)
+
+
+__all__ = [
+    "plan", "simulate", "CostModel", "ModelSpec", "HardwareSpec", "ParallelConfig", "SlimPackConfig",
+    "Plan", "ReplicaPlan", "MicroPack", "Slice", "Sample", "PlanError", "SpecError", "__version__",
+]

@@ -1,0 +1,314 @@
+"""Time and memory of MicroPacks on one pipeline stage (design.md section 4).
+
+A MicroPack's work is summarised by two numbers: its tokens `T` and its causal attention pairs
+`A` (each slice's queries against its KV prefix and itself). Linear layers scale with T,
+attention with A. The analytic model turns FLOPs into seconds with a size-dependent efficiency;
+the profiled model (`CostModel.from_profile`) uses per-layer coefficients fitted on this device
+by `slimpack profile`. Both share the memory and communication terms and the same interface, so
+the planner and simulator never know which one they hold.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .specs import GIB, HardwareSpec, ModelSpec, ParallelConfig, get_hardware, get_model, hardware_from_dict, model_from_dict
+
+# Backward/forward FLOP ratios (paper notes): linear layers 2x; FlashAttention's backward
+# recomputes the scores, 2.5x.
+LINEAR_BACKWARD_RATIO = 2.0
+ATTENTION_BACKWARD_RATIO = 2.5
+# Selective recompute re-runs the cheap element-wise parts (norms, SwiGLU): a small share of
+# the linear forward.
+SELECTIVE_RECOMPUTE_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class TimeCoefficients:
+    """Seconds for one transformer layer on one device: c0 + c_tok*T + c_pair*A."""
+
+    c0: float
+    per_token: float
+    per_pair: float
+
+    def __call__(self, tokens: float, pairs: float) -> float:
+        return self.c0 + self.per_token * tokens + self.per_pair * pairs
+
+
+@dataclass(frozen=True)
+class ActivationCoefficients:
+    """Bytes one layer keeps for backward per MicroPack, before TP/CP division:
+    per_token*T + per_pair*A (per_pair is non-zero only for backends that save the score matrix)."""
+
+    per_token: float
+    per_pair: float
+
+
+def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: str) -> ActivationCoefficients:
+    """Tensors one Llama layer saves for backward, itemised.
+
+    Per token: norm inputs (2h), QKV-projection input (h), Q/K/V (h + 2 kv), attention output
+    (h, also the out-projection input), MLP input after norm (h), fc1 output (2f for SwiGLU: gate
+    and up), SwiGLU output (f, the fc2 input), plus the residual inputs (2h).
+    A reference (non-flash) attention also saves its softmax probabilities: heads values per pair.
+    """
+    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    fc1 = 2 * f if model.swiglu else f
+    per_token_elements = 2 * h + h + (h + 2 * kv) + h + h + fc1 + f + 2 * h
+    per_pair = 0.0 if attention_backend == "flash" else model.num_attention_heads * dtype_bytes
+    return ActivationCoefficients(per_token_elements * dtype_bytes, per_pair)
+
+
+class CostModel:
+    """Forward/backward time, p2p and DP-reduction time, and memory, per pipeline stage."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        *,
+        dtype_bytes: int = 2,
+        attention_backend: str = "flash",
+        forward: TimeCoefficients | None = None,
+        backward: TimeCoefficients | None = None,
+        head_forward: TimeCoefficients | None = None,
+        head_backward: TimeCoefficients | None = None,
+        activation: ActivationCoefficients | None = None,
+        source: str = "analytic",
+    ):
+        self.model = model
+        self.hardware = hardware
+        self.dtype_bytes = dtype_bytes
+        self.attention_backend = attention_backend
+        self.profiled_forward = forward
+        self.profiled_backward = backward
+        self.profiled_head_forward = head_forward
+        self.profiled_head_backward = head_backward
+        self.activation = activation or analytic_activation(model, dtype_bytes, attention_backend)
+        self.source = source
+
+    # ---- constructors ------------------------------------------------------------------------
+    @classmethod
+    def analytic(cls, model: str | ModelSpec, hardware: str | HardwareSpec, **options) -> "CostModel":
+        model = get_model(model) if isinstance(model, str) else model
+        hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        return cls(model, hardware, **options)
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> "CostModel":
+        """Load coefficients written by `slimpack profile` (see `to_profile_dict`)."""
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(
+                model_from_dict(data["model"]),
+                hardware_from_dict(data["hardware"]),
+                dtype_bytes=int(data["dtype_bytes"]),
+                attention_backend=data["attention_backend"],
+                forward=TimeCoefficients(**data["forward"]),
+                backward=TimeCoefficients(**data["backward"]),
+                head_forward=TimeCoefficients(**data["head_forward"]),
+                head_backward=TimeCoefficients(**data["head_backward"]),
+                activation=ActivationCoefficients(**data["activation"]),
+                source=f"profile:{path}",
+            )
+        except FileNotFoundError:
+            raise ValueError(f"cost-model profile {path} does not exist; create it with `slimpack profile`") from None
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"cost-model profile {path} is malformed ({error!r}); regenerate it with `slimpack profile`") from error
+
+    def to_profile_dict(self) -> dict:
+        def coefficients(value):
+            return asdict(value) if value is not None else None
+
+        return {
+            "model": self.model.to_dict(),
+            "hardware": self.hardware.to_dict(),
+            "dtype_bytes": self.dtype_bytes,
+            "attention_backend": self.attention_backend,
+            "forward": coefficients(self.profiled_forward),
+            "backward": coefficients(self.profiled_backward),
+            "head_forward": coefficients(self.profiled_head_forward),
+            "head_backward": coefficients(self.profiled_head_backward),
+            "activation": asdict(self.activation),
+        }
+
+    def describe(self) -> dict:
+        return {"model": self.model.name, "hardware": self.hardware.name, "source": self.source}
+
+    # ---- compute time ------------------------------------------------------------------------
+    def layers_per_stage(self, parallel: ParallelConfig) -> int:
+        return self.model.num_layers // parallel.pp
+
+    def efficiency(self, tokens: float) -> float:
+        hw = self.hardware
+        return hw.max_efficiency * tokens / (tokens + hw.half_efficiency_tokens) if tokens > 0 else hw.max_efficiency
+
+    def _layer_flops(self, tokens: float, pairs: float) -> tuple[float, float]:
+        """(linear, attention) forward FLOPs of one layer."""
+        return 2.0 * tokens * self.model.params_per_layer, 4.0 * pairs * self.model.hidden_size
+
+    def layer_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
+        """Compute seconds of one layer on one device (its TP/CP share), communication excluded."""
+        shards = parallel.tp * parallel.cp
+        local_tokens, local_pairs = tokens / parallel.cp, pairs / parallel.cp
+        profiled = self.profiled_backward if backward else self.profiled_forward
+        if profiled is not None:
+            # Coefficients are measured at tp=1, cp=1: the local share scales the token terms.
+            base = profiled(local_tokens / parallel.tp, local_pairs / parallel.tp)
+            return base + self._recompute_time(tokens, pairs, parallel) if backward else base
+        linear, attention = self._layer_flops(tokens, pairs)
+        rate = self.hardware.peak_flops * self.efficiency(local_tokens)
+        if backward:
+            seconds = (LINEAR_BACKWARD_RATIO * linear + ATTENTION_BACKWARD_RATIO * attention) / (rate * shards)
+            return seconds + self._recompute_time(tokens, pairs, parallel)
+        return (linear + attention) / (rate * shards)
+
+    def _recompute_time(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
+        if parallel.recompute == "none":
+            return 0.0
+        forward = self.layer_time(tokens, pairs, parallel.with_(recompute="none"), backward=False)
+        return forward if parallel.recompute == "full" else SELECTIVE_RECOMPUTE_SHARE * forward
+
+    def head_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
+        """Output layer + loss on the last stage."""
+        local = tokens / parallel.cp
+        profiled = self.profiled_head_backward if backward else self.profiled_head_forward
+        if profiled is not None:
+            return profiled(local / parallel.tp, 0.0)
+        flops = 2.0 * local * self.model.hidden_size * self.model.vocab_size / parallel.tp
+        ratio = LINEAR_BACKWARD_RATIO if backward else 1.0
+        return ratio * flops / (self.hardware.peak_flops * self.efficiency(local))
+
+    def tp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
+        """Per layer with sequence parallelism: two all-gathers and two reduce-scatters per pass."""
+        if parallel.tp == 1:
+            return 0.0
+        t = parallel.tp
+        volume = tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes * (t - 1) / t
+        passes = 1 + (backward and parallel.recompute == "full")
+        bandwidth = self.hardware.intra_node_bandwidth if t <= self.hardware.gpus_per_node else self.hardware.inter_node_bandwidth
+        return passes * 4 * (volume / bandwidth + self.hardware.link_latency_s)
+
+    def cp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
+        """Per layer: all-gather of K and V (forward), reduce-scatter of dK/dV (backward)."""
+        if parallel.cp == 1:
+            return 0.0
+        c = parallel.cp
+        volume = 2 * tokens * self.model.kv_hidden_size / parallel.tp * self.dtype_bytes * (c - 1) / c
+        bandwidth = self._group_bandwidth(parallel.tp * parallel.cp)
+        steps = 2 if backward else 1  # backward re-gathers K/V and reduce-scatters their gradients
+        return steps * (volume / bandwidth + (c - 1) * self.hardware.link_latency_s)
+
+    def _group_bandwidth(self, span: int) -> float:
+        hw = self.hardware
+        return hw.intra_node_bandwidth if span <= hw.gpus_per_node else hw.inter_node_bandwidth
+
+    def stage_time(
+        self, tokens: float, pairs: float, parallel: ParallelConfig, *, backward: bool, last_stage: bool = False
+    ) -> float:
+        """Seconds for one MicroPack (or a unit's totals) on one pipeline stage."""
+        layers = self.layers_per_stage(parallel)
+        per_layer = (
+            self.layer_time(tokens, pairs, parallel, backward)
+            + self.tp_comm_time(tokens, parallel, backward)
+            + self.cp_comm_time(tokens, parallel, backward)
+        )
+        seconds = layers * per_layer + self.hardware.kernel_overhead_s
+        if last_stage:
+            seconds += self.head_time(tokens, parallel, backward)
+        return seconds
+
+    def forward_time(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
+        return self.stage_time(tokens, pairs, parallel, backward=False, last_stage=last_stage)
+
+    def backward_time(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
+        return self.stage_time(tokens, pairs, parallel, backward=True, last_stage=last_stage)
+
+    # ---- communication ------------------------------------------------------------------------
+    def activation_transfer_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+        """Bytes one pipeline p2p send moves per device (sequence-parallel: the TP shard)."""
+        shard = parallel.tp if parallel.sequence_parallel else 1
+        return tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes / shard
+
+    def p2p_time(self, tokens: float, parallel: ParallelConfig) -> float:
+        if parallel.pp == 1:
+            return 0.0
+        bandwidth = self._group_bandwidth(parallel.tp * parallel.cp * parallel.pp)
+        return self.activation_transfer_bytes(tokens, parallel) / bandwidth + self.hardware.link_latency_s
+
+    def gradient_bytes(self, parallel: ParallelConfig) -> float:
+        """fp32 gradient bytes of one device's parameter shard (largest stage)."""
+        return 4.0 * self.stage_params(parallel) / parallel.tp
+
+    def dp_reduce_time(self, parallel: ParallelConfig) -> float:
+        """Ring all-reduce (or ZeRO-1 reduce-scatter + all-gather, the same volume) over dp*cp."""
+        group = parallel.dp * parallel.cp
+        if group == 1:
+            return 0.0
+        bandwidth = self._group_bandwidth(parallel.world_size)
+        volume = 2.0 * (group - 1) / group * self.gradient_bytes(parallel)
+        return volume / bandwidth + 2 * (group - 1) * self.hardware.link_latency_s
+
+    def merge_comm_time(self, tokens: float, group_size: int, parallel: ParallelConfig, backward: bool) -> float:
+        """DP-Merge: the group runs the outlier with context parallelism of `group_size`."""
+        merged = parallel.with_(cp=parallel.cp * group_size)
+        return self.layers_per_stage(parallel) * self.cp_comm_time(tokens, merged, backward)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def stage_params(self, parallel: ParallelConfig) -> float:
+        """Parameters of the heaviest stage (first or last: embedding or output layer)."""
+        layers = self.layers_per_stage(parallel) * self.model.params_per_layer
+        return layers + self.model.embedding_params + (self.model.hidden_size if parallel.pp == 1 else 0)
+
+    def static_memory_bytes(self, parallel: ParallelConfig) -> float:
+        """bf16 weights + fp32 grads + fp32 master weights and Adam moments (ZeRO-1 sharded)."""
+        params = self.stage_params(parallel) / parallel.tp
+        optimizer = 12.0 * params / (parallel.dp * parallel.cp if parallel.zero1 else 1)
+        return params * (self.dtype_bytes + 4.0) + optimizer
+
+    def activation_bytes(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
+        """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward."""
+        layers = self.layers_per_stage(parallel)
+        shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
+        if parallel.recompute == "full":
+            per_layer = tokens * self.model.hidden_size * self.dtype_bytes / shards  # layer inputs only
+        else:
+            per_token = self.activation.per_token
+            if parallel.recompute == "selective":
+                per_token -= 2 * self.model.ffn_hidden_size * self.dtype_bytes  # fc1 output recomputed
+            per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp) / shards
+        total = layers * per_layer
+        if last_stage:
+            total += self.logits_bytes(tokens, parallel)
+        return total
+
+    def logits_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+        """fp32 logits kept for the cross-entropy backward (vocab split across TP)."""
+        return 4.0 * tokens / parallel.cp * self.model.vocab_size / parallel.tp
+
+    def recompute_peak_bytes(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
+        """With full recompute, one layer's full activations exist again during its backward."""
+        if parallel.recompute != "full":
+            return 0.0
+        one_layer = self.activation_bytes(tokens, pairs, parallel.with_(recompute="none", pp=self.model.num_layers))
+        return one_layer
+
+    def kv_cache_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+        """K/V leaves of a sample's finished slices plus their accumulating gradients, one stage."""
+        per_layer = 2 * tokens * self.model.kv_hidden_size / (parallel.tp * parallel.cp) * self.dtype_bytes
+        return 2 * self.layers_per_stage(parallel) * per_layer
+
+    def memory_budget_bytes(self) -> float:
+        return self.hardware.memory_bytes * self.hardware.usable_memory_fraction
+
+    # ---- FLOPs (for MFU; real lengths, no padding, no recompute) ------------------------------
+    def model_flops(self, tokens: float, pairs: float) -> float:
+        """Training FLOPs of the whole model (forward x3) for these tokens and attention pairs."""
+        linear, attention = self._layer_flops(tokens, pairs)
+        head = 2.0 * tokens * self.model.hidden_size * self.model.vocab_size
+        return 3.0 * (self.model.num_layers * (linear + attention) + head)
+
+
+def format_bytes(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"

@@ -1,0 +1,372 @@
+"""The plan: the data structure between the planner, the simulator and the runtime.
+
+A `Plan` is everything one global batch needs: which slices of which documents form each
+MicroPack, how MicroPacks are grouped into forward units and (differently) into backward units,
+and the exact task list of every pipeline stage. It can be dumped to JSON, inspected, simulated
+and replayed; `Plan.validate()` checks every rule of design.md section 2.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from .specs import ParallelConfig
+
+
+class PlanError(ValueError):
+    """A plan (or planner input) that breaks a rule; the message names the rule and the culprit."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One document of `length` tokens; `sample_id` is unique within the global batch."""
+
+    sample_id: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Tokens [start, end) of a sample. Its queries attend to [0, end) of the same sample."""
+
+    sample_id: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs under causal masking, the KV prefix included."""
+        n = self.length
+        return n * self.start + n * (n + 1) // 2
+
+
+@dataclass
+class MicroPack:
+    """Slices of different samples run as one packed (THD) forward call."""
+
+    slices: list[Slice]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.slices)
+
+    @property
+    def attention_pairs(self) -> int:
+        return sum(s.attention_pairs for s in self.slices)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return [s.sample_id for s in self.slices]
+
+
+Task = tuple[str, int]  # ("F", forward_unit_index) or ("B", backward_unit_index)
+
+
+def chains(micropacks: list[MicroPack]) -> list[list[int]]:
+    """MicroPacks linked by sharing a sample, each chain in forward order, chains ordered by
+    their first MicroPack."""
+    parent = list(range(len(micropacks)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for index, micropack in enumerate(micropacks):
+        for sample_id in micropack.sample_ids:
+            if sample_id in owner:
+                parent[find(index)] = find(owner[sample_id])
+            else:
+                owner[sample_id] = index
+    groups: dict[int, list[int]] = {}
+    for index in range(len(micropacks)):
+        groups.setdefault(find(index), []).append(index)
+    return sorted(groups.values(), key=lambda chain: chain[0])
+
+
+def backward_sequence(micropacks: list[MicroPack]) -> list[int]:
+    """The order in which MicroPacks run backward: chains in forward order, each reversed, so a
+    later slice's backward (which completes its prefix's KV gradients) always comes first."""
+    return [index for chain in chains(micropacks) for index in reversed(chain)]
+
+
+@dataclass
+class ReplicaPlan:
+    """The work of one data-parallel replica, or of a DP-Merge group when `dp_ranks` has several
+    ranks (those ranks run it together with context parallelism, before their own replica plans).
+    """
+
+    micropacks: list[MicroPack]
+    forward_units: list[list[int]]
+    backward_units: list[list[int]]
+    stage_orders: list[list[Task]]
+    dp_ranks: list[int]
+
+    @property
+    def is_merge_group(self) -> bool:
+        return len(self.dp_ranks) > 1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.micropacks)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return sorted({s for m in self.micropacks for s in m.sample_ids})
+
+    def backward_sequence(self) -> list[int]:
+        return backward_sequence(self.micropacks)
+
+    def forward_unit_of(self) -> dict[int, int]:
+        return {mp: unit for unit, members in enumerate(self.forward_units) for mp in members}
+
+    def backward_unit_of(self) -> dict[int, int]:
+        return {mp: unit for unit, members in enumerate(self.backward_units) for mp in members}
+
+    def to_dict(self) -> dict:
+        return {
+            "dp_ranks": list(self.dp_ranks),
+            "micropacks": [[[s.sample_id, s.start, s.end] for s in m.slices] for m in self.micropacks],
+            "forward_units": [list(u) for u in self.forward_units],
+            "backward_units": [list(u) for u in self.backward_units],
+            "stage_orders": [[[kind, index] for kind, index in order] for order in self.stage_orders],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ReplicaPlan":
+        return cls(
+            micropacks=[MicroPack([Slice(*map(int, s)) for s in m]) for m in data["micropacks"]],
+            forward_units=[[int(i) for i in u] for u in data["forward_units"]],
+            backward_units=[[int(i) for i in u] for u in data["backward_units"]],
+            stage_orders=[[(str(kind), int(index)) for kind, index in order] for order in data["stage_orders"]],
+            dp_ranks=[int(r) for r in data["dp_ranks"]],
+        )
+
+
+@dataclass
+class Plan:
+    """All replicas of one global batch plus what the planner knew and predicted."""
+
+    replicas: list[ReplicaPlan]
+    samples: list[Sample]
+    parallel: ParallelConfig
+    context_length: int
+    strategy: str
+    max_micropack_tokens: int | None = None
+    metadata: dict = field(default_factory=dict)
+
+    FORMAT_VERSION = 1
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    def sample_lengths(self) -> dict[int, int]:
+        return {s.sample_id: s.length for s in self.samples}
+
+    def replicas_of_rank(self, dp_rank: int) -> list[ReplicaPlan]:
+        """What data-parallel rank `dp_rank` runs, in order: merge groups first, then its own."""
+        mine = [r for r in self.replicas if dp_rank in r.dp_ranks]
+        return sorted(mine, key=lambda r: not r.is_merge_group)
+
+    def fingerprint(self) -> str:
+        """A hash of the content that ranks compare to make sure they run the same plan."""
+        body = json.dumps(self.to_dict(include_metadata=False), sort_keys=True).encode()
+        return hashlib.sha256(body).hexdigest()[:16]
+
+    # ---- JSON ----------------------------------------------------------------------------
+    def to_dict(self, include_metadata: bool = True) -> dict:
+        data = {
+            "format_version": self.FORMAT_VERSION,
+            "strategy": self.strategy,
+            "context_length": self.context_length,
+            "max_micropack_tokens": self.max_micropack_tokens,
+            "parallel": self.parallel.to_dict(),
+            "samples": [[s.sample_id, s.length] for s in self.samples],
+            "replicas": [r.to_dict() for r in self.replicas],
+        }
+        if include_metadata:
+            data["metadata"] = self.metadata
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        version = data.get("format_version")
+        if version != cls.FORMAT_VERSION:
+            raise PlanError(f"plan format version {version!r} is not supported (expected {cls.FORMAT_VERSION})")
+        try:
+            return cls(
+                replicas=[ReplicaPlan.from_dict(r) for r in data["replicas"]],
+                samples=[Sample(int(i), int(n)) for i, n in data["samples"]],
+                parallel=ParallelConfig.from_dict(data["parallel"]),
+                context_length=int(data["context_length"]),
+                strategy=str(data["strategy"]),
+                max_micropack_tokens=data.get("max_micropack_tokens"),
+                metadata=data.get("metadata", {}),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanError(f"malformed plan: {error!r}") from error
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> "Plan":
+        path = Path(path_or_text) if not str(path_or_text).lstrip().startswith("{") else None
+        try:
+            data = json.loads(path.read_text() if path else str(path_or_text))
+        except json.JSONDecodeError as error:
+            where = f"{path}" if path else "plan text"
+            raise PlanError(f"{where} is not valid JSON: line {error.lineno}: {error.msg}") from error
+        return cls.from_dict(data)
+
+    # ---- invariants ----------------------------------------------------------------------
+    def validate(self) -> "Plan":
+        """Check every invariant of design.md section 2; raise PlanError naming the broken rule."""
+        lengths = _check_samples(self.samples, self.context_length)
+        _check_ranks(self.replicas, self.parallel.dp)
+        seen_in: dict[int, int] = {}
+        for index, replica in enumerate(self.replicas):
+            _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel.pp)
+            for sample_id in replica.sample_ids:
+                if sample_id in seen_in:
+                    raise PlanError(
+                        f"sample-in-one-replica: sample {sample_id} has slices in replica plans "
+                        f"{seen_in[sample_id]} and {index}"
+                    )
+                seen_in[sample_id] = index
+        missing = sorted(set(lengths) - set(seen_in))
+        if missing:
+            raise PlanError(f"coverage: samples {missing[:10]} are in no MicroPack")
+        return self
+
+
+def _check_samples(samples: Iterable[Sample], context_length: int) -> dict[int, int]:
+    lengths: dict[int, int] = {}
+    for sample in samples:
+        if sample.sample_id in lengths:
+            raise PlanError(f"unique-sample-id: sample id {sample.sample_id} appears twice")
+        if sample.length <= 0:
+            raise PlanError(f"sample-length: sample {sample.sample_id} has length {sample.length}")
+        if sample.length > context_length:
+            raise PlanError(
+                f"context-length: sample {sample.sample_id} has {sample.length} tokens > context length "
+                f"{context_length}"
+            )
+        lengths[sample.sample_id] = sample.length
+    if not lengths:
+        raise PlanError("empty-batch: the plan has no samples")
+    return lengths
+
+
+def _check_ranks(replicas: list[ReplicaPlan], dp: int) -> None:
+    own: dict[int, int] = {}
+    for index, replica in enumerate(replicas):
+        if not replica.dp_ranks or len(set(replica.dp_ranks)) != len(replica.dp_ranks):
+            raise PlanError(f"dp-ranks: replica plan {index} has dp_ranks {replica.dp_ranks}")
+        for rank in replica.dp_ranks:
+            if not 0 <= rank < dp:
+                raise PlanError(f"dp-ranks: replica plan {index} names rank {rank}, outside 0..{dp - 1}")
+        if not replica.is_merge_group:
+            rank = replica.dp_ranks[0]
+            if rank in own:
+                raise PlanError(f"dp-ranks: rank {rank} has two replica plans ({own[rank]} and {index})")
+            own[rank] = index
+    absent = sorted(set(range(dp)) - set(own))
+    if absent:
+        raise PlanError(f"dp-ranks: data-parallel ranks {absent} have no replica plan")
+
+
+def _check_replica(
+    replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, pp: int
+) -> None:
+    where = f"replica plan {index}"
+    _check_slices(replica, where, lengths, token_cap)
+    count = len(replica.micropacks)
+    _check_segmentation("forward-units", replica.forward_units, list(range(count)), where)
+    _check_segmentation("backward-units", replica.backward_units, replica.backward_sequence(), where)
+    _check_stage_orders(replica, where, pp)
+
+
+def _check_slices(replica: ReplicaPlan, where: str, lengths: dict[int, int], token_cap: int | None) -> None:
+    next_start: dict[int, int] = {}
+    for mp_index, micropack in enumerate(replica.micropacks):
+        if not micropack.slices:
+            raise PlanError(f"empty-micropack: {where} MicroPack {mp_index} has no slices")
+        if token_cap is not None and micropack.num_tokens > token_cap:
+            raise PlanError(
+                f"token-cap: {where} MicroPack {mp_index} has {micropack.num_tokens} tokens > cap {token_cap}"
+            )
+        in_this_pack: set[int] = set()
+        for piece in micropack.slices:
+            sid = piece.sample_id
+            if sid not in lengths:
+                raise PlanError(f"unknown-sample: {where} MicroPack {mp_index} has a slice of unknown sample {sid}")
+            if sid in in_this_pack:
+                raise PlanError(f"slice-order: {where} MicroPack {mp_index} holds two slices of sample {sid}")
+            in_this_pack.add(sid)
+            expected = next_start.get(sid, 0)
+            if piece.start != expected or piece.end <= piece.start or piece.end > lengths[sid]:
+                raise PlanError(
+                    f"coverage/slice-order: sample {sid} (length {lengths[sid]}) has slice "
+                    f"[{piece.start}, {piece.end}) in {where} MicroPack {mp_index}; expected a non-empty "
+                    f"slice starting at {expected}"
+                )
+            next_start[sid] = piece.end
+    for sid, end in next_start.items():
+        if end != lengths[sid]:
+            raise PlanError(f"coverage: sample {sid} has {lengths[sid]} tokens but its slices end at {end}")
+
+
+def _check_segmentation(rule: str, units: list[list[int]], sequence: list[int], where: str) -> None:
+    flat = [mp for unit in units for mp in unit]
+    for unit_index, unit in enumerate(units):
+        if not unit:
+            raise PlanError(f"{rule}: {where} unit {unit_index} is empty")
+    if flat != sequence:
+        position = next((i for i, (a, b) in enumerate(zip(flat, sequence)) if a != b), min(len(flat), len(sequence)))
+        raise PlanError(
+            f"{rule}: {where} units are not a contiguous segmentation of the sequence {sequence[:20]}"
+            f"{'...' if len(sequence) > 20 else ''}: they list {flat[:20]} (first difference at position {position})"
+        )
+
+
+def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int) -> None:
+    if len(replica.stage_orders) != pp:
+        raise PlanError(f"stage-orders: {where} has {len(replica.stage_orders)} stage orders for pp={pp}")
+    forward_of = replica.forward_unit_of()
+    expected = [("F", u) for u in range(len(replica.forward_units))]
+    expected += [("B", v) for v in range(len(replica.backward_units))]
+    for stage, order in enumerate(replica.stage_orders):
+        if sorted(order) != sorted(expected):
+            raise PlanError(
+                f"stage-orders: {where} stage {stage} must run each forward and backward unit exactly once"
+            )
+        forwards = [u for kind, u in order if kind == "F"]
+        backwards = [v for kind, v in order if kind == "B"]
+        if forwards != sorted(forwards) or backwards != sorted(backwards):
+            raise PlanError(f"stage-orders: {where} stage {stage} runs units out of their sequence order")
+        done_forward = -1
+        for kind, unit in order:
+            if kind == "F":
+                done_forward = unit
+                continue
+            needed = max(forward_of[mp] for mp in replica.backward_units[unit])
+            if needed > done_forward:
+                raise PlanError(
+                    f"stage-orders: {where} stage {stage} runs backward unit {unit} before forward unit {needed}, "
+                    "whose MicroPacks it needs"
+                )

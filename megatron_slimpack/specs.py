@@ -1,0 +1,205 @@
+"""Model, hardware and parallel-layout presets.
+
+Every figure the cost model uses comes from here, so a comparison between strategies is
+only ever a comparison of schedules, never of assumptions.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+GIB = 1024**3
+
+
+class SpecError(ValueError):
+    """A preset that does not exist or a layout that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder (RMSNorm, SwiGLU, RoPE, optional GQA)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # None: no GQA (one KV head per query head)
+    vocab_size: int = 32000
+    swiglu: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_hidden_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one transformer layer (attention + MLP + two norms)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attention = h * h + 2 * h * self.kv_hidden_size + h * h  # q, k, v, out
+        mlp = (3 if self.swiglu else 2) * h * f
+        return attention + mlp + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        # untied input embedding and output layer + final norm
+        return self.num_layers * self.params_per_layer + 2 * self.embedding_params + self.hidden_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator and the links around it.
+
+    `peak_flops` is the dense bf16 peak per device; `max_efficiency` the fraction of it a large
+    GEMM reaches, and `half_efficiency_tokens` the token count at which a MicroPack reaches half of
+    that (small MicroPacks under-use the device). Bandwidths are per device, bytes/s.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    gpus_per_node: int = 8
+    link_latency_s: float = 10e-6
+    max_efficiency: float = 0.55
+    half_efficiency_tokens: int = 1024
+    kernel_overhead_s: float = 2e-4  # per MicroPack per stage: launches, packing, host work
+    usable_memory_fraction: float = 0.92  # allocator fragmentation and framework buffers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A Megatron parallel layout. `cp` is context parallelism for every sequence."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    recompute: str = "none"  # none | selective | full
+    sequence_parallel: bool = True  # with tp > 1, as Megatron recommends for long context
+    zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "tp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError(
+                f"ParallelConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp * self.cp
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Raise SpecError if this layout cannot split the model evenly."""
+        if model.num_layers % self.pp:
+            raise SpecError(
+                f"{model.name} has {model.num_layers} layers, not divisible by pp={self.pp}; "
+                f"choose pp among {divisors(model.num_layers)}"
+            )
+        if model.num_attention_heads % self.tp or model.kv_heads % self.tp:
+            raise SpecError(
+                f"{model.name} has {model.num_attention_heads} attention heads and {model.kv_heads} KV heads, "
+                f"not divisible by tp={self.tp}; choose tp among {divisors(model.kv_heads)}"
+            )
+
+    def describe(self) -> str:
+        text = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
+        return text if self.recompute == "none" else f"{text} rc-{self.recompute}"
+
+    def with_(self, **changes) -> "ParallelConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelConfig":
+        return cls(**data)
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("llama-7b", 32, 4096, 11008, 32),
+        ModelSpec("llama-13b", 40, 5120, 13824, 40),
+        ModelSpec("llama-70b", 80, 8192, 28672, 64, num_query_groups=8),
+        # Our 150B: a deeper, wider Llama-70B-style GQA model (the paper does not publish its
+        # dimensions): 96 layers, hidden 12288, 96 heads, 8 KV groups, ffn 32768 -> 150.3B params.
+        ModelSpec("llama-150b-gqa", 96, 12288, 32768, 96, num_query_groups=8),
+        # Small models that train on a CPU in the demo and tests.
+        ModelSpec("tiny", 4, 128, 352, 4, num_query_groups=2, vocab_size=256),
+        ModelSpec("small", 8, 256, 704, 8, num_query_groups=4, vocab_size=256),
+    )
+}
+
+HARDWARE: dict[str, HardwareSpec] = {
+    spec.name: spec
+    for spec in (
+        # NVLink 4: 450 GB/s per direction per GPU; 8x400 Gb/s InfiniBand per node = 50 GB/s/GPU.
+        HardwareSpec("h100-sxm", 989e12, 80 * 10**9, 450e9, 50e9),
+        HardwareSpec("h200", 989e12, 141 * 10**9, 450e9, 50e9),
+        HardwareSpec("a100", 312e12, 80 * 10**9, 300e9, 25e9, max_efficiency=0.6),
+        # A 2-core CPU running fp32: figures are replaced by `slimpack profile` in practice.
+        HardwareSpec(
+            "cpu", 60e9, 16 * GIB, 5e9, 5e9, gpus_per_node=64, link_latency_s=50e-6,
+            max_efficiency=0.5, half_efficiency_tokens=64, kernel_overhead_s=2e-3,
+        ),
+    )
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise SpecError(f"unknown model preset {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise SpecError(f"unknown hardware preset {name!r}; known: {', '.join(HARDWARE)}") from None
+
+
+def model_from_dict(data: dict) -> ModelSpec:
+    return ModelSpec(**data)
+
+
+def hardware_from_dict(data: dict) -> HardwareSpec:
+    return HardwareSpec(**data)
+
+
+__all__ = [
+    "GIB", "SpecError", "ModelSpec", "HardwareSpec", "ParallelConfig", "RECOMPUTE_MODES", "MODELS",
+    "HARDWARE", "get_model", "get_hardware", "divisors", "model_from_dict", "hardware_from_dict",
+]

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-slimpack",
+    version="0.1.0",
+    description="SlimPack: fine-grained asymmetric packing for variable-length training with Megatron-LM",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_slimpack", "megatron_slimpack.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.20",
+        "ortools>=9.10",
+        "numpy",
+        "pyyaml",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["slimpack=megatron_slimpack.cli:main"]},
+)
