@@ -1,0 +1,179 @@
+"""Phase 1: assign documents to data-parallel replicas (DP-aware micro-packing).
+
+Minimise the maximum replica load with OR-Tools CP-SAT. Only the heaviest documents are real
+decisions; the long tail of short ones is "sand" that fills whatever gaps remain, so the model
+holds the heavy ones as booleans and the sand as one integer amount per replica, and the sand is
+then poured greedily to meet those amounts. LPT is both the hint and the fallback.
+
+DP-Merge: a document heavier than `merge_threshold` x the mean replica load cannot be balanced
+by any assignment; it goes to a merge group of k replicas (a power of two dividing dp) that run
+it together with context parallelism, and contributes 1/k of its cost to each member.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+# How many of the heaviest documents CP-SAT decides individually.
+MAX_MODEL_ITEMS = 160
+# Integer resolution of costs inside CP-SAT.
+COST_SCALE = 1_000_000
+
+
+@dataclass
+class MergeGroup:
+    dp_ranks: list[int]
+    sample_indices: list[int]
+
+
+@dataclass
+class Assignment:
+    """Document indices per replica, merge groups, and what the solver reported."""
+
+    replica_samples: list[list[int]]
+    merge_groups: list[MergeGroup]
+    replica_loads: list[float]
+    solver: dict = field(default_factory=dict)
+
+
+def assign_to_replicas(
+    costs: np.ndarray,
+    dp: int,
+    *,
+    time_limit_s: float = 0.5,
+    seed: int = 0,
+    workers: int = 1,
+    dp_merge: bool = True,
+    merge_threshold: float = 1.0,
+    merge_efficiency: float = 0.9,
+) -> Assignment:
+    """Balance `costs` (seconds per document) over `dp` replicas."""
+    costs = np.asarray(costs, dtype=float)
+    started = time.perf_counter()
+    fixed_load = np.zeros(dp)
+    merge_groups = _merge_outliers(costs, dp, merge_threshold, merge_efficiency, fixed_load) if dp_merge and dp > 1 else []
+    merged = {i for group in merge_groups for i in group.sample_indices}
+    free = np.array([i for i in np.argsort(-costs, kind="stable") if i not in merged], dtype=int)
+
+    if dp == 1:
+        replicas, solver = [free.tolist()], {"status": "trivial"}
+    else:
+        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, seed, workers)
+    loads = [fixed_load[r] + costs[replicas[r]].sum() for r in range(dp)]
+    solver["time_s"] = time.perf_counter() - started
+    solver["imbalance"] = max(loads) / (sum(loads) / dp) if sum(loads) > 0 else 1.0
+    return Assignment([sorted(r) for r in replicas], merge_groups, loads, solver)
+
+
+def _merge_outliers(
+    costs: np.ndarray, dp: int, threshold: float, efficiency: float, fixed_load: np.ndarray
+) -> list[MergeGroup]:
+    """Give each outlier a group of k ranks, k the smallest power of two that tames it."""
+    mean_load = costs.sum() / dp
+    groups: list[MergeGroup] = []
+    for index in np.argsort(-costs, kind="stable"):
+        if costs[index] <= threshold * mean_load:
+            break
+        size = 2
+        while size < dp and dp % (size * 2) == 0 and costs[index] / (size * efficiency) > threshold * mean_load:
+            size *= 2
+        if dp % size:
+            break
+        # The least-loaded aligned block of ranks takes it.
+        blocks = [list(range(start, start + size)) for start in range(0, dp, size)]
+        ranks = min(blocks, key=lambda block: fixed_load[block].sum())
+        fixed_load[ranks] += costs[index] / (size * efficiency)
+        groups.append(MergeGroup(ranks, [int(index)]))
+    return groups
+
+
+def _lpt(costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray) -> list[list[int]]:
+    """Longest processing time first: each document to the currently lightest replica."""
+    heap = [(load, rank) for rank, load in enumerate(fixed_load)]
+    heapq.heapify(heap)
+    replicas: list[list[int]] = [[] for _ in fixed_load]
+    for index in order:
+        load, rank = heapq.heappop(heap)
+        replicas[rank].append(int(index))
+        heapq.heappush(heap, (load + costs[index], rank))
+    return replicas
+
+
+def _solve(
+    costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float, seed: int, workers: int
+) -> tuple[list[list[int]], dict]:
+    heavy, sand = order[:MAX_MODEL_ITEMS], order[MAX_MODEL_ITEMS:]
+    hint = _lpt(costs, order, fixed_load)
+    hint_rank = {i: r for r, members in enumerate(hint) for i in members}
+    model, assign, sand_amount, makespan = _build_model(costs, heavy, sand, fixed_load, hint_rank)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    status = solver.Solve(model)
+    status_name = solver.StatusName(status)
+    report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand))}
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s; using the LPT assignment"
+        return hint, report
+    objective, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
+                  gap=(objective - bound) / objective if objective else 0.0)
+    replicas: list[list[int]] = [[] for _ in fixed_load]
+    for index in heavy:
+        rank = next(r for r in range(len(fixed_load)) if solver.Value(assign[index, r]))
+        replicas[rank].append(int(index))
+    targets = [solver.Value(amount) / COST_SCALE for amount in sand_amount]
+    _pour_sand(costs, sand, replicas, targets)
+    chosen = _loads(costs, replicas, fixed_load)
+    if max(chosen) > max(_loads(costs, hint, fixed_load)):
+        report["fallback"] = "LPT assignment was better after pouring the short documents; using it"
+        return hint, report
+    return replicas, report
+
+
+def _build_model(costs, heavy, sand, fixed_load, hint_rank):
+    """min makespan s.t. each heavy document on one replica; sand split freely (integer amounts)."""
+    dp = len(fixed_load)
+    model = cp_model.CpModel()
+    scaled = {int(i): int(round(costs[i] * COST_SCALE)) for i in heavy}
+    sand_total = int(round(costs[sand].sum() * COST_SCALE))
+    fixed = [int(round(load * COST_SCALE)) for load in fixed_load]
+    upper = sum(scaled.values()) + sand_total + max(fixed)
+    assign = {}
+    for index in heavy:
+        index = int(index)
+        for rank in range(dp):
+            assign[index, rank] = model.NewBoolVar(f"doc{index}_on_{rank}")
+            model.AddHint(assign[index, rank], hint_rank.get(index) == rank)
+        model.AddExactlyOne(assign[index, rank] for rank in range(dp))
+    sand_amount = [model.NewIntVar(0, sand_total, f"sand_{rank}") for rank in range(dp)]
+    model.Add(sum(sand_amount) == sand_total)
+    makespan = model.NewIntVar(0, upper, "makespan")
+    for rank in range(dp):
+        load = sum(scaled[int(i)] * assign[int(i), rank] for i in heavy) + sand_amount[rank] + fixed[rank]
+        model.Add(load <= makespan)
+    # Replicas are interchangeable when they carry no fixed load: break the symmetry.
+    if len(heavy) and not any(fixed):
+        model.Add(assign[int(heavy[0]), 0] == 1)
+    model.Minimize(makespan)
+    return model, assign, sand_amount, makespan
+
+
+def _pour_sand(costs, sand, replicas, targets) -> None:
+    """Largest-first: each short document to the replica furthest below its target."""
+    remaining = [target for target in targets]
+    heap = [(-room, rank) for rank, room in enumerate(remaining)]
+    heapq.heapify(heap)
+    for index in sand:
+        room, rank = heapq.heappop(heap)
+        replicas[rank].append(int(index))
+        heapq.heappush(heap, (room + costs[index], rank))
+
+
+def _loads(costs, replicas, fixed_load) -> list[float]:
+    return [fixed_load[r] + costs[members].sum() for r, members in enumerate(replicas)]

@@ -1,0 +1,157 @@
+"""Unit segmentation and per-stage task orders.
+
+`segment` cuts a sequence of MicroPack costs into contiguous units minimising the heaviest unit
+(the linear-partition problem, solved exactly by binary search over the bottleneck).
+
+`build_stage_orders` fixes what each pipeline stage runs, in which order: a generalised 1F1B.
+Stage s warms up with pp - s - 1 forward units (one more where its activation budget allows, which
+absorbs uneven unit sizes), then alternates backward and forward units; a backward unit is always
+preceded by every forward unit holding its MicroPacks (a long document's chain).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
+    """Contiguous segmentation of positions 0..n-1 into at most `units` groups, minimising the
+    maximum group cost; returns lists of positions."""
+    costs = np.asarray(costs, dtype=float)
+    count = len(costs)
+    if count == 0:
+        return []
+    units = max(1, min(units, count))
+    low, high = float(costs.max()), float(costs.sum())
+    # Bottleneck values are sums of contiguous runs; bisect to float precision, then cut greedily.
+    for _ in range(60):
+        if high - low <= 1e-12 * max(high, 1.0):
+            break
+        middle = (low + high) / 2
+        if _groups_needed(costs, middle) <= units:
+            high = middle
+        else:
+            low = middle
+    return _cut(costs, high)
+
+
+def _groups_needed(costs: np.ndarray, limit: float) -> int:
+    groups, running = 1, 0.0
+    for cost in costs:
+        if running + cost > limit and running > 0:
+            groups, running = groups + 1, 0.0
+        running += cost
+    return groups
+
+
+def _cut(costs: np.ndarray, limit: float) -> list[list[int]]:
+    groups: list[list[int]] = [[]]
+    running = 0.0
+    for position, cost in enumerate(costs):
+        if running + cost > limit * (1 + 1e-12) and groups[-1]:
+            groups.append([])
+            running = 0.0
+        groups[-1].append(position)
+        running += cost
+    return groups
+
+
+@dataclass
+class StageWork:
+    """Per-stage durations and activation bytes of every unit, indexed [stage][unit]."""
+
+    forward_time: list[list[float]]
+    backward_time: list[list[float]]
+    forward_transfer: list[float]  # p2p seconds after F u
+    backward_transfer: list[float]  # p2p seconds after B v
+    forward_bytes: list[list[float]]  # activation bytes F u allocates on a stage
+    backward_frees: list[list[float]]  # activation bytes B v frees on a stage
+    budget: list[float]  # in-flight activation budget per stage
+
+
+def warmup_counts(work: StageWork, pp: int) -> list[int]:
+    """Forward units each stage runs before its first backward: 1F1B's pp - s - 1, plus as many
+    more as the stage's activation budget holds beyond 1F1B's own need (slack for uneven units)."""
+    counts = []
+    for stage in range(pp):
+        sizes = work.forward_bytes[stage]
+        classic = min(pp - stage - 1, len(sizes))
+        used = sum(sizes[: classic + 1])
+        extra = 0
+        while classic + extra + 1 < len(sizes) and extra < 1 and used + sizes[classic + extra + 1] <= work.budget[stage]:
+            used += sizes[classic + extra + 1]
+            extra += 1
+        counts.append(classic + extra)
+    return counts
+
+
+def build_stage_orders(
+    forward_units: list[list[int]], backward_units: list[list[int]], work: StageWork
+) -> tuple[list[list[tuple[str, int]]], float]:
+    """Return (stage orders, makespan of their replay with the work's durations).
+
+    Each stage runs its warm-up forwards, then alternates one backward and one forward. Before
+    backward unit b the last stage has run every forward unit b needs, and stage s is pp - 1 - s
+    units further ahead, as in 1F1B. Stage s never runs fewer forwards before a given backward
+    than stage s + 1, so every receive is matched: no deadlock.
+    """
+    pp = len(work.forward_time)
+    forward_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
+    # The last forward unit the last stage must have run before backward unit b.
+    required, latest = [], 0
+    for b, members in enumerate(backward_units):
+        latest = max(latest, b, max(forward_of[mp] for mp in members))
+        required.append(latest)
+    extra = [count - (pp - stage - 1) for stage, count in enumerate(warmup_counts(work, pp))]
+    for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
+        extra[stage] = max(extra[stage], extra[stage + 1])
+    orders = []
+    for stage in range(pp):
+        order: list[tuple[str, int]] = []
+        done = 0
+        for b, last_needed in enumerate(required):
+            # Stage s stays pp - 1 - s units ahead of the last stage, as in 1F1B.
+            target = min(len(forward_units), last_needed + 1 + (pp - 1 - stage) + extra[stage])
+            while done < target:
+                order.append(("F", done))
+                done += 1
+            order.append(("B", b))
+        orders.append(order)
+    return orders, replay(orders, work)
+
+
+def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
+    """Makespan of running `orders` with blocking receives and non-blocking sends."""
+    pp = len(orders)
+    forward_end: dict[tuple[int, int], float] = {}
+    backward_end: dict[tuple[int, int], float] = {}
+    free_at = [0.0] * pp
+    position = [0] * pp
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for stage in range(pp):
+            while position[stage] < len(orders[stage]):
+                kind, unit = orders[stage][position[stage]]
+                if kind == "F":
+                    ready = 0.0 if stage == 0 else forward_end.get((stage - 1, unit))
+                    if ready is None:
+                        break
+                    ready += work.forward_transfer[unit] if stage else 0.0
+                    end = max(free_at[stage], ready) + work.forward_time[stage][unit]
+                    forward_end[stage, unit] = end
+                else:
+                    ready = 0.0 if stage == pp - 1 else backward_end.get((stage + 1, unit))
+                    if ready is None:
+                        break
+                    ready += work.backward_transfer[unit] if stage < pp - 1 else 0.0
+                    end = max(free_at[stage], ready) + work.backward_time[stage][unit]
+                    backward_end[stage, unit] = end
+                free_at[stage] = end
+                position[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
+    return max(free_at)

@@ -1,0 +1,225 @@
+"""Phase 2: within one replica, cut slices, pack MicroPacks, segment units, order stages.
+
+- Slicing is cost-balanced: a long document is cut so every slice costs about the same, which
+  makes later slices shorter (their attention prefix is longer).
+- Each slice opens its own MicroPack; short documents then fill MicroPacks best-fit by cost, up to
+  the heaviest slice's cost and the token cap, and the rest form MicroPacks of their own.
+- A chain (a long document's MicroPacks) stays contiguous in the forward sequence, so its
+  backward can start as soon as its last slice is forwarded.
+- Forward units balance forward cost over the forward sequence; backward units balance backward
+  cost over the backward sequence (Asymmetric Partitioning). `symmetric=True` derives the
+  backward units from the forward grouping instead (the `slimpack-sym` ablation).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..costmodel import CostModel
+from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence
+from ..specs import ParallelConfig
+from .orders import StageWork, build_stage_orders, segment
+from .work import WorkRates, causal_pairs
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    token_cap: int  # most tokens in one MicroPack
+    slice_tokens: int  # documents longer than this are sliced
+    units: int  # target number of forward (and backward) units
+    symmetric: bool = False
+    cost_balanced_slices: bool = True
+
+
+def cut_document(sample: Sample, options: PackOptions, rates: WorkRates) -> list[Slice]:
+    """Cut a document into slices of equal cost, none longer than the token cap."""
+    length = sample.length
+    if length <= options.slice_tokens:
+        return [Slice(sample.sample_id, 0, length)]
+    count = math.ceil(length / options.slice_tokens)
+    while True:
+        bounds = _balanced_bounds(length, count, rates) if options.cost_balanced_slices else _uniform_bounds(length, count)
+        if max(b - a for a, b in zip(bounds, bounds[1:])) <= options.token_cap:
+            break
+        count += 1
+    return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _uniform_bounds(length: int, count: int) -> list[int]:
+    return [length * j // count for j in range(count + 1)]
+
+
+def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
+    """Cumulative cost of the first x tokens is a*x + b*x^2/2; invert it at equal steps."""
+    a = rates.forward_per_token + rates.backward_per_token
+    b = rates.forward_per_pair + rates.backward_per_pair
+    total = a * length + b * length * length / 2
+    bounds = [0]
+    for j in range(1, count):
+        target = total * j / count
+        x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
+        bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - j)))
+    bounds.append(length)
+    return bounds
+
+
+def pack_micropacks(samples: list[Sample], options: PackOptions, rates: WorkRates) -> list[MicroPack]:
+    chains = [cut_document(s, options, rates) for s in samples if s.length > options.slice_tokens]
+    short = sorted((s for s in samples if s.length <= options.slice_tokens), key=lambda s: -s.length)
+
+    def cost(piece: Slice) -> float:
+        return rates.total(piece.length, piece.attention_pairs)
+
+    slice_costs = [cost(p) for chain in chains for p in chain]
+    short_cost = [rates.document(s.length) for s in short]
+    full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack of one-token documents
+    target = max(slice_costs + [min(full_pack, sum(short_cost)), max(short_cost, default=0.0)])
+
+    packs: list[list[Slice]] = [[piece] for chain in chains for piece in chain]
+    used_cost = list(slice_costs)
+    used_tokens = [p[0].length for p in packs]
+    chain_packs = len(packs)
+    # Best fit by remaining cost room: a heap of (-room, pack). A document that fits nowhere
+    # opens a new MicroPack.
+    heap = [(-(target - used_cost[i]), i) for i in range(len(packs))]
+    heapq.heapify(heap)
+    for sample, sample_cost in zip(short, short_cost):
+        placed = _place(sample, sample_cost, heap, packs, used_cost, used_tokens, target, options.token_cap)
+        if not placed:
+            packs.append([Slice(sample.sample_id, 0, sample.length)])
+            used_cost.append(sample_cost)
+            used_tokens.append(sample.length)
+            heapq.heappush(heap, (-(target - sample_cost), len(packs) - 1))
+    return _interleave([MicroPack(p) for p in packs[:chain_packs]], chains, [MicroPack(p) for p in packs[chain_packs:]])
+
+
+def _place(sample, sample_cost, heap, packs, used_cost, used_tokens, target, token_cap) -> bool:
+    """Put `sample` into the roomiest MicroPack that has room for its cost and tokens."""
+    skipped = []
+    placed = False
+    # Only a few candidates are examined: the heap top has the most cost room.
+    for _ in range(4):
+        if not heap:
+            break
+        room, index = heapq.heappop(heap)
+        if -room + 1e-15 < sample_cost:
+            skipped.append((room, index))
+            break
+        if used_tokens[index] + sample.length <= token_cap:
+            packs[index].append(Slice(sample.sample_id, 0, sample.length))
+            used_cost[index] += sample_cost
+            used_tokens[index] += sample.length
+            heapq.heappush(heap, (-(target - used_cost[index]), index))
+            placed = True
+            break
+        skipped.append((room, index))
+    for item in skipped:
+        heapq.heappush(heap, item)
+    return placed
+
+
+def _interleave(chain_packs: list[MicroPack], chains: list[list[Slice]], others: list[MicroPack]) -> list[MicroPack]:
+    """Spread whole chains evenly among the independent MicroPacks (chains stay contiguous)."""
+    blocks: list[list[MicroPack]] = []
+    position = 0
+    for chain in chains:
+        blocks.append(chain_packs[position:position + len(chain)])
+        position += len(chain)
+    if not blocks:
+        return others
+    result: list[MicroPack] = []
+    stride = len(others) / len(blocks)
+    taken = 0
+    for index, block in enumerate(blocks):
+        until = int(round(stride * (index + 0.5)))
+        result.extend(others[taken:until])
+        taken = max(taken, until)
+        result.extend(block)
+    result.extend(others[taken:])
+    return result
+
+
+@dataclass
+class MicroPackCosts:
+    """Per-MicroPack times and bytes on a middle stage and on the last stage."""
+
+    forward: np.ndarray  # [2, n]: row 0 middle stages, row 1 last stage
+    backward: np.ndarray
+    activation: np.ndarray
+    tokens: np.ndarray
+
+    @classmethod
+    def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
+        shapes = [(m.num_tokens, m.attention_pairs) for m in micropacks]
+        rows = {
+            name: np.array([[fn(t, a, parallel, last_stage=last) for t, a in shapes] for last in (False, True)])
+            for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time),
+                             ("activation", cost.activation_bytes))
+        }
+        return cls(rows["forward"], rows["backward"], rows["activation"], np.array([t for t, _ in shapes], dtype=float))
+
+
+def segment_units(
+    micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Forward units over the forward sequence; backward units over the backward sequence."""
+    order = backward_sequence(micropacks)
+    if symmetric:
+        total = costs.forward[0] + costs.backward[0]
+        forward_units = [list(group) for group in segment(total, units)]
+        unit_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
+        backward_units: list[list[int]] = []
+        for mp in order:
+            if backward_units and unit_of[backward_units[-1][-1]] == unit_of[mp]:
+                backward_units[-1].append(mp)
+            else:
+                backward_units.append([mp])
+        return forward_units, backward_units
+    forward_units = [list(group) for group in segment(costs.forward[0], units)]
+    backward_positions = segment(costs.backward[0][order], units)
+    return forward_units, [[order[p] for p in group] for group in backward_positions]
+
+
+def stage_work(
+    forward_units, backward_units, costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig, budget_bytes: float
+) -> StageWork:
+    pp = parallel.pp
+
+    def per_stage(values: np.ndarray, units) -> list[list[float]]:
+        middle = [float(values[0][u].sum()) for u in units]
+        last = [float(values[1][u].sum()) for u in units]
+        return [last if stage == pp - 1 else middle for stage in range(pp)]
+
+    forward_bytes = per_stage(costs.activation, forward_units)
+    largest = [max(row) for row in forward_bytes]
+    return StageWork(
+        forward_time=per_stage(costs.forward, forward_units),
+        backward_time=per_stage(costs.backward, backward_units),
+        forward_transfer=[cost.p2p_time(costs.tokens[u].sum(), parallel) for u in forward_units],
+        backward_transfer=[cost.p2p_time(costs.tokens[u].sum(), parallel) for u in backward_units],
+        forward_bytes=forward_bytes,
+        backward_frees=per_stage(costs.activation, backward_units),
+        budget=[min((pp - stage) * largest[stage], budget_bytes) for stage in range(pp)],
+    )
+
+
+def build_replica(
+    samples: list[Sample], options: PackOptions, cost: CostModel, parallel: ParallelConfig,
+    rates: WorkRates, dp_ranks: list[int], budget_bytes: float,
+) -> tuple[ReplicaPlan, float]:
+    """One replica's plan and the makespan of its list schedule (no DP reduction)."""
+    micropacks = pack_micropacks(samples, options, rates)
+    costs = MicroPackCosts.of(micropacks, cost, parallel)
+    forward_units, backward_units = segment_units(micropacks, costs, options.units, options.symmetric)
+    work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
+    orders, makespan = build_stage_orders(forward_units, backward_units, work)
+    return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks)), makespan
+
+
+__all__ = [
+    "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "MicroPackCosts",
+    "causal_pairs",
+]

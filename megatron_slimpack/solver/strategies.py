@@ -1,0 +1,192 @@
+"""Strategy registry and the SlimPack planner entry point.
+
+A strategy turns one global batch of document lengths into a validated `Plan`. `slimpack` is the
+full method (phase 1 DP balance with DP-Merge, phase 2 cost-balanced slicing and asymmetric
+units, candidates scored by simulation); `slimpack-sym` and `slimpack-nomerge` are its
+ablations. Baselines register themselves from `baselines.py` in the same registry.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..config import SlimPackConfig
+from ..costmodel import CostModel, format_bytes
+from ..plan import Plan, PlanError, ReplicaPlan, Sample
+from ..specs import ParallelConfig
+from .dp_phase import assign_to_replicas
+from .pack_phase import PackOptions, build_replica
+from .work import WorkRates
+
+Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(name: str):
+    def wrap(function: Strategy) -> Strategy:
+        STRATEGIES[name] = function
+        return function
+
+    return wrap
+
+
+def get_strategy(name: str) -> Strategy:
+    _load_baselines()
+    if name not in STRATEGIES:
+        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]
+
+
+def strategy_names() -> list[str]:
+    _load_baselines()
+    return sorted(STRATEGIES)
+
+
+def _load_baselines() -> None:
+    try:
+        from . import baselines  # noqa: F401  (registers on import)
+    except ImportError as error:
+        if "baselines" not in str(error):
+            raise
+
+
+def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    lengths = check_plan_input(lengths, config.context_length)
+    parallel.check_model(cost.model)
+    started = time.perf_counter()
+    plan = get_strategy(config.strategy)(lengths, parallel, cost, config)
+    plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
+    return plan.validate()
+
+
+def check_plan_input(lengths, context_length: int) -> list[int]:
+    try:
+        from ..workload import check_lengths
+    except ImportError:  # workload module not present yet
+        return [int(n) for n in lengths]
+    return check_lengths(lengths, context_length)
+
+
+# ---- SlimPack -------------------------------------------------------------------------------
+
+def activation_budget(cost: CostModel, parallel: ParallelConfig, context_length: int) -> float:
+    """Activation bytes a stage may hold: memory minus weights/optimizer and one document's KV."""
+    return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel) - cost.kv_cache_bytes(context_length, parallel)
+
+
+def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
+    """The largest power-of-two MicroPack that lets stage 0 hold pp of them, at most the context."""
+    if config.max_micropack_tokens:
+        return config.max_micropack_tokens
+    budget = activation_budget(cost, parallel, config.context_length)
+    cap = 1 << (config.context_length.bit_length() - 1)
+    while cap > 256 and parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True) > budget:
+        cap //= 2
+    return min(cap, config.context_length)
+
+
+def check_memory(lengths: list[int], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> None:
+    """A document's slices are all in flight before its backward: its activations must fit."""
+    longest = max(lengths)
+    need = cost.static_memory_bytes(parallel) + cost.activation_bytes(longest, longest * longest / 2, parallel, True)
+    need += cost.kv_cache_bytes(longest, parallel)
+    if need > cost.memory_budget_bytes():
+        raise PlanError(
+            f"memory: a {longest}-token document needs at least {format_bytes(need)} per device with "
+            f"{parallel.describe()} but {format_bytes(cost.memory_budget_bytes())} is usable on "
+            f"{cost.hardware.name}; use activation recompute (recompute='full'), more tensor or pipeline "
+            f"parallelism, or a shorter context"
+        )
+
+
+def slice_candidates(token_cap: int, replica_tokens: int, pp: int, config: SlimPackConfig) -> list[int]:
+    """MicroPack sizes to try: the cap and smaller powers of two, down to the size that gives
+    every pipeline stage about eight MicroPacks to overlap."""
+    if config.slice_tokens:
+        return [min(config.slice_tokens, token_cap)]
+    smallest = max(256, min(token_cap, replica_tokens // (8 * pp)))
+    sizes = [token_cap]
+    while sizes[-1] // 2 >= smallest and len(sizes) < 4:
+        sizes.append(sizes[-1] // 2)
+    return sizes[-3:]
+
+
+def unit_candidates(pp: int) -> list[int]:
+    return [2 * pp, 4 * pp, 8 * pp] if pp > 1 else [1]
+
+
+def plan_replica(
+    samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
+    rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool,
+) -> tuple[ReplicaPlan, float, dict]:
+    """Try slice sizes and unit counts; keep the shortest list schedule."""
+    budget = activation_budget(cost, parallel, config.context_length)
+    best: tuple[ReplicaPlan, float, dict] | None = None
+    replica_tokens = sum(s.length for s in samples)
+    for slice_tokens in slice_candidates(token_cap, replica_tokens, parallel.pp, config):
+        for units in unit_candidates(parallel.pp):
+            options = PackOptions(slice_tokens, slice_tokens, units, symmetric=symmetric)
+            replica, makespan = build_replica(samples, options, cost, parallel, rates, dp_ranks, budget)
+            if best is None or makespan < best[1]:
+                best = (replica, makespan, {"slice_tokens": slice_tokens, "units": units})
+    assert best is not None
+    return best
+
+
+def plan_slimpack(
+    lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
+    *, symmetric: bool = False, dp_merge: bool | None = None,
+) -> Plan:
+    check_memory(lengths, cost, parallel, config)
+    token_cap = auto_token_cap(cost, parallel, config)
+    rates = WorkRates.from_cost(cost, parallel, token_cap)
+    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    document_costs = np.array([rates.document(n) for n in lengths])
+    assignment = assign_to_replicas(
+        document_costs, parallel.dp, time_limit_s=config.solver_time_limit_s, seed=config.seed,
+        workers=config.solver_workers, dp_merge=config.dp_merge if dp_merge is None else dp_merge,
+        merge_threshold=config.merge_threshold,
+    )
+    replicas: list[ReplicaPlan] = []
+    predicted: list[dict] = []
+    for group in assignment.merge_groups:
+        merged = parallel.with_(cp=parallel.cp * len(group.dp_ranks))
+        members = [samples[i] for i in group.sample_indices]
+        replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric)
+        replicas.append(replica)
+        predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": makespan, **choice})
+    for rank, indices in enumerate(assignment.replica_samples):
+        members = [samples[i] for i in indices]
+        if not members:
+            raise PlanError(
+                f"empty-replica: data-parallel rank {rank} got no documents (only {len(lengths)} documents for "
+                f"dp={parallel.dp}); use a larger global batch or a smaller dp"
+            )
+        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric)
+        replicas.append(replica)
+        predicted.append({"dp_ranks": [rank], "makespan_s": makespan, **choice})
+    metadata = {
+        "token_cap": token_cap,
+        "phase1": assignment.solver,
+        "replica_loads_s": assignment.replica_loads,
+        "replicas": predicted,
+        "cost_model": cost.describe(),
+    }
+    return Plan(replicas, samples, parallel, config.context_length, config.strategy, token_cap, metadata)
+
+
+@register("slimpack")
+def _slimpack(lengths, parallel, cost, config):
+    return plan_slimpack(lengths, parallel, cost, config)
+
+
+@register("slimpack-sym")
+def _slimpack_symmetric(lengths, parallel, cost, config):
+    return plan_slimpack(lengths, parallel, cost, config, symmetric=True)
+
+
+@register("slimpack-nomerge")
+def _slimpack_no_merge(lengths, parallel, cost, config):
+    return plan_slimpack(lengths, parallel, cost, config, dp_merge=False)
