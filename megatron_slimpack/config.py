@@ -14,7 +14,7 @@ class SlimPackConfig:
     slice_tokens: int | None = None
     dp_merge: bool = True
     # A sample whose cost exceeds this multiple of the mean replica load is shared by a merge group.
-    merge_threshold: float = 1.0
+    merge_threshold: float = 1.25
     solver_time_limit_s: float = 0.5
     seed: int = 0
     solver_workers: int = 1

@@ -206,20 +206,28 @@ def stage_work(
     )
 
 
-def build_replica(
-    samples: list[Sample], options: PackOptions, cost: CostModel, parallel: ParallelConfig,
-    rates: WorkRates, dp_ranks: list[int], budget_bytes: float,
+def order_replica(
+    micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
+    cost: CostModel, parallel: ParallelConfig, dp_ranks: list[int], budget_bytes: float,
 ) -> tuple[ReplicaPlan, float]:
-    """One replica's plan and the makespan of its list schedule (no DP reduction)."""
-    micropacks = pack_micropacks(samples, options, rates)
-    costs = MicroPackCosts.of(micropacks, cost, parallel)
-    forward_units, backward_units = segment_units(micropacks, costs, options.units, options.symmetric)
+    """Segment packed MicroPacks into units and order the stages; returns the plan and the
+    makespan of its replay (no DP reduction)."""
+    forward_units, backward_units = segment_units(micropacks, costs, units, symmetric)
     work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
     orders, makespan = build_stage_orders(forward_units, backward_units, work)
     return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks)), makespan
 
 
+def build_replica(
+    samples: list[Sample], options: PackOptions, cost: CostModel, parallel: ParallelConfig,
+    rates: WorkRates, dp_ranks: list[int], budget_bytes: float,
+) -> tuple[ReplicaPlan, float]:
+    micropacks = pack_micropacks(samples, options, rates)
+    costs = MicroPackCosts.of(micropacks, cost, parallel)
+    return order_replica(micropacks, costs, options.units, options.symmetric, cost, parallel, dp_ranks, budget_bytes)
+
+
 __all__ = [
-    "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "MicroPackCosts",
+    "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "order_replica", "MicroPackCosts",
     "causal_pairs",
 ]

@@ -17,7 +17,7 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError, ReplicaPlan, Sample
 from ..specs import ParallelConfig
 from .dp_phase import assign_to_replicas
-from .pack_phase import PackOptions, build_replica
+from .pack_phase import MicroPackCosts, PackOptions, order_replica, pack_micropacks
 from .work import WorkRates
 
 Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
@@ -101,36 +101,39 @@ def check_memory(lengths: list[int], cost: CostModel, parallel: ParallelConfig, 
         )
 
 
-def slice_candidates(token_cap: int, replica_tokens: int, pp: int, config: SlimPackConfig) -> list[int]:
-    """MicroPack sizes to try: the cap and smaller powers of two, down to the size that gives
-    every pipeline stage about eight MicroPacks to overlap."""
+def slice_candidates(token_cap: int, config: SlimPackConfig) -> list[int]:
+    """MicroPack sizes to try: the cap and three smaller powers of two (at least 1024 tokens)."""
     if config.slice_tokens:
         return [min(config.slice_tokens, token_cap)]
-    smallest = max(256, min(token_cap, replica_tokens // (8 * pp)))
     sizes = [token_cap]
-    while sizes[-1] // 2 >= smallest and len(sizes) < 4:
+    while sizes[-1] // 2 >= 1024 and len(sizes) < 4:
         sizes.append(sizes[-1] // 2)
-    return sizes[-3:]
+    return sizes
 
 
-def unit_candidates(pp: int) -> list[int]:
-    return [2 * pp, 4 * pp, 8 * pp] if pp > 1 else [1]
+def unit_candidates(pp: int, micropacks: int) -> list[int]:
+    """Unit counts to try: a few multiples of pp, and one unit per MicroPack."""
+    if pp == 1:
+        return [1]
+    return sorted({min(k * pp, micropacks) for k in (2, 4, 8)} | {micropacks})
 
 
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool,
 ) -> tuple[ReplicaPlan, float, dict]:
-    """Try slice sizes and unit counts; keep the shortest list schedule."""
+    """Try MicroPack sizes and unit counts; keep the shortest pipeline schedule."""
+    if not samples:  # a rank whose only work is its share of a merge group
+        return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
     budget = activation_budget(cost, parallel, config.context_length)
     best: tuple[ReplicaPlan, float, dict] | None = None
-    replica_tokens = sum(s.length for s in samples)
-    for slice_tokens in slice_candidates(token_cap, replica_tokens, parallel.pp, config):
-        for units in unit_candidates(parallel.pp):
-            options = PackOptions(slice_tokens, slice_tokens, units, symmetric=symmetric)
-            replica, makespan = build_replica(samples, options, cost, parallel, rates, dp_ranks, budget)
+    for size in slice_candidates(token_cap, config):
+        micropacks = pack_micropacks(samples, PackOptions(size, size, 1), rates)
+        costs = MicroPackCosts.of(micropacks, cost, parallel)
+        for units in unit_candidates(parallel.pp, len(micropacks)):
+            replica, makespan = order_replica(micropacks, costs, units, symmetric, cost, parallel, dp_ranks, budget)
             if best is None or makespan < best[1]:
-                best = (replica, makespan, {"slice_tokens": slice_tokens, "units": units})
+                best = (replica, makespan, {"micropack_tokens": size, "units": units})
     assert best is not None
     return best
 
@@ -156,17 +159,14 @@ def plan_slimpack(
         members = [samples[i] for i in group.sample_indices]
         replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric)
         replicas.append(replica)
-        predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": makespan, **choice})
+        predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": float(makespan), **choice})
     for rank, indices in enumerate(assignment.replica_samples):
+        # A rank may get no documents of its own (fewer heavy documents than ranks): it then idles
+        # until the gradient reduction, which the simulator shows as DP imbalance.
         members = [samples[i] for i in indices]
-        if not members:
-            raise PlanError(
-                f"empty-replica: data-parallel rank {rank} got no documents (only {len(lengths)} documents for "
-                f"dp={parallel.dp}); use a larger global batch or a smaller dp"
-            )
         replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric)
         replicas.append(replica)
-        predicted.append({"dp_ranks": [rank], "makespan_s": makespan, **choice})
+        predicted.append({"dp_ranks": [rank], "makespan_s": float(makespan), **choice})
     metadata = {
         "token_cap": token_cap,
         "phase1": assignment.solver,

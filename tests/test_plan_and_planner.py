@@ -1,0 +1,236 @@
+"""Plan invariants, JSON round trip, planner determinism and bad-input errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import megatron_slimpack as ms
+from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence
+from megatron_slimpack.solver import dp_phase
+from megatron_slimpack.solver.orders import StageWork, build_stage_orders, replay, segment
+from megatron_slimpack.specs import ParallelConfig, SpecError
+
+COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
+
+
+def make_plan(lengths, dp=2, pp=2, tp=8, context=65536, strategy="slimpack", **config):
+    return ms.plan(
+        lengths, parallel=ParallelConfig(dp=dp, pp=pp, tp=tp), cost=COST,
+        config=ms.SlimPackConfig(strategy=strategy, context_length=context, **config),
+    )
+
+
+lengths_strategy = st.lists(st.integers(min_value=1, max_value=40000), min_size=4, max_size=60)
+layouts = st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 4), (2, 8)])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=lengths_strategy, layout=layouts, strategy=st.sampled_from(["slimpack", "slimpack-sym"]))
+def test_planner_output_satisfies_every_invariant(lengths, layout, strategy):
+    dp, pp = layout
+    if len(lengths) < dp:
+        lengths = lengths * dp
+    plan = make_plan(lengths, dp=dp, pp=pp, context=40000, strategy=strategy, solver_time_limit_s=0.2)
+    plan.validate()
+    covered = {}
+    for replica in plan.replicas:
+        for micropack in replica.micropacks:
+            assert micropack.num_tokens <= plan.max_micropack_tokens
+            for piece in micropack.slices:
+                covered[piece.sample_id] = covered.get(piece.sample_id, 0) + piece.length
+    assert covered == {i: n for i, n in enumerate(lengths)}
+    assert Plan.from_json(plan.to_json()).to_dict() == plan.to_dict()
+
+
+def test_json_round_trip_is_lossless(tmp_path):
+    plan = make_plan([5000, 70000 // 2, 1200, 800, 64000, 10, 3], dp=2, pp=2)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = Plan.from_json(path)
+    assert again.to_dict() == plan.to_dict()
+    assert again.fingerprint() == plan.fingerprint()
+    again.validate()
+
+
+def test_planner_is_deterministic_for_a_fixed_seed():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 30000, size=300).tolist()
+    first = make_plan(lengths, dp=4, pp=4, seed=7)
+    second = make_plan(lengths, dp=4, pp=4, seed=7)
+    assert first.fingerprint() == second.fingerprint()
+
+
+def test_long_document_is_cost_balanced_sliced_with_shorter_later_slices():
+    plan = make_plan([60000] + [500] * 200, dp=1, pp=4, context=65536, max_micropack_tokens=16384)
+    pieces = sorted((s for r in plan.replicas for m in r.micropacks for s in m.slices if s.sample_id == 0),
+                    key=lambda s: s.start)
+    assert len(pieces) >= 4
+    assert pieces[0].length > pieces[-1].length  # later slices carry a longer prefix
+    assert all(p.length <= 16384 for p in pieces)
+
+
+def test_asymmetric_units_differ_from_symmetric_on_heterogeneous_packs():
+    rng = np.random.default_rng(0)
+    lengths = [60000, 50000] + rng.integers(100, 3000, size=400).tolist()
+    asym = make_plan(lengths, dp=1, pp=4, max_micropack_tokens=8192)
+    replica = asym.replicas[0]
+    forward_sets = {tuple(sorted(u)) for u in replica.forward_units}
+    backward_sets = {tuple(sorted(u)) for u in replica.backward_units}
+    if len(replica.forward_units) < len(replica.micropacks):
+        assert forward_sets != backward_sets
+
+
+# ---- validate() names the broken rule ---------------------------------------------------------
+
+def small_replica():
+    micropacks = [MicroPack([Slice(0, 0, 4), Slice(1, 0, 3)]), MicroPack([Slice(0, 4, 6)]), MicroPack([Slice(2, 0, 5)])]
+    forward = [[0], [1, 2]]
+    backward = [[1, 0], [2]]  # chain (0,1) reversed, then chain (2)
+    orders = [[("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    return ReplicaPlan(micropacks, forward, backward, orders, [0])
+
+
+def small_plan(replica=None):
+    return Plan([replica or small_replica()], [Sample(0, 6), Sample(1, 3), Sample(2, 5)],
+                ParallelConfig(), context_length=8, strategy="hand", max_micropack_tokens=8)
+
+
+def test_hand_built_plan_is_valid():
+    assert backward_sequence(small_replica().micropacks) == [1, 0, 2]
+    small_plan().validate()
+
+
+@pytest.mark.parametrize("mutate, rule", [
+    (lambda r: r.micropacks[1].slices.__setitem__(0, Slice(0, 5, 6)), "coverage"),
+    (lambda r: r.micropacks.__setitem__(0, MicroPack([Slice(0, 4, 6), Slice(1, 0, 3)])) or
+     r.micropacks.__setitem__(1, MicroPack([Slice(0, 0, 4)])), "slice-order"),
+    (lambda r: r.micropacks.__setitem__(1, MicroPack([Slice(0, 4, 5), Slice(0, 5, 6)])), "slice-order"),
+    (lambda r: r.forward_units.__setitem__(1, [2, 1]), "forward-units"),
+    (lambda r: r.backward_units.__setitem__(0, [0, 1]), "backward-units"),
+    (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("B", 0), ("F", 1), ("B", 1)]), "stage-orders"),
+    (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("F", 1), ("B", 0)]), "stage-orders"),
+    (lambda r: r.micropacks[2].slices.__setitem__(0, Slice(9, 0, 5)), "unknown-sample"),
+])
+def test_validate_names_the_broken_rule(mutate, rule):
+    replica = small_replica()
+    mutate(replica)
+    with pytest.raises(PlanError, match=rule):
+        small_plan(replica).validate()
+
+
+def test_token_cap_and_ranks_are_checked():
+    plan = small_plan()
+    plan.max_micropack_tokens = 5
+    with pytest.raises(PlanError, match="token-cap"):
+        plan.validate()
+    plan = small_plan()
+    plan.parallel = ParallelConfig(dp=2)
+    with pytest.raises(PlanError, match="dp-ranks"):
+        plan.validate()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lengths, message", [
+    ([], "empty"), ([10, 0, 5], "0"), ([10, -3], "-3"), ([10, 2.5], "2.5"), ([10, 70000], "context"),
+])
+def test_bad_lengths_are_refused(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(lengths, dp=1, pp=1)
+
+
+def test_layout_that_does_not_divide_the_model_is_refused():
+    with pytest.raises(SpecError, match="layers"):
+        make_plan([100, 200], dp=1, pp=3)
+    with pytest.raises(SpecError, match="heads"):
+        make_plan([100, 200], dp=1, pp=1, tp=3)
+
+
+def test_plan_that_cannot_fit_memory_says_what_it_needs_and_which_knob_helps():
+    cost = ms.CostModel.analytic("llama-70b", "h100-sxm")
+    with pytest.raises(PlanError, match=r"needs at least .* GiB.*recompute"):
+        ms.plan([262144, 100], parallel=ParallelConfig(dp=1, pp=1, tp=1), cost=cost,
+                config=ms.SlimPackConfig(context_length=262144))
+
+
+def test_unknown_presets_and_strategies():
+    with pytest.raises(SpecError, match="known"):
+        ms.CostModel.analytic("llama-8t", "h100-sxm")
+    with pytest.raises(PlanError, match="unknown strategy"):
+        make_plan([100, 200], dp=1, pp=1, strategy="magic")
+
+
+def test_malformed_plan_file_names_the_problem(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"format_version": 1, ')
+    with pytest.raises(PlanError, match="bad.json"):
+        Plan.from_json(path)
+    path.write_text(json.dumps({"format_version": 1}))
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.from_json(path)
+
+
+# ---- phase 1 and unit segmentation ------------------------------------------------------------------
+
+def test_cp_sat_balances_and_reports_status():
+    rng = np.random.default_rng(1)
+    costs = rng.lognormal(0, 1.5, size=500)
+    result = dp_phase.assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False)
+    assert result.solver["status"] in ("OPTIMAL", "FEASIBLE")
+    assert result.solver["imbalance"] < 1.01
+    assert sorted(i for r in result.replica_samples for i in r) == list(range(500))
+
+
+def test_cp_sat_timeout_falls_back_to_lpt_and_says_so(monkeypatch):
+    monkeypatch.setattr(dp_phase, "MAX_MODEL_ITEMS", 400)
+    costs = np.random.default_rng(2).lognormal(0, 1.0, size=400)
+    result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1e-6, dp_merge=False)
+    assert "fallback" in result.solver and "LPT" in result.solver["fallback"]
+    assert sorted(i for r in result.replica_samples for i in r) == list(range(400))
+
+
+def test_outlier_goes_to_a_merge_group():
+    costs = np.array([100.0] + [1.0] * 40)
+    result = dp_phase.assign_to_replicas(costs, 4, merge_threshold=1.0)
+    assert [g.sample_indices for g in result.merge_groups] == [[0]]
+    assert len(result.merge_groups[0].dp_ranks) >= 2
+    assert all(0 not in r for r in result.replica_samples)
+
+
+@given(st.lists(st.floats(min_value=0.01, max_value=10), min_size=1, max_size=40), st.integers(1, 12))
+def test_segment_is_an_optimal_contiguous_partition(costs, units):
+    groups = segment(costs, units)
+    assert [i for g in groups for i in g] == list(range(len(costs)))
+    assert len(groups) <= units
+    worst = max(sum(costs[i] for i in g) for g in groups)
+    # no partition into `units` groups can beat the larger of the biggest item and the average
+    assert worst >= max(max(costs), sum(costs) / units) - 1e-9
+    if len(costs) <= 8 and units <= 3:
+        assert worst <= brute_force_bottleneck(costs, units) + 1e-9
+
+
+def brute_force_bottleneck(costs, units):
+    from itertools import combinations
+    n = len(costs)
+    best = float("inf")
+    for k in range(1, min(units, n) + 1):
+        for cuts in combinations(range(1, n), k - 1):
+            bounds = [0, *cuts, n]
+            best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_equal_units_reproduce_1f1b():
+    pp, m, forward, backward = 4, 12, 1.0, 2.0
+    units = [[i] for i in range(m)]
+    work = StageWork([[forward] * m] * pp, [[backward] * m] * pp, [0.0] * m, [0.0] * m,
+                     [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp - s) for s in range(pp)])
+    orders, makespan = build_stage_orders(units, units, work)
+    assert makespan == pytest.approx((m + pp - 1) * (forward + backward))
+    assert orders[0][:pp + 1] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
+    assert orders[-1][:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert replay(orders, work) == makespan
