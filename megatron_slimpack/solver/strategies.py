@@ -21,22 +21,53 @@ from .pack_phase import MicroPackCosts, PackOptions, order_replica, pack_micropa
 from .work import WorkRates
 
 Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
-STRATEGIES: dict[str, Strategy] = {}
+
+
+class StepPlanner:
+    """Plans consecutive global batches. Stateless strategies are plain functions wrapped here;
+    a stateful one (e.g. WLB-LLM's outlier-delay queues, whose delayed documents roll into later
+    steps) subclasses it and keeps its state between `plan` calls."""
+
+    def __init__(self, function: Strategy | None = None):
+        self.function = function
+
+    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+        assert self.function is not None
+        return self.function(lengths, parallel, cost, config)
+
+
+STRATEGIES: dict[str, Callable[[], StepPlanner]] = {}
 
 
 def register(name: str):
+    """Register a stateless strategy function."""
     def wrap(function: Strategy) -> Strategy:
-        STRATEGIES[name] = function
+        STRATEGIES[name] = lambda: StepPlanner(function)
         return function
 
     return wrap
 
 
-def get_strategy(name: str) -> Strategy:
+def register_stateful(name: str):
+    """Register a StepPlanner subclass; each comparison run gets a fresh instance."""
+    def wrap(cls: type[StepPlanner]) -> type[StepPlanner]:
+        STRATEGIES[name] = cls
+        return cls
+
+    return wrap
+
+
+def new_planner(name: str) -> StepPlanner:
     _load_baselines()
     if name not in STRATEGIES:
         raise PlanError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]
+    return STRATEGIES[name]()
+
+
+def get_strategy(name: str) -> Strategy:
+    """A one-shot function for `name` (stateful strategies start from an empty state)."""
+    planner = new_planner(name)
+    return planner.plan
 
 
 def strategy_names() -> list[str]:
