@@ -141,8 +141,9 @@ class CostModel:
         return self.model.num_layers // parallel.pp
 
     def efficiency(self, tokens: float) -> float:
+        # Works on scalars and numpy arrays alike (the planner costs all MicroPacks at once).
         hw = self.hardware
-        return hw.max_efficiency * tokens / (tokens + hw.half_efficiency_tokens) if tokens > 0 else hw.max_efficiency
+        return hw.max_efficiency * tokens / (tokens + hw.half_efficiency_tokens)
 
     def _layer_flops(self, tokens: float, pairs: float) -> tuple[float, float]:
         """(linear, attention) forward FLOPs of one layer."""
@@ -249,11 +250,6 @@ class CostModel:
         bandwidth = self._group_bandwidth(parallel.world_size)
         volume = 2.0 * (group - 1) / group * self.gradient_bytes(parallel)
         return volume / bandwidth + 2 * (group - 1) * self.hardware.link_latency_s
-
-    def merge_comm_time(self, tokens: float, group_size: int, parallel: ParallelConfig, backward: bool) -> float:
-        """DP-Merge: the group runs the outlier with context parallelism of `group_size`."""
-        merged = parallel.with_(cp=parallel.cp * group_size)
-        return self.layers_per_stage(parallel) * self.cp_comm_time(tokens, merged, backward)
 
     # ---- memory ------------------------------------------------------------------------------
     def stage_params(self, parallel: ParallelConfig) -> float:

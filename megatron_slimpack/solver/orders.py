@@ -23,38 +23,34 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     if count == 0:
         return []
     units = max(1, min(units, count))
-    low, high = float(costs.max()), float(costs.sum())
-    # Bottleneck values are sums of contiguous runs; bisect to float precision, then cut greedily.
+    if units == count:
+        return [[i] for i in range(count)]
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    low, high = float(costs.max()), float(prefix[-1])
+    # The optimal bottleneck is a sum of a contiguous run: bisect to float precision, then cut.
     for _ in range(60):
         if high - low <= 1e-12 * max(high, 1.0):
             break
         middle = (low + high) / 2
-        if _groups_needed(costs, middle) <= units:
+        if len(_greedy_bounds(prefix, middle, stop_after=units + 1)) - 1 <= units:
             high = middle
         else:
             low = middle
-    return _cut(costs, high)
+    bounds = _greedy_bounds(prefix, high)
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def _groups_needed(costs: np.ndarray, limit: float) -> int:
-    groups, running = 1, 0.0
-    for cost in costs:
-        if running + cost > limit and running > 0:
-            groups, running = groups + 1, 0.0
-        running += cost
-    return groups
-
-
-def _cut(costs: np.ndarray, limit: float) -> list[list[int]]:
-    groups: list[list[int]] = [[]]
-    running = 0.0
-    for position, cost in enumerate(costs):
-        if running + cost > limit * (1 + 1e-12) and groups[-1]:
-            groups.append([])
-            running = 0.0
-        groups[-1].append(position)
-        running += cost
-    return groups
+def _greedy_bounds(prefix: np.ndarray, limit: float, stop_after: int | None = None) -> list[int]:
+    """Cut points of the greedy segmentation: each group takes as many positions as fit `limit`
+    (at least one), found by binary search on the prefix sums; gives up after `stop_after` groups."""
+    count = len(prefix) - 1
+    bounds = [0]
+    tolerance = limit * 1e-12
+    while bounds[-1] < count and (stop_after is None or len(bounds) <= stop_after):
+        start = bounds[-1]
+        end = int(np.searchsorted(prefix, prefix[start] + limit + tolerance, side="right")) - 1
+        bounds.append(min(max(end, start + 1), count))
+    return bounds
 
 
 @dataclass

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -69,56 +68,37 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
 def pack_micropacks(samples: list[Sample], options: PackOptions, rates: WorkRates) -> list[MicroPack]:
     chains = [cut_document(s, options, rates) for s in samples if s.length > options.slice_tokens]
     short = sorted((s for s in samples if s.length <= options.slice_tokens), key=lambda s: -s.length)
+    lengths = np.array([s.length for s in short], dtype=float)
+    short_cost = rates.total(lengths, lengths * (lengths + 1) / 2)
+    pieces = [piece for chain in chains for piece in chain]
+    slice_costs = [rates.total(p.length, p.attention_pairs) for p in pieces]
+    full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
+    target = max(slice_costs + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
 
-    def cost(piece: Slice) -> float:
-        return rates.total(piece.length, piece.attention_pairs)
-
-    slice_costs = [cost(p) for chain in chains for p in chain]
-    short_cost = [rates.document(s.length) for s in short]
-    full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack of one-token documents
-    target = max(slice_costs + [min(full_pack, sum(short_cost)), max(short_cost, default=0.0)])
-
-    packs: list[list[Slice]] = [[piece] for chain in chains for piece in chain]
-    used_cost = list(slice_costs)
-    used_tokens = [p[0].length for p in packs]
-    chain_packs = len(packs)
-    # Best fit by remaining cost room: a heap of (-room, pack). A document that fits nowhere
-    # opens a new MicroPack.
-    heap = [(-(target - used_cost[i]), i) for i in range(len(packs))]
-    heapq.heapify(heap)
-    for sample, sample_cost in zip(short, short_cost):
-        placed = _place(sample, sample_cost, heap, packs, used_cost, used_tokens, target, options.token_cap)
-        if not placed:
-            packs.append([Slice(sample.sample_id, 0, sample.length)])
-            used_cost.append(sample_cost)
-            used_tokens.append(sample.length)
-            heapq.heappush(heap, (-(target - sample_cost), len(packs) - 1))
-    return _interleave([MicroPack(p) for p in packs[:chain_packs]], chains, [MicroPack(p) for p in packs[chain_packs:]])
-
-
-def _place(sample, sample_cost, heap, packs, used_cost, used_tokens, target, token_cap) -> bool:
-    """Put `sample` into the roomiest MicroPack that has room for its cost and tokens."""
-    skipped = []
-    placed = False
-    # Only a few candidates are examined: the heap top has the most cost room.
-    for _ in range(4):
-        if not heap:
-            break
-        room, index = heapq.heappop(heap)
-        if -room + 1e-15 < sample_cost:
-            skipped.append((room, index))
-            break
-        if used_tokens[index] + sample.length <= token_cap:
-            packs[index].append(Slice(sample.sample_id, 0, sample.length))
-            used_cost[index] += sample_cost
-            used_tokens[index] += sample.length
-            heapq.heappush(heap, (-(target - used_cost[index]), index))
-            placed = True
-            break
-        skipped.append((room, index))
-    for item in skipped:
-        heapq.heappush(heap, item)
-    return placed
+    # The smallest documents are the sand that tops up each slice's MicroPack to the target cost.
+    chain_packs: list[list[Slice]] = []
+    smallest = len(short) - 1
+    for piece, piece_cost in zip(pieces, slice_costs):
+        pack, room, tokens = [piece], target - piece_cost, options.token_cap - piece.length
+        while smallest >= 0 and short_cost[smallest] <= room and short[smallest].length <= tokens:
+            pack.append(Slice(short[smallest].sample_id, 0, short[smallest].length))
+            room -= short_cost[smallest]
+            tokens -= short[smallest].length
+            smallest -= 1
+        chain_packs.append(pack)
+    # The rest, largest first, fill MicroPacks of their own (next fit: a pack closes when the next
+    # document would pass the target cost or the token cap).
+    others: list[list[Slice]] = []
+    room = tokens = -1.0
+    for index in range(smallest + 1):
+        sample, cost = short[index], short_cost[index]
+        if cost > room or sample.length > tokens:
+            others.append([])
+            room, tokens = target, options.token_cap
+        others[-1].append(Slice(sample.sample_id, 0, sample.length))
+        room -= cost
+        tokens -= sample.length
+    return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
 
 
 def _interleave(chain_packs: list[MicroPack], chains: list[list[Slice]], others: list[MicroPack]) -> list[MicroPack]:
@@ -153,13 +133,14 @@ class MicroPackCosts:
 
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
-        shapes = [(m.num_tokens, m.attention_pairs) for m in micropacks]
+        tokens = np.array([m.num_tokens for m in micropacks], dtype=float)
+        pairs = np.array([m.attention_pairs for m in micropacks], dtype=float)
         rows = {
-            name: np.array([[fn(t, a, parallel, last_stage=last) for t, a in shapes] for last in (False, True)])
+            name: np.array([fn(tokens, pairs, parallel, last_stage=last) * np.ones_like(tokens) for last in (False, True)])
             for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time),
                              ("activation", cost.activation_bytes))
         }
-        return cls(rows["forward"], rows["backward"], rows["activation"], np.array([t for t, _ in shapes], dtype=float))
+        return cls(rows["forward"], rows["backward"], rows["activation"], tokens)
 
 
 def segment_units(

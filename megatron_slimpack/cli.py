@@ -1,0 +1,258 @@
+"""The `slimpack` command: plan, simulate, compare (and demo)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .config import SlimPackConfig
+from .costmodel import CostModel
+from .plan import Plan, PlanError
+from .specs import SpecError, ParallelConfig
+
+DEFAULT_WORKLOAD = "text"  # the running Python's standard library: real text, no download
+
+
+class CliError(Exception):
+    pass
+
+
+# ---- shared options ---------------------------------------------------------------------------
+
+def add_workload_options(parser: argparse.ArgumentParser, *, context: int, batch: int, model: str, hardware: str):
+    parser.add_argument("--workload", default=DEFAULT_WORKLOAD,
+                        help="length source, e.g. file:../shared/data/wikipedia_lengths.txt, longtail, text[:DIR] "
+                             f"(default: {DEFAULT_WORKLOAD}, the Python standard library's files)")
+    parser.add_argument("--model", default=model, help=f"model preset (default {model})")
+    parser.add_argument("--hardware", default=hardware, help=f"hardware preset (default {hardware})")
+    parser.add_argument("--cost-model", default="analytic", help="'analytic' or a profile JSON from `slimpack profile`")
+    parser.add_argument("--context-length", type=int, default=context)
+    parser.add_argument("--global-batch-size", type=int, default=batch, help="sequences of context length per step")
+    parser.add_argument("--steps", type=int, default=1, help="consecutive global batches")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--solver-time-limit", type=float, default=0.5, help="CP-SAT seconds per step")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def load_cost(args) -> CostModel:
+    if args.cost_model == "analytic":
+        return CostModel.analytic(args.model, args.hardware)
+    return CostModel.from_profile(args.cost_model)
+
+
+def global_batches(args) -> list[list[int]]:
+    from .workload import GlobalBatchSampler, load_lengths
+
+    lengths = load_lengths(args.workload, seed=args.seed)
+    sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed)
+    return [sampler.next_batch().lengths for _ in range(args.steps)]
+
+
+def progress(iterable, total: int, label: str, enabled: bool):
+    if not enabled or total <= 1:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=label, file=sys.stderr, leave=False)
+
+
+# ---- plan -----------------------------------------------------------------------------------------
+
+def replica_summary(plan: Plan, cost: CostModel) -> list[dict]:
+    rows = []
+    for index, replica in enumerate(plan.replicas):
+        slices = [s for m in replica.micropacks for s in m.slices]
+        tokens = sum(s.length for s in slices)
+        pairs = sum(s.attention_pairs for s in slices)
+        merged = plan.parallel.with_(cp=plan.parallel.cp * len(replica.dp_ranks))
+        stage_forward = sum(cost.forward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
+        stage_backward = sum(cost.backward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
+        predicted = plan.metadata.get("replicas", [{}] * len(plan.replicas))[index]
+        rows.append({
+            "replica": index, "dp_ranks": replica.dp_ranks, "documents": len({s.sample_id for s in slices}),
+            "tokens": tokens, "attention_pairs": pairs, "slices": len(slices), "micropacks": len(replica.micropacks),
+            "forward_units": len(replica.forward_units), "backward_units": len(replica.backward_units),
+            "forward_s_per_stage": stage_forward, "backward_s_per_stage": stage_backward,
+            "pipeline_s": predicted.get("makespan_s"),
+        })
+    own = [r["pipeline_s"] for r in rows if r["pipeline_s"] is not None and len(r["dp_ranks"]) == 1]
+    mean = sum(own) / len(own) if own else 0
+    for row in rows:
+        row["imbalance"] = row["pipeline_s"] / mean if mean and row["pipeline_s"] is not None else None
+    return rows
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    header = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    rule = "|" + "|".join("---:" for _ in columns) + "|"
+    body = []
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None else format(value, fmt) if fmt else str(value))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([header, rule, *body])
+
+
+PLAN_COLUMNS = [
+    ("replica", "replica", ""), ("dp_ranks", "DP ranks", ""), ("documents", "docs", ","), ("tokens", "tokens", ","),
+    ("slices", "slices", ","), ("micropacks", "MicroPacks", ","), ("forward_units", "F units", ""),
+    ("backward_units", "B units", ""), ("forward_s_per_stage", "F s/stage", ".3f"),
+    ("backward_s_per_stage", "B s/stage", ".3f"), ("pipeline_s", "pipeline s", ".3f"), ("imbalance", "imbalance", ".3f"),
+]
+
+
+def cmd_plan(args) -> int:
+    cost = load_cost(args)
+    parallel = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, recompute=args.recompute)
+    config = SlimPackConfig(strategy=args.strategy, context_length=args.context_length, seed=args.seed,
+                            solver_time_limit_s=args.solver_time_limit, max_micropack_tokens=args.max_micropack_tokens,
+                            dp_merge=not args.no_dp_merge)
+    from .solver.strategies import new_planner
+
+    planner = new_planner(args.strategy)
+    batches = global_batches(args)
+    outputs = []
+    for step, lengths in enumerate(progress(batches, len(batches), "planning", not args.json)):
+        started = time.perf_counter()
+        from .solver.strategies import check_plan_input
+
+        parallel.check_model(cost.model)
+        plan = planner.plan(check_plan_input(lengths, config.context_length), parallel, cost, config).validate()
+        elapsed = time.perf_counter() - started
+        plan.metadata.setdefault("planning_time_s", elapsed)
+        if args.out:
+            path = Path(args.out)
+            if len(batches) > 1:
+                path = path.with_name(f"{path.stem}.step{step}{path.suffix}")
+            plan.to_json(path)
+        outputs.append((step, lengths, plan, elapsed))
+    if args.json:
+        print(json.dumps([{"step": step, "documents": len(lengths), "planning_time_s": elapsed,
+                           "metadata": plan.metadata, "replicas": replica_summary(plan, cost)}
+                          for step, lengths, plan, elapsed in outputs], indent=1, default=float))
+        return 0
+    for step, lengths, plan, elapsed in outputs:
+        phase1 = plan.metadata.get("phase1", {})
+        print(f"step {step}: {len(lengths)} documents, {sum(lengths):,} tokens, strategy {plan.strategy}, "
+              f"{parallel.describe()}, planned in {elapsed * 1000:.0f} ms "
+              f"(CP-SAT {phase1.get('status', '-')}, gap {phase1.get('gap', 0):.2%})")
+        print(format_table(replica_summary(plan, cost), PLAN_COLUMNS))
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+# ---- simulate ------------------------------------------------------------------------------------
+
+def cmd_simulate(args) -> int:
+    from .simulator import simulate
+    from .simulator.report import markdown_table, summary, write_chrome_trace, write_gantt
+
+    plan = Plan.from_json(args.plan).validate()
+    cost = load_cost(args)
+    report = simulate(plan, cost)
+    if args.gantt:
+        write_gantt(report, args.gantt, title=f"{plan.strategy} {plan.parallel.describe()}")
+    if args.trace:
+        write_chrome_trace(report, args.trace)
+    if args.json:
+        print(json.dumps(report.to_dict() if args.full else summary(report), indent=1, default=float))
+    else:
+        print(markdown_table([(plan.strategy, report)]))
+    return 0
+
+
+# ---- compare -------------------------------------------------------------------------------------
+
+def cmd_compare(args) -> int:
+    from .comparison import run_comparison
+
+    result = run_comparison(
+        workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args), gpus=args.gpus,
+        context_length=args.context_length, global_batch_size=args.global_batch_size, steps=args.steps,
+        strategies=args.strategies, seed=args.seed, solver_time_limit_s=args.solver_time_limit,
+        gantt_dir=args.gantt_dir, show_progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=float))
+    else:
+        print(result.table("csv" if args.csv else "markdown"))
+        for line in result.notes():
+            print(line)
+    return 0
+
+
+# ---- demo ------------------------------------------------------------------------------------------
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+# ---- entry ---------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slimpack", description="SlimPack planning, simulation and training for Megatron-LM")
+    parser.add_argument("--version", action="version", version=f"megatron-slimpack {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="plan global batches and print a per-replica summary")
+    add_workload_options(plan, context=65536, batch=512, model="llama-7b", hardware="h100-sxm")
+    plan.add_argument("--tp", type=int, default=8)
+    plan.add_argument("--pp", type=int, default=4)
+    plan.add_argument("--dp", type=int, default=4)
+    plan.add_argument("--cp", type=int, default=1)
+    plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    plan.add_argument("--strategy", default="slimpack")
+    plan.add_argument("--max-micropack-tokens", type=int, default=None)
+    plan.add_argument("--no-dp-merge", action="store_true")
+    plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
+    plan.set_defaults(run=cmd_plan)
+
+    simulate = commands.add_parser("simulate", help="simulate a plan JSON: time, MFU, bubbles, memory")
+    simulate.add_argument("plan")
+    simulate.add_argument("--model", default="llama-7b")
+    simulate.add_argument("--hardware", default="h100-sxm")
+    simulate.add_argument("--cost-model", default="analytic")
+    simulate.add_argument("--gantt", help="write a Gantt chart PNG")
+    simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
+    simulate.add_argument("--json", action="store_true")
+    simulate.add_argument("--full", action="store_true", help="with --json: every task and the memory timeline")
+    simulate.set_defaults(run=cmd_simulate)
+
+    compare = commands.add_parser("compare", help="every strategy, its best layout, side by side")
+    add_workload_options(compare, context=65536, batch=512, model="llama-7b", hardware="h100-sxm")
+    compare.add_argument("--gpus", type=int, default=128)
+    compare.add_argument("--strategies", default="all", help="comma-separated names or 'all'")
+    compare.add_argument("--csv", action="store_true")
+    compare.add_argument("--markdown", action="store_true", help="markdown table (the default)")
+    compare.add_argument("--gantt-dir", help="write one Gantt PNG per strategy here")
+    compare.set_defaults(run=cmd_compare)
+
+    demo = commands.add_parser("demo", help="the main job on the embedded default workload")
+    demo.add_argument("--steps", type=int, default=None)
+    demo.add_argument("--data-dir", default=None, help="text files to train on (default: Python's standard library)")
+    demo.add_argument("--model", default="tiny")
+    demo.add_argument("--out-dir", default="out/demo")
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (PlanError, SpecError, ValueError, FileNotFoundError, CliError) as error:
+        print(f"slimpack {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""MicroPack -> model inputs: one packed THD batch of its slices.
+
+Any dataset feeds the runtime through `TokenSource`: `tokens(sample_id, start, end)` returns the
+token ids [start, end + 1) clipped at the document's end. The extra token is the label of the
+slice's last token; when the source returns none, the slice ends its document: that token has no
+label (masked out of the loss) and its K/V is not stored (no later slice will read it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from ..plan import MicroPack
+from .attention import KVStore, SlicedSeqParams
+
+
+class TokenSource(Protocol):
+    def tokens(self, sample_id: int, start: int, end: int) -> Sequence[int]:
+        """Token ids of positions [start, end + 1) of the sample, clipped at its end."""
+        ...
+
+
+class InMemoryTokenSource:
+    """Documents held in memory: {sample_id: token ids}."""
+
+    def __init__(self, documents: Mapping[int, Sequence[int]]):
+        self.documents = {sample_id: torch.as_tensor(ids, dtype=torch.long) for sample_id, ids in documents.items()}
+
+    def tokens(self, sample_id: int, start: int, end: int) -> Tensor:
+        return self.documents[sample_id][start:end + 1]
+
+    def lengths(self) -> dict[int, int]:
+        return {sample_id: len(ids) for sample_id, ids in self.documents.items()}
+
+
+@dataclass
+class MicroPackBatch:
+    """Inputs of one packed forward call ([1, T] tensors, megatron's b=1 THD convention)."""
+
+    tokens: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    position_ids: Tensor
+    packed_seq_params: SlicedSeqParams
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def _cumulative(lengths: list[int], device) -> Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | None,
+                device: torch.device | str = "cpu") -> MicroPackBatch:
+    tokens, labels, loss_mask, positions, keeps_kv = [], [], [], [], []
+    for piece in micropack.slices:
+        ids = torch.as_tensor(source.tokens(piece.sample_id, piece.start, piece.end), dtype=torch.long)
+        n = piece.length
+        if len(ids) not in (n, n + 1):
+            raise ValueError(
+                f"token source returned {len(ids)} tokens for sample {piece.sample_id} [{piece.start}, {piece.end}); "
+                f"expected {n + 1} (or {n} at the document's end)"
+            )
+        continues = len(ids) == n + 1
+        tokens.append(ids[:n])
+        labels.append(torch.cat([ids[1:], ids.new_zeros(n + 1 - len(ids))]))
+        mask = torch.ones(n)
+        if not continues:
+            mask[-1] = 0.0  # the document's last token predicts nothing
+        loss_mask.append(mask)
+        positions.append(torch.arange(piece.start, piece.end))
+        keeps_kv.append(continues)
+    lengths = [s.length for s in micropack.slices]
+    kv_lengths = [s.end for s in micropack.slices]  # prefix [0, start) + the slice
+    cu_q = _cumulative(lengths, device)
+    params = SlicedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
+        max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+        sample_ids=[s.sample_id for s in micropack.slices], starts=[s.start for s in micropack.slices],
+        keeps_kv=keeps_kv, kv_store=kv_store,
+        cu_seqlens_attn_kv=_cumulative(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
+    )
+    as_row = lambda parts, dtype: torch.cat(parts).to(device=device, dtype=dtype).unsqueeze(0)  # noqa: E731
+    return MicroPackBatch(
+        tokens=as_row(tokens, torch.long), labels=as_row(labels, torch.long),
+        loss_mask=as_row(loss_mask, torch.float32), position_ids=as_row(positions, torch.long),
+        packed_seq_params=params,
+    )

@@ -1,0 +1,689 @@
+"""DAG simulation of one training step of a `Plan` (design.md section 6).
+
+Model
+-----
+Devices: one per (data-parallel rank r, pipeline stage s); TP and CP inside a device are folded
+into the cost model's per-stage times. Rank r runs `plan.replicas_of_rank(r)` in that order and,
+within a replica, stage s runs exactly `replica.stage_orders[s]` (program order).
+
+Tasks and edges:
+- F u on stage s lasts the sum of its MicroPacks' `forward_time`; it needs F u of stage s-1 plus
+  a p2p transfer of the unit's activations.
+- B v on stage s lasts the sum of `backward_time`; it needs B v of stage s+1 plus a p2p transfer,
+  and the forward unit holding the last of its MicroPacks on stage s.
+- P2P transfers are non-blocking sends: they occupy a link, not the compute stream. Each
+  (rank, stage, direction) has one link; transfers on it run one at a time in the order the
+  sender issues them (its program order), starting when the sending task ends.
+- A DP-Merge group's task occupies stage s of every member rank at once (synchronous: it starts
+  when all member devices are free and its inputs arrived). Its duration uses
+  `parallel.with_(cp=parallel.cp * k)` (k = group size), whose CP term is the group's K/V traffic.
+- DP gradient reduction per stage (see `_dp_reduction`).
+
+Timing is list scheduling in topological order of the DAG whose edges are program order on
+every device a task occupies plus the data dependencies above: a task starts at the max of its
+devices' free time and its inputs' arrival. If Kahn's algorithm stops with tasks left, the graph
+has a cycle (the stage orders would deadlock) and `SimulationError` names one, task by task.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..plan import Plan, ReplicaPlan
+from ..specs import ParallelConfig
+from .memory import MemoryLedger, MemoryTimeline
+
+# Megatron DDP's default gradient bucket: max(40M, 1M * dp) parameters.
+DDP_BUCKET_PARAMS = 40_000_000
+
+
+class SimulationError(ValueError):
+    """The plan cannot be simulated: its stage orders deadlock or reference unknown units."""
+
+    def __init__(self, message: str, cycle: list[str] | None = None):
+        super().__init__(message)
+        self.cycle = cycle or []
+
+
+@dataclass(slots=True)
+class TaskRecord:
+    """One bar of the timeline. kind: F, B (compute; `detail` "merge group [ranks]" for a
+    DP-Merge group's task), P2P (transfer sent by `stage`; `detail` e.g. "F 0->1") or DP
+    (gradient reduction; replica and unit -1). Times in seconds."""
+
+    rank: int
+    stage: int
+    replica: int
+    kind: str
+    unit: int
+    start: float
+    end: float
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SimulationReport:
+    """What one simulated step costs. Per-stage lists are indexed by pipeline stage.
+
+    - stage_busy_s / stage_idle_s: compute time and idle time of a stage's devices, mean over
+      ranks (busy + idle = iteration time); `device_busy_s[rank][stage]` has every device.
+    - bubble_ratio: idle share of all devices' timelines (1 - busy / (devices * iteration)).
+    - dp_imbalance: max/mean over ranks of the rank's compute (all its stages);
+      pp_imbalance: max/mean over stages of the stage's compute (all ranks).
+    - dp_reduce_overlap_s / dp_reduce_exposed_s: per stage, how much of the gradient reduction
+      ran under the last backward, and how much after it.
+    - lower_bound_s = max(work_bound_s, critical_path_s): total compute / devices, and the
+      longest chain of data dependencies (p2p included, link contention and program order not)
+      plus the last gradient bucket.
+    - tasks: `TaskRecord`s (empty when simulated with detail=False, as is memory_timeline).
+    """
+
+    strategy: str
+    layout: str
+    dp: int
+    pp: int
+    world_size: int
+    num_tokens: int
+    iteration_time_s: float
+    tokens_per_s: float
+    mfu: float
+    stage_busy_s: list[float]
+    stage_idle_s: list[float]
+    device_busy_s: list[list[float]]
+    bubble_ratio: float
+    dp_imbalance: float
+    pp_imbalance: float
+    peak_memory_bytes: list[float]
+    memory_budget_bytes: float | None
+    fits_memory: bool
+    dp_reduce_time_s: float
+    dp_reduce_overlap_s: list[float]
+    dp_reduce_exposed_s: list[float]
+    work_bound_s: float
+    critical_path_s: float
+    lower_bound_s: float
+    memory_timeline: list[MemoryTimeline] = field(default_factory=list)
+    tasks: list[TaskRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["memory_timeline"] = [m.to_dict() for m in self.memory_timeline]
+        data["tasks"] = [t.to_dict() for t in self.tasks]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SimulationReport":
+        values = dict(data)
+        values["memory_timeline"] = [MemoryTimeline.from_dict(m) for m in data.get("memory_timeline", [])]
+        values["tasks"] = [TaskRecord(**t) for t in data.get("tasks", [])]
+        return cls(**values)
+
+
+def simulate(plan: Plan, cost, *, detail: bool = True, dp_buckets: int | None = None) -> SimulationReport:
+    """Simulate one training step of `plan` with `cost` (a `CostModel` or the same interface).
+
+    detail=False skips the task records and memory timelines (peaks are still computed): the
+    planner's inner loop. `dp_buckets` overrides the number of DDP gradient buckets.
+    """
+    graph = _Graph(plan, cost)
+    schedule = _run(graph)
+    return _report(plan, cost, graph, schedule, detail, dp_buckets)
+
+
+def score(plan: Plan, cost) -> float:
+    """Iteration time in seconds (lower is better): the planner's objective."""
+    return simulate(plan, cost, detail=False).iteration_time_s
+
+
+# ---- cost lookups ------------------------------------------------------------------------------
+# Scalar cost results per cost object, so that candidate plans sharing MicroPacks (the planner
+# tries several unit segmentations of the same packs) look each one up once. Keyed weakly:
+# dropping the cost model drops its entries. A cost model must not change after creation.
+_MEMO: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_MEMO_LIMIT = 500_000
+
+
+def _memo(cost, *key) -> dict | None:
+    try:
+        tables = _MEMO.setdefault(cost, {})
+    except TypeError:  # not weak-referenceable: no memo
+        return None
+    if sum(len(t) for t in tables.values()) > _MEMO_LIMIT:
+        tables.clear()
+    return tables.setdefault(key, {})
+
+
+def _per_item(fn, *arrays: np.ndarray, memo: dict | None = None) -> np.ndarray:
+    """fn applied to every element; one vectorised call when fn accepts arrays (checked against
+    scalar calls on a few elements), else one (memoised) call per element."""
+    n = len(arrays[0])
+    if n == 0:
+        return np.zeros(0)
+    scalars = [a.tolist() for a in arrays]
+    try:
+        with np.errstate(all="ignore"):
+            out = np.broadcast_to(np.asarray(fn(*arrays), dtype=float), (n,)).copy()
+        if all(math.isclose(out[i], fn(*(s[i] for s in scalars)), rel_tol=1e-9, abs_tol=1e-12)
+               for i in {0, n // 2, n - 1}):
+            return out
+    except (TypeError, ValueError, ArithmeticError):
+        pass
+    if memo is None:
+        return np.array([fn(*args) for args in zip(*scalars)], dtype=float)
+    values = []
+    for args in zip(*scalars):
+        value = memo.get(args)
+        if value is None:
+            value = memo[args] = fn(*args)
+        values.append(value)
+    return np.array(values, dtype=float)
+
+
+@dataclass
+class _ReplicaCosts:
+    """Per-MicroPack and per-unit figures of one replica; index [last] picks the stage kind
+    (0: any stage but the last, 1: the last stage, which adds the output layer)."""
+
+    index: int
+    replica: ReplicaPlan
+    ranks: list[int]
+    parallel: ParallelConfig  # the layout its tasks run with (CP widened for a merge group)
+    tokens: np.ndarray  # per MicroPack
+    pairs: np.ndarray
+    kv_tokens: np.ndarray  # tokens of the MicroPack's slices whose sample has later slices
+    num_forward: int
+    num_backward: int
+    forward_unit_of: np.ndarray  # MicroPack -> forward unit
+    backward_unit_of: np.ndarray
+    forward_mp: list[np.ndarray]  # [last] -> seconds per MicroPack
+    backward_mp: list[np.ndarray]
+    forward_unit: list[list[float]]  # [last] -> seconds per unit
+    backward_unit: list[list[float]]
+    forward_p2p: list[float]  # per forward unit
+    backward_p2p: list[float]
+    needs_forward: list[int]  # backward unit -> last forward unit it needs
+
+
+def _micropack_sizes(replica: ReplicaPlan, lengths: dict[int, int], slice_figures: list) -> tuple:
+    """(tokens, pairs, KV-cached tokens) per MicroPack; appends (tokens, pairs) of each slice."""
+    rows = [(index, piece.start, piece.end, piece.end < lengths.get(piece.sample_id, piece.end))
+            for index, micropack in enumerate(replica.micropacks) for piece in micropack.slices]
+    count = len(replica.micropacks)
+    if not rows:
+        return np.zeros(count), np.zeros(count), np.zeros(count)
+    index, begin, end, cached = np.array(rows, dtype=np.int64).T
+    tokens = end - begin
+    pairs = tokens * begin + tokens * (tokens + 1) // 2
+    slice_figures.append(np.stack([tokens, pairs], axis=1).astype(float))
+    def per_mp(values):
+        return np.bincount(index, weights=values.astype(float), minlength=count)
+    return per_mp(tokens), per_mp(pairs), per_mp(tokens * cached)
+
+
+def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, slice_figures) -> _ReplicaCosts:
+    parallel = plan.parallel
+    group = len(replica.dp_ranks)
+    where = f"replica plan {index}"
+    count = len(replica.micropacks)
+    forward_unit_of = _unit_index(replica.forward_units, count, f"{where} forward units")
+    backward_unit_of = _unit_index(replica.backward_units, count, f"{where} backward units")
+    effective = parallel.with_(cp=parallel.cp * group) if group > 1 else parallel
+    tokens, pairs, kv_tokens = _micropack_sizes(replica, lengths, slice_figures)
+
+    def per_mp(method, last: bool, backward: bool) -> np.ndarray:
+        seconds = _per_item(lambda t, a: method(t, a, effective, last_stage=last), tokens, pairs,
+                            memo=_memo(cost, method.__name__, effective, last))
+        return seconds
+
+    kinds = (False, True) if parallel.pp > 1 else (True,)
+    forward_mp, backward_mp = [None, None], [None, None]
+    for last in kinds:
+        forward_mp[last] = per_mp(cost.forward_time, last, False)
+        backward_mp[last] = per_mp(cost.backward_time, last, True)
+    if parallel.pp == 1:
+        forward_mp[0], backward_mp[0] = forward_mp[1], backward_mp[1]
+    num_forward, num_backward = len(replica.forward_units), len(replica.backward_units)
+
+    def unit_sums(values, unit_of, units):
+        return np.bincount(unit_of, weights=values, minlength=units).tolist()
+
+    forward_tokens = np.bincount(forward_unit_of, weights=tokens, minlength=num_forward)
+    backward_tokens = np.bincount(backward_unit_of, weights=tokens, minlength=num_backward)
+    p2p = (lambda t: cost.p2p_time(t, effective)) if parallel.pp > 1 else (lambda t: 0.0 * t)
+    needs = np.full(num_backward, -1)
+    np.maximum.at(needs, backward_unit_of, forward_unit_of)
+    return _ReplicaCosts(
+        index=index, replica=replica, ranks=list(replica.dp_ranks), parallel=effective,
+        tokens=tokens, pairs=pairs, kv_tokens=kv_tokens,
+        num_forward=num_forward, num_backward=num_backward,
+        forward_unit_of=forward_unit_of, backward_unit_of=backward_unit_of,
+        forward_mp=forward_mp, backward_mp=backward_mp,
+        forward_unit=[unit_sums(f, forward_unit_of, num_forward) for f in forward_mp],
+        backward_unit=[unit_sums(b, backward_unit_of, num_backward) for b in backward_mp],
+        forward_p2p=_per_item(p2p, forward_tokens).tolist(),
+        backward_p2p=_per_item(p2p, backward_tokens).tolist(),
+        needs_forward=needs.tolist(),
+    )
+
+
+def _unit_index(units: list[list[int]], count: int, what: str) -> np.ndarray:
+    """MicroPack -> unit; the units must partition the MicroPacks (Plan.validate says more)."""
+    sizes = np.array([len(unit) for unit in units], dtype=np.int64)
+    flat = np.fromiter((mp for unit in units for mp in unit), dtype=np.int64, count=int(sizes.sum()))
+    if (len(flat) != count or (sizes == 0).any() or (count and (flat.min() < 0 or flat.max() >= count))
+            or (np.bincount(flat, minlength=count) != 1).any()):
+        raise SimulationError(f"{what} do not partition the {count} MicroPacks exactly once")
+    unit_of = np.empty(count, dtype=np.int64)
+    unit_of[flat] = np.repeat(np.arange(len(units)), sizes)
+    return unit_of
+
+
+# ---- the task graph ----------------------------------------------------------------------------
+class _Graph:
+    """Tasks are integers: replica r's stage s task list starts at offset[r] + s * (nF + nB);
+    F u is at +u, B v at +nF+v. Devices are rank * pp + stage."""
+
+    def __init__(self, plan: Plan, cost):
+        self.plan = plan
+        self.pp = pp = plan.parallel.pp
+        self.dp = plan.parallel.dp
+        lengths = plan.sample_lengths()
+        self.slice_figures: list[np.ndarray] = []  # per replica: (tokens, attention pairs) of each slice
+        self.replicas = [_replica_costs(i, r, plan, cost, lengths, self.slice_figures)
+                         for i, r in enumerate(plan.replicas)]
+        self.offset: list[int] = []
+        self.replica_of: list[int] = []
+        self.stage_of: list[int] = []
+        self.is_backward: list[bool] = []
+        self.unit_of: list[int] = []
+        self.duration: list[float] = []
+        self.devices: list[tuple[int, ...]] = []
+        # Data successors, as task-id offsets so the hot loop does no index arithmetic:
+        # same-stage backward units a forward unit releases, and the p2p send (or none).
+        self.releases: list[list[int]] = []
+        self.send_offset: list[int] = []  # +stride (F downstream), -stride (B upstream), 0: none
+        self.send_seconds: list[float] = []
+        total = 0
+        for rc in self.replicas:
+            self.offset.append(total)
+            stride = rc.num_forward + rc.num_backward
+            releases: list[list[int]] = [[] for _ in range(rc.num_forward)]
+            for unit, needed in enumerate(rc.needs_forward):
+                releases[needed].append(rc.num_forward - needed + unit)
+            no_releases = [[]] * rc.num_backward
+            for stage in range(pp):
+                last = stage == pp - 1
+                for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
+                                                 (True, rc.num_backward, rc.backward_unit[last])):
+                    self.replica_of += [rc.index] * count
+                    self.stage_of += [stage] * count
+                    self.is_backward += [backward] * count
+                    self.unit_of += range(count)
+                    self.duration += seconds
+                    self.devices += [tuple(r * pp + stage for r in rc.ranks)] * count
+                    sends = (stage > 0) if backward else not last
+                    self.send_offset += [(-stride if backward else stride) if sends else 0] * count
+                    self.send_seconds += rc.backward_p2p if backward else rc.forward_p2p
+                self.releases += releases + no_releases
+            total += stride * pp
+        self.num_tasks = total
+        self.programs = self._programs()
+
+    def task(self, replica: int, stage: int, backward: bool, unit: int) -> int:
+        rc = self.replicas[replica]
+        return self.offset[replica] + stage * (rc.num_forward + rc.num_backward) + (rc.num_forward if backward else 0) + unit
+
+    def _programs(self) -> list[list[int]]:
+        position = {id(r): i for i, r in enumerate(self.plan.replicas)}
+        programs: list[list[int]] = [[] for _ in range(self.dp * self.pp)]
+        for index, replica in enumerate(self.plan.replicas):
+            if not replica.dp_ranks or not all(0 <= rank < self.dp for rank in replica.dp_ranks):
+                raise SimulationError(f"replica plan {index} has dp_ranks {replica.dp_ranks}, outside 0..{self.dp - 1}")
+        for rank in range(self.dp):
+            for replica in self.plan.replicas_of_rank(rank):
+                index = position[id(replica)]
+                if len(replica.stage_orders) != self.pp:
+                    raise SimulationError(
+                        f"replica plan {index} has {len(replica.stage_orders)} stage orders for pp={self.pp}")
+                for stage, order in enumerate(replica.stage_orders):
+                    programs[rank * self.pp + stage] += self._stage_tasks(index, stage, order)
+        return programs
+
+    def _stage_tasks(self, index: int, stage: int, order) -> list[int]:
+        rc = self.replicas[index]
+        first = self.task(index, stage, False, 0)
+        base = {"F": first, "B": first + rc.num_forward}
+        try:
+            tasks = [base[kind] + unit for kind, unit in order]
+        except KeyError:
+            tasks = []
+        if sorted(tasks) == list(range(first, first + rc.num_forward + rc.num_backward)):
+            return tasks
+        for kind, unit in order:
+            limit = {"F": rc.num_forward, "B": rc.num_backward}.get(kind)
+            if limit is None or not 0 <= unit < limit:
+                raise SimulationError(f"replica plan {index} stage {stage} order names unknown task {kind}{unit}")
+        raise SimulationError(
+            f"replica plan {index} stage {stage} order must run each of its {rc.num_forward} forward and "
+            f"{rc.num_backward} backward units exactly once")
+
+    def data_predecessors(self, task: int) -> list[int]:
+        replica, stage, unit = self.replica_of[task], self.stage_of[task], self.unit_of[task]
+        if not self.is_backward[task]:
+            return [self.task(replica, stage - 1, False, unit)] if stage > 0 else []
+        needed = [self.task(replica, stage, False, self.replicas[replica].needs_forward[unit])]
+        if stage < self.pp - 1:
+            needed.insert(0, self.task(replica, stage + 1, True, unit))
+        return needed
+
+    def name(self, task: int) -> str:
+        rc = self.replicas[self.replica_of[task]]
+        kind = "B" if self.is_backward[task] else "F"
+        where = f"stage {self.stage_of[task]} {kind}{self.unit_of[task]}"
+        if len(rc.ranks) > 1:
+            return f"merge group ranks {rc.ranks} {where}"
+        return f"rank {rc.ranks[0]} {where}" if self.dp > 1 else where
+
+    def device_name(self, device: int) -> str:
+        rank, stage = divmod(device, self.pp)
+        return f"rank {rank} stage {stage}" if self.dp > 1 else f"stage {stage}"
+
+
+@dataclass
+class _Schedule:
+    start: list[float]
+    end: list[float]
+    chain_end: list[float]  # critical path through data edges only
+    transfers: list[tuple[int, float, float]]  # (sending task, start, end)
+
+
+def _run(graph: _Graph) -> _Schedule:
+    """List scheduling in topological order (Kahn's algorithm). Edges: program order on each
+    device (the next task starts after this one ends) and data (a forward unit releases the
+    backward units that need it on its stage; p2p sends to the neighbouring stage)."""
+    n, pp = graph.num_tasks, graph.pp
+    duration, releases = graph.duration, graph.releases
+    send_offset, send_seconds, devices = graph.send_offset, graph.send_seconds, graph.devices
+    # Data inputs not yet arrived: F needs the previous stage; B needs the next stage (if any)
+    # and its forward unit on this stage. Plus one per device where a task is not first.
+    missing = [(1 + (s < pp - 1)) if b else int(s > 0) for s, b in zip(graph.stage_of, graph.is_backward)]
+    program_next: list[list[int]] = [[] for _ in range(n)]
+    for program in graph.programs:
+        for before, after in zip(program, program[1:]):
+            program_next[before].append(after)
+            missing[after] += 1
+    ready_at, chain_ready = [0.0] * n, [0.0] * n
+    start, end, chain_end = [0.0] * n, [0.0] * n, [0.0] * n
+    link_free = [0.0] * (2 * graph.dp * pp)  # device * 2 + (0: send downstream, 1: upstream)
+    transfers: list[tuple[int, float, float]] = []
+    releasable = [t for t in range(n) if not missing[t]]
+    done = 0
+    while releasable:
+        task = releasable.pop()
+        done += 1
+        began = ready_at[task]
+        finished = end[task] = began + duration[task]
+        start[task] = began
+        chain = chain_end[task] = chain_ready[task] + duration[task]
+        for after in program_next[task]:
+            if finished > ready_at[after]:
+                ready_at[after] = finished
+            missing[after] -= 1
+            if not missing[after]:
+                releasable.append(after)
+        for offset in releases[task]:
+            after = task + offset
+            if finished > ready_at[after]:
+                ready_at[after] = finished
+            if chain > chain_ready[after]:
+                chain_ready[after] = chain
+            missing[after] -= 1
+            if not missing[after]:
+                releasable.append(after)
+        offset = send_offset[task]
+        if offset:
+            # Non-blocking send: FIFO on the link of each sending device, in issue order.
+            seconds, link = send_seconds[task], offset < 0
+            sent = finished
+            for device in devices[task]:
+                if link_free[2 * device + link] > sent:
+                    sent = link_free[2 * device + link]
+            arrived = sent + seconds
+            for device in devices[task]:
+                link_free[2 * device + link] = arrived
+            if seconds > 0:
+                transfers.append((task, sent, arrived))
+            after = task + offset
+            if arrived > ready_at[after]:
+                ready_at[after] = arrived
+            if chain + seconds > chain_ready[after]:
+                chain_ready[after] = chain + seconds
+            missing[after] -= 1
+            if not missing[after]:
+                releasable.append(after)
+    if done < n:
+        raise _deadlock(graph, [not m for m in missing], program_next)
+    return _Schedule(start, end, chain_end, transfers)
+
+
+def _deadlock(graph: _Graph, finished: list[bool], program_next) -> SimulationError:
+    """Walk the wait-for relation from a stuck device until it repeats: that loop is a cycle of
+    the dependency graph (program-order edges + data edges), named task by task."""
+    head_of = {}
+    for device, program in enumerate(graph.programs):
+        head = next((t for t in program if not finished[t]), None)
+        if head is not None:
+            head_of[device] = head
+
+    def blocked_by(task: int) -> tuple[int, str]:
+        """The next task on the wait-for path and why."""
+        for needed in graph.data_predecessors(task):
+            if not finished[needed]:
+                return needed, "waits for"
+        for device in graph.devices[task]:
+            if head_of.get(device) != task:
+                return head_of[device], f"waits for {graph.device_name(device)} to finish"
+        raise AssertionError("a task with all inputs done and at the head of its devices was not run")
+
+    def head_before(task: int) -> int | None:
+        """If `task` is not yet at the head of one of its devices, the head it waits behind."""
+        for device in graph.devices[task]:
+            if head_of.get(device) != task:
+                return head_of[device]
+        return None
+
+    task = next(iter(head_of.values()))
+    steps: list[str] = []
+    seen: dict[int, int] = {}
+    while task not in seen:
+        seen[task] = len(steps)
+        target, why = blocked_by(task)
+        step = f"{graph.name(task)} {why} {graph.name(target)}"
+        behind = head_before(target)
+        if behind is not None and why == "waits for":
+            step += f", which runs after {graph.name(behind)} in program order"
+            target = behind
+        steps.append(step)
+        task = target
+    cycle = steps[seen[task]:]
+    return SimulationError(f"deadlock: {'; '.join(cycle)}", cycle=cycle)
+
+
+# ---- the report --------------------------------------------------------------------------------
+def _dp_reduction(starts: list[float], ends: list[float], seconds: float, buckets: int) -> tuple[float, float]:
+    """(start, end) of one stage's gradient reduction over its data-parallel group.
+
+    Rule (Megatron DDP with overlapped, bucketed reduction; gradients are reduced only during
+    the last backward): on every rank the last backward task on this stage produces the stage's
+    gradients uniformly over its duration, in `buckets` equal buckets (bucket i is ready at
+    start + (i+1)/buckets * duration). Bucket i's collective starts when every rank has it ready
+    and the previous bucket's collective is done, and lasts seconds / buckets. So the reduction
+    starts no earlier than the slowest rank's last backward starts, and ends no earlier than the
+    slowest rank's last backward ends plus one bucket's share.
+    """
+    share = seconds / buckets
+    began = finished = None
+    for bucket in range(1, buckets + 1):
+        ready = max(b + bucket / buckets * (e - b) for b, e in zip(starts, ends))
+        bucket_start = ready if finished is None else max(ready, finished)
+        began = bucket_start if began is None else began
+        finished = bucket_start + share
+    return began, finished
+
+
+def _bucket_count(cost, plan: Plan) -> int:
+    try:
+        params = cost.stage_params(plan.parallel) / plan.parallel.tp
+    except AttributeError:
+        return 1
+    return max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * plan.parallel.dp)))
+
+
+def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool, dp_buckets: int | None) -> SimulationReport:
+    parallel, pp, dp = plan.parallel, graph.pp, graph.dp
+    start, end, duration = schedule.start, schedule.end, graph.duration
+    seconds = np.asarray(duration)
+    busy = [[float(seconds[graph.programs[r * pp + s]].sum()) for s in range(pp)] for r in range(dp)]
+    last_task_end = max(end, default=0.0)
+
+    reduce_seconds = cost.dp_reduce_time(parallel)
+    buckets = dp_buckets or _bucket_count(cost, plan)
+    overlap, exposed, reduce_windows = [0.0] * pp, [0.0] * pp, []
+    for stage in range(pp):
+        lasts = [_last_backward(graph, r * pp + stage) for r in range(dp)]
+        lasts = [t for t in lasts if t is not None]
+        if reduce_seconds <= 0 or not lasts:
+            continue
+        last_end = max(end[t] for t in lasts)
+        began, finished = _dp_reduction([start[t] for t in lasts], [end[t] for t in lasts], reduce_seconds, buckets)
+        exposed[stage] = finished - last_end
+        overlap[stage] = max(0.0, reduce_seconds - exposed[stage])
+        reduce_windows.append((stage, began, finished))
+    iteration = max([last_task_end] + [w[2] for w in reduce_windows])
+
+    devices = dp * pp
+    total_busy = sum(map(sum, busy))
+    work_bound = total_busy / devices  # a merge task counts once per device it occupies
+    critical = max(schedule.chain_end, default=0.0) + (reduce_seconds / buckets if reduce_seconds > 0 else 0.0)
+    slice_tokens, slice_pairs = np.concatenate(graph.slice_figures + [np.zeros((0, 2))]).T
+    flops = float(_per_item(cost.model_flops, slice_tokens, slice_pairs).sum())
+    peaks, timelines = _memory(plan, cost, graph, schedule, detail)
+    budget = cost.memory_budget_bytes() if hasattr(cost, "memory_budget_bytes") else None
+    rank_busy = [sum(row) for row in busy]
+    stage_busy = [sum(busy[r][s] for r in range(dp)) for s in range(pp)]
+    return SimulationReport(
+        strategy=plan.strategy,
+        layout=parallel.describe(),
+        dp=dp, pp=pp, world_size=parallel.world_size,
+        num_tokens=plan.num_tokens,
+        iteration_time_s=iteration,
+        tokens_per_s=plan.num_tokens / iteration if iteration > 0 else 0.0,
+        mfu=flops / (iteration * parallel.world_size * cost.hardware.peak_flops) if iteration > 0 else 0.0,
+        stage_busy_s=[b / dp for b in stage_busy],
+        stage_idle_s=[iteration - b / dp for b in stage_busy],
+        device_busy_s=busy,
+        bubble_ratio=max(0.0, 1.0 - total_busy / (devices * iteration)) if iteration > 0 else 0.0,
+        dp_imbalance=_max_over_mean(rank_busy),
+        pp_imbalance=_max_over_mean(stage_busy),
+        peak_memory_bytes=peaks,
+        memory_budget_bytes=budget,
+        fits_memory=budget is None or max(peaks) <= budget,
+        dp_reduce_time_s=reduce_seconds,
+        dp_reduce_overlap_s=overlap,
+        dp_reduce_exposed_s=exposed,
+        work_bound_s=work_bound,
+        critical_path_s=critical,
+        lower_bound_s=max(work_bound, critical),
+        memory_timeline=timelines,
+        tasks=_records(graph, schedule, reduce_windows) if detail else [],
+    )
+
+
+def _last_backward(graph: _Graph, device: int) -> int | None:
+    for task in reversed(graph.programs[device]):
+        if graph.is_backward[task]:
+            return task
+    return None
+
+
+def _max_over_mean(values: list[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRecord]:
+    records = []
+    for task in range(graph.num_tasks):
+        replica, stage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
+        kind = "B" if graph.is_backward[task] else "F"
+        ranks = graph.replicas[replica].ranks
+        detail = f"merge group {ranks}" if len(ranks) > 1 else ""
+        for rank in ranks:
+            records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task], detail))
+    for task, began, finished in schedule.transfers:
+        replica, stage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
+        detail = f"B {stage}->{stage - 1}" if graph.is_backward[task] else f"F {stage}->{stage + 1}"
+        for rank in graph.replicas[replica].ranks:
+            records.append(TaskRecord(rank, stage, replica, "P2P", unit, began, finished, detail))
+    for stage, began, finished in reduce_windows:
+        for rank in range(graph.dp):
+            records.append(TaskRecord(rank, stage, -1, "DP", -1, began, finished, "gradient reduction"))
+    records.sort(key=lambda r: (r.rank, r.stage, r.start, r.kind))
+    return records
+
+
+def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
+    """Activations from each MicroPack's forward start to its backward unit's end; KV cache of
+    a slice with later slices over the same span; the recompute transient during a backward."""
+    parallel, pp = plan.parallel, graph.pp
+    ledger = MemoryLedger(graph.dp * pp)
+    start, end = np.asarray(schedule.start), np.asarray(schedule.end)
+    for rc in graph.replicas:
+        effective, tokens, pairs, kv_tokens = rc.parallel, rc.tokens, rc.pairs, rc.kv_tokens
+        kv = _per_item(lambda t: cost.kv_cache_bytes(t, effective), kv_tokens) * (kv_tokens > 0)
+        recompute = _per_item(lambda t, a: cost.recompute_peak_bytes(t, a, effective), tokens, pairs)
+        recompute_unit = np.zeros(rc.num_backward)
+        np.maximum.at(recompute_unit, rc.backward_unit_of, recompute)
+        held, offsets = {}, {}
+        for last in {stage == pp - 1 for stage in range(pp)}:
+            activation = _per_item(lambda t, a: cost.activation_bytes(t, a, effective, last_stage=last), tokens, pairs)
+            held[last] = activation + kv
+            offsets[last] = _offsets_in_unit(rc.forward_mp[last], rc.replica.forward_units, rc.forward_unit_of)
+        for stage in range(pp):
+            last = stage == pp - 1
+            first_f = graph.task(rc.index, stage, False, 0)
+            first_b = graph.task(rc.index, stage, True, 0)
+            f_start = start[first_f:first_f + rc.num_forward]
+            b_start, b_end = start[first_b:first_b + rc.num_backward], end[first_b:first_b + rc.num_backward]
+            mp_start = f_start[rc.forward_unit_of] + offsets[last]
+            mp_free = b_end[rc.backward_unit_of]
+            for rank in rc.ranks:
+                device = rank * pp + stage
+                ledger.hold(device, mp_start, mp_free, held[last])
+                ledger.hold(device, b_start, b_end, recompute_unit)
+    static = cost.static_memory_bytes(parallel)
+    peaks = [static] * pp
+    timelines = []
+    for device in range(graph.dp * pp):
+        rank, stage = divmod(device, pp)
+        peak, points = ledger.timeline(device, static, with_points=detail)
+        peaks[stage] = max(peaks[stage], peak)
+        if detail:
+            timelines.append(MemoryTimeline(rank, stage, peak, points))
+    return peaks, timelines
+
+
+def _offsets_in_unit(seconds: np.ndarray, units: list[list[int]], unit_of: np.ndarray) -> np.ndarray:
+    """Start of each MicroPack relative to its unit's start (a unit runs its MicroPacks in order)."""
+    flat = np.fromiter((mp for unit in units for mp in unit), dtype=np.int64, count=len(seconds))
+    before = np.cumsum(seconds[flat]) - seconds[flat]  # exclusive prefix sum along the units
+    first_of_unit = np.cumsum([0] + [len(unit) for unit in units[:-1]])
+    offsets = np.empty(len(seconds))
+    offsets[flat] = before - before[first_of_unit][unit_of[flat]]
+    return offsets

@@ -1,0 +1,475 @@
+"""Per-strategy best parallel layout: every strategy gets its fastest feasible layout.
+
+`best_layout(strategy, batches, cost, gpus, context_length, base_config)` searches
+ParallelConfig(tp, pp, cp, dp, recompute) with tp * pp * cp * dp == gpus, plans the batches with
+the strategy, simulates the plans and returns the layout with the lowest mean iteration time,
+with its plans, reports and every rejected layout with its reason.
+
+Search, cheapest checks first:
+1. Enumerate: tp within a node and dividing the attention and KV heads, pp dividing the layers,
+   cp a power of two, recompute none/selective/full, minus the strategy's own constraints
+   (`LAYOUT_CONSTRAINTS`).
+2. Static memory: weights, gradients and optimizer state must fit (`cost.static_memory_bytes`).
+3. The strategy's minimum need: static memory plus the activations it must hold at once
+   (`minimum_memory_bytes`: a full sequence for Megatron-style fixed packing, the longest
+   document for whole-document packers, ...).
+4. Screening on the first batch, in order of a lower bound on the iteration time (total compute
+   of the batch on the layout, packed perfectly, spread over dp ranks): plan and simulate; a
+   PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
+   layout whose bound is already above the best screened time is not planned (branch and
+   bound; stateful strategies, whose step may hold other documents than the batch, are screened
+   without the bound). Recompute modes cascade: selective is tried only where none does not
+   fit, full only where selective does not, since recompute only adds time.
+5. The best `finalists` screened layouts run every batch (stateful strategies continue the
+   planner of their screening run; one with a `flush` plans what it still delays as one more
+   step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
+   plans (flush included) divided by the number of batches, so it is per global batch trained.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..config import SlimPackConfig
+from ..costmodel import CostModel, format_bytes
+from ..plan import Plan, PlanError
+from ..simulator.dag import SimulationError, SimulationReport, simulate
+from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
+from .strategies import StepPlanner, check_plan_input, new_planner
+from .work import causal_pairs
+
+
+# ==== strategy facts the search needs ==========================================================
+
+
+@dataclass(frozen=True)
+class LayoutConstraints:
+    """Values a strategy allows (None: any the hardware and model allow), and why."""
+
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    reason: str = ""
+
+    def allows(self, parallel: ParallelConfig) -> bool:
+        return (self.pp is None or parallel.pp in self.pp) and (self.cp is None or parallel.cp in self.cp)
+
+
+_SLIMPACK_CP = LayoutConstraints(
+    cp=(1,), reason="SlimPack slices long documents and merges DP replicas (DP-Merge) instead of a fixed CP")
+
+LAYOUT_CONSTRAINTS: dict[str, LayoutConstraints] = {
+    "megatron-hybrid-cp": LayoutConstraints(
+        pp=(1,), cp=(1,),
+        reason="BalancedCPScheduler supports no pipeline parallelism and picks CP sizes per sample from the "
+               "DP x CP pool (given as dp)"),
+    "slimpack": _SLIMPACK_CP,
+    "slimpack-sym": _SLIMPACK_CP,
+    "slimpack-nomerge": _SLIMPACK_CP,
+}
+
+# What a strategy must hold in activation memory at once, at least (see `minimum_memory_bytes`):
+#   sequence:      one full fixed-length sequence (min(context, batch tokens) tokens)
+#   document:      the longest document, whole
+#   half-document: the larger piece of the longest document (it may be cut at a sequence boundary)
+#   none:          nothing fixed (the strategy sizes its work to memory itself)
+MINIMUM_IN_FLIGHT: dict[str, str] = {
+    "megatron-fixed": "sequence",
+    "bfd": "document",
+    "sorted": "document",
+    "wlb-llm": "document",
+    "slimpipe": "half-document",
+    "slimpack": "document",
+    "slimpack-sym": "document",
+    "slimpack-nomerge": "document",
+    "megatron-hybrid-cp": "none",
+}
+
+# Strategies that cut documents at sequence boundaries: their attention pairs can be fewer than
+# the documents' (a document in two pieces has at least half of its pairs).
+SPLITS_DOCUMENTS = {"megatron-fixed", "slimpipe"}
+
+
+# ==== results ===================================================================================
+
+
+@dataclass
+class Rejection:
+    """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner,
+    simulated-memory, simulation, invalid (infeasible) or bound, recompute-cascade (not evaluated,
+    because they could not win)."""
+
+    parallel: ParallelConfig
+    kind: str
+    reason: str
+
+    @property
+    def infeasible(self) -> bool:
+        return self.kind not in ("bound", "recompute-cascade")
+
+    def __str__(self) -> str:
+        return f"{self.parallel.describe()}: {self.reason}"
+
+
+@dataclass
+class LayoutEvaluation:
+    """One layout run over the batches: a plan and a simulation report per step."""
+
+    parallel: ParallelConfig
+    plans: list[Plan]
+    reports: list[SimulationReport]
+    num_batches: int
+
+    @property
+    def iteration_times_s(self) -> list[float]:
+        return [r.iteration_time_s for r in self.reports]
+
+    @property
+    def mean_iteration_time_s(self) -> float:
+        """Simulated time of all plans (a final flush included) per global batch."""
+        return sum(self.iteration_times_s) / max(self.num_batches, 1)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(max(r.peak_memory_bytes) for r in self.reports)
+
+
+@dataclass
+class LayoutResult:
+    strategy: str
+    gpus: int
+    best: LayoutEvaluation
+    finalists: list[LayoutEvaluation]
+    screened: list[tuple[ParallelConfig, float]]  # (layout, first-batch iteration time), best first
+    rejected: list[Rejection]
+    search_time_s: float
+    candidates: int
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.best.parallel
+
+    @property
+    def plans(self) -> list[Plan]:
+        return self.best.plans
+
+    @property
+    def reports(self) -> list[SimulationReport]:
+        return self.best.reports
+
+    @property
+    def mean_iteration_time_s(self) -> float:
+        return self.best.mean_iteration_time_s
+
+    @property
+    def infeasible(self) -> list[Rejection]:
+        return [r for r in self.rejected if r.infeasible]
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.strategy} on {self.gpus} GPUs: best {self.parallel.describe()} "
+            f"({self.mean_iteration_time_s:.3f} s/iteration, peak {format_bytes(self.best.peak_memory_bytes)}); "
+            f"{self.candidates} layouts, {len(self.screened)} screened, {len(self.infeasible)} infeasible, "
+            f"search {self.search_time_s:.1f} s",
+        ]
+        lines += [f"  finalist {e.parallel.describe()}: {e.mean_iteration_time_s:.3f} s" for e in self.finalists]
+        lines += [f"  rejected {r}" for r in self.rejected]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "parallel": self.parallel.to_dict(),
+            "layout": self.parallel.describe(),
+            "mean_iteration_time_s": self.mean_iteration_time_s,
+            "iteration_times_s": self.best.iteration_times_s,
+            "finalists": [{"layout": e.parallel.describe(), "mean_iteration_time_s": e.mean_iteration_time_s}
+                          for e in self.finalists],
+            "screened": [{"layout": p.describe(), "first_batch_time_s": t} for p, t in self.screened],
+            "rejected": [{"layout": r.parallel.describe(), "kind": r.kind, "reason": r.reason} for r in self.rejected],
+            "search_time_s": self.search_time_s,
+            "candidates": self.candidates,
+        }
+
+
+class NoFeasibleLayout(PlanError):
+    """No layout fits; `rejected` says why each one failed."""
+
+    def __init__(self, message: str, rejected: list[Rejection]):
+        super().__init__(message)
+        self.rejected = rejected
+
+
+# ==== enumeration and cheap checks ==============================================================
+
+
+def enumerate_layouts(cost: CostModel, gpus: int, strategy: str,
+                      recompute_modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[ParallelConfig]:
+    """Every ParallelConfig with tp * pp * cp * dp == gpus that the model, the node size and the
+    strategy's constraints allow."""
+    model, hardware = cost.model, cost.hardware
+    constraints = LAYOUT_CONSTRAINTS.get(strategy, LayoutConstraints())
+    layouts = []
+    for tp in divisors(gpus):
+        if tp > hardware.gpus_per_node or model.num_attention_heads % tp or model.kv_heads % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if model.num_layers % pp:
+                continue
+            rest = gpus // (tp * pp)
+            for cp in (c for c in divisors(rest) if c & (c - 1) == 0):
+                for recompute in recompute_modes:
+                    parallel = ParallelConfig(dp=rest // cp, pp=pp, tp=tp, cp=cp, recompute=recompute)
+                    if constraints.allows(parallel):
+                        layouts.append(parallel)
+    return layouts
+
+
+def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+                         context_length: int) -> float:
+    """A lower bound on the strategy's peak memory per device: static memory plus the
+    activations (and, for slicing strategies, the KV cache) of what it must hold at once."""
+    static = cost.static_memory_bytes(parallel)
+    rule = MINIMUM_IN_FLIGHT.get(strategy, "none")
+    if rule == "none":
+        return static
+    longest = max(lengths)
+    tokens = {
+        "sequence": min(context_length, sum(lengths)),
+        "document": longest,
+        "half-document": -(-longest // 2),
+    }[rule]
+    pairs = tokens  # every token attends at least to itself; activations barely depend on pairs
+    need = static + cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
+    need += cost.recompute_peak_bytes(tokens, pairs, parallel)
+    return need
+
+
+def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig) -> float:
+    """Seconds no plan of this batch can beat on this layout: the last stage's forward and
+    backward compute of all tokens as one perfectly efficient pack, spread over the dp ranks
+    (efficiency grows with pack size and communication is linear in tokens, so any real split
+    costs at least as much; bubbles, p2p and the gradient reduction are left out)."""
+    tokens = float(sum(lengths))
+    if strategy in SPLITS_DOCUMENTS:  # a document cut in two keeps at least its halves' pairs
+        pairs = float(sum(causal_pairs(n // 2) + causal_pairs(n - n // 2) for n in lengths))
+    else:
+        pairs = float(sum(causal_pairs(n) for n in lengths))
+    total = (cost.forward_time(tokens, pairs, parallel, last_stage=True)
+             + cost.backward_time(tokens, pairs, parallel, last_stage=True))
+    return total / parallel.dp
+
+
+def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+                    context_length: int) -> Rejection | None:
+    """Static memory, then the strategy's minimum need; None when neither rules the layout out."""
+    budget = cost.memory_budget_bytes()
+    static = cost.static_memory_bytes(parallel)
+    if static > budget:
+        return Rejection(parallel, "static-memory",
+                         f"memory: weights, gradients and optimizer state need {format_bytes(static)} per device, "
+                         f"{format_bytes(budget)} usable on {cost.hardware.name}")
+    need = minimum_memory_bytes(strategy, lengths, cost, parallel, context_length)
+    if need > budget:
+        what = {"sequence": "a full sequence", "document": "the longest document",
+                "half-document": "half of the longest document"}[MINIMUM_IN_FLIGHT[strategy]]
+        return Rejection(parallel, "minimum-memory",
+                         f"memory: {strategy} holds at least {what} ({max(lengths)}-token document, context "
+                         f"{context_length}) in flight: {format_bytes(need)} per device > {format_bytes(budget)} "
+                         f"usable on {cost.hardware.name}")
+    return None
+
+
+# ==== planning and simulating one layout ========================================================
+
+
+@dataclass
+class _Run:
+    """A layout being evaluated: its planner (state kept across batches) and results so far."""
+
+    parallel: ParallelConfig
+    config: SlimPackConfig
+    planner: StepPlanner | None = None
+    plans: list[Plan] = field(default_factory=list)
+    reports: list[SimulationReport] = field(default_factory=list)
+
+
+def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int | None) -> Rejection | None:
+    """Plan one batch (or, with step None, the planner's flush) and simulate it."""
+    where = "the final flush" if step is None else f"batch {step}"
+    started = time.perf_counter()
+    try:
+        if step is None:
+            plan = run.planner.flush(run.parallel, cost, run.config)
+            if plan is None:
+                return None
+        else:
+            plan = run.planner.plan(lengths, run.parallel, cost, run.config)
+        plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
+        plan.validate()
+        report = simulate(plan, cost, detail=False)
+    except PlanError as error:
+        kind = "planner" if str(error).startswith("memory") else "invalid"
+        return Rejection(run.parallel, kind, f"{where}: {error}")
+    except SimulationError as error:
+        return Rejection(run.parallel, "simulation", f"{where}: {error}")
+    budget = cost.memory_budget_bytes()
+    peak = max(report.peak_memory_bytes)
+    if peak > budget:
+        stage = report.peak_memory_bytes.index(peak)
+        return Rejection(run.parallel, "simulated-memory",
+                         f"memory: {where} peaks at {format_bytes(peak)} on pipeline stage {stage}, "
+                         f"{format_bytes(budget)} usable on {cost.hardware.name}")
+    run.plans.append(plan)
+    run.reports.append(report)
+    return None
+
+
+def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel) -> Rejection | None:
+    """The batches after the first, then the planner's flush if it has one."""
+    for step in range(len(run.plans), len(batches)):
+        rejection = _plan_and_simulate(run, batches[step], cost, step)
+        if rejection:
+            return rejection
+    if callable(getattr(run.planner, "flush", None)):
+        return _plan_and_simulate(run, [], cost, None)
+    return None
+
+
+# ==== the search ================================================================================
+
+
+def best_layout(
+    strategy: str,
+    batches: list[list[int]],
+    cost: CostModel,
+    gpus: int,
+    context_length: int,
+    base_config: SlimPackConfig | None = None,
+    *,
+    layouts: list[ParallelConfig] | None = None,
+    finalists: int = 3,
+    recompute_cascade: bool = True,
+) -> LayoutResult:
+    """The fastest memory-feasible layout of `gpus` GPUs for `strategy` on `batches` (lists of
+    document lengths, each at most `context_length`). `layouts` replaces the enumeration (each is
+    still checked: world size, model split, strategy constraints). Raises NoFeasibleLayout, whose
+    `rejected` lists every layout with its reason, when nothing fits."""
+    started = time.perf_counter()
+    if not batches:
+        raise PlanError("best_layout: no batches given")
+    if not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"best_layout: gpus must be a positive integer, got {gpus!r}")
+    batches = [check_plan_input(lengths, context_length) for lengths in batches]
+    config = (base_config or SlimPackConfig()).with_(strategy=strategy, context_length=context_length)
+    new_planner(strategy)  # fails early, naming the known strategies, if `strategy` is unknown
+    rejected: list[Rejection] = []
+    candidates = _candidates(strategy, cost, gpus, layouts, rejected)
+    first = batches[0]
+    screened: list[_Run] = []
+    for parallel in candidates:
+        rejection = cheap_rejection(strategy, first, cost, parallel, context_length)
+        if rejection:
+            rejected.append(rejection)
+            continue
+        screened.append(_Run(parallel, config))
+    runs = _screen(strategy, screened, first, cost, rejected, recompute_cascade)
+    runs.sort(key=lambda run: run.reports[0].iteration_time_s)
+    done: list[LayoutEvaluation] = []
+    for run in runs:
+        if len(done) == finalists:
+            break
+        rejection = _finish_run(run, batches, cost)
+        if rejection:
+            rejected.append(rejection)
+            continue
+        done.append(LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches)))
+    if not done:
+        raise NoFeasibleLayout(_no_layout_message(strategy, gpus, rejected), rejected)
+    done.sort(key=lambda evaluation: evaluation.mean_iteration_time_s)
+    return LayoutResult(
+        strategy=strategy, gpus=gpus, best=done[0], finalists=done,
+        screened=[(run.parallel, run.reports[0].iteration_time_s) for run in runs],
+        rejected=rejected, search_time_s=time.perf_counter() - started, candidates=len(candidates),
+    )
+
+
+def _candidates(strategy: str, cost: CostModel, gpus: int, layouts, rejected: list[Rejection]) -> list[ParallelConfig]:
+    if layouts is None:
+        found = enumerate_layouts(cost, gpus, strategy)
+        if not found:
+            raise NoFeasibleLayout(
+                f"no layout of {gpus} GPUs splits {cost.model.name} for {strategy}: tp must divide "
+                f"{cost.model.kv_heads} KV heads and be <= {cost.hardware.gpus_per_node}, pp must divide "
+                f"{cost.model.num_layers} layers", [])
+        return found
+    constraints = LAYOUT_CONSTRAINTS.get(strategy, LayoutConstraints())
+    kept = []
+    for parallel in layouts:
+        try:
+            parallel.check_model(cost.model)
+        except SpecError as error:
+            rejected.append(Rejection(parallel, "invalid", str(error)))
+            continue
+        if parallel.world_size != gpus:
+            rejected.append(Rejection(parallel, "invalid", f"uses {parallel.world_size} GPUs, not {gpus}"))
+        elif not constraints.allows(parallel):
+            rejected.append(Rejection(parallel, "invalid", f"not a {strategy} layout: {constraints.reason}"))
+        else:
+            kept.append(parallel)
+    return kept
+
+
+def _shape(parallel: ParallelConfig) -> tuple[int, int, int, int]:
+    return parallel.tp, parallel.pp, parallel.cp, parallel.dp
+
+
+def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
+            recompute_cascade: bool) -> list[_Run]:
+    """Plan and simulate the first batch on each layout, most promising (lowest bound) first."""
+    # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
+    # documents or bring back earlier ones, so it is screened without the bound.
+    bounded = type(new_planner(strategy)) is StepPlanner
+    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel) for run in runs}
+    mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
+    # Bound order; recompute only adds time, so within a shape the lighter modes come first.
+    ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute]))
+    fitted: set[tuple[int, int, int, int]] = set()  # shapes where a lighter recompute mode fits
+    best = math.inf
+    feasible: list[_Run] = []
+    for run in ordered:
+        shape = _shape(run.parallel)
+        if recompute_cascade and shape in fitted:
+            rejected.append(Rejection(run.parallel, "recompute-cascade",
+                                      "not evaluated: a lighter recompute mode fits this layout, and recompute "
+                                      "only adds time"))
+            continue
+        if bounded and bounds[id(run)] >= best:
+            rejected.append(Rejection(run.parallel, "bound",
+                                      f"not evaluated: its lower bound {bounds[id(run)]:.3f} s is above the best "
+                                      f"first-batch time {best:.3f} s"))
+            continue
+        run.planner = new_planner(strategy)
+        rejection = _plan_and_simulate(run, lengths, cost, 0)
+        if rejection:
+            rejected.append(rejection)
+            continue
+        fitted.add(shape)
+        feasible.append(run)
+        best = min(best, run.reports[0].iteration_time_s)
+    return feasible
+
+
+def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> str:
+    shown = "; ".join(str(r) for r in rejected[:6])
+    more = f" (and {len(rejected) - 6} more)" if len(rejected) > 6 else ""
+    return (f"no feasible layout of {gpus} GPUs for {strategy}: {shown}{more}. Use more GPUs, a shorter context "
+            f"or a smaller model")
+
+
+__all__ = [
+    "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "Rejection", "LayoutEvaluation", "LayoutResult",
+    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "iteration_lower_bound", "cheap_rejection",
+    "best_layout",
+]

@@ -1,0 +1,61 @@
+"""Backends, layer spec and the CPU compatibility layer."""
+import pytest
+import torch
+
+from megatron_slimpack.runtime import attention
+from megatron_slimpack.runtime.attention import BackendUnavailable, resolve_backend, torch_kernel
+
+
+def test_torch_kernel_is_bottom_right_causal():
+    torch.manual_seed(0)
+    lq, lk, heads, groups, dim = 5, 12, 4, 2, 8
+    q, k, v = torch.randn(lq, heads, dim), torch.randn(lk, groups, dim), torch.randn(lk, groups, dim)
+    out = torch_kernel(q, k, v, torch.tensor([0, lq]), torch.tensor([0, lk]), lq, lk, dim ** -0.5, 0.0)
+    # explicit reference: query i is key position lk - lq + i and sees keys [0, lk - lq + i]
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * dim ** -0.5
+    visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", probs, vv))
+
+
+def test_backend_choice():
+    assert resolve_backend("auto") in attention.available_backends()
+    assert resolve_backend("torch") == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("cudnn")
+    for name, package in (("te", "transformer_engine"), ("flash", "flash_attn")):
+        if not attention._installed(package):
+            with pytest.raises(BackendUnavailable, match=package):
+                resolve_backend(name)
+
+
+def test_layer_spec_swaps_only_core_attention(megatron_cpu):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = attention.slimpack_layer_spec("torch")
+    stock = get_gpt_layer_local_spec(normalization="RMSNorm")
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is attention.SlicedDotProductAttention and core.params == {"backend": "torch"}
+    assert spec.submodules.mlp == stock.submodules.mlp
+    assert stock.submodules.self_attention.submodules.core_attention is not core  # stock spec untouched
+
+
+def test_compat_is_idempotent_and_undoable(megatron_cpu):
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from megatron_slimpack.runtime import compat
+
+    if not compat.needed():
+        pytest.skip("a GPU is present: no compatibility layer")
+    tracker = mp_random.get_cuda_rng_tracker()
+    assert compat.apply() and mp_random.get_cuda_rng_tracker() is tracker  # second apply: no-op
+    compat.undo()
+    try:
+        assert not compat.is_applied()
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()
+    finally:
+        compat.apply()
+        mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the session's seeded streams
+    assert str(torch.cuda.current_device()) == "cpu"
