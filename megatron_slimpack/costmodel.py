@@ -39,25 +39,36 @@ class TimeCoefficients:
 @dataclass(frozen=True)
 class ActivationCoefficients:
     """Bytes one layer keeps for backward per MicroPack, before TP/CP division:
-    per_token*T + per_pair*A (per_pair is non-zero only for backends that save the score matrix)."""
+    per_token*T + per_pair*A + per_prefix_token*P (P: KV-prefix tokens the MicroPack reads).
+    `per_model_token` is paid once on the last stage (final norm, output-layer input)."""
 
     per_token: float
     per_pair: float
+    per_prefix_token: float = 0.0
+    per_model_token: float = 0.0
 
 
 def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: str) -> ActivationCoefficients:
-    """Tensors one Llama layer saves for backward, itemised.
+    """Tensors one Llama layer saves for backward, itemised (h hidden, kv K/V width, f ffn, d head).
 
-    Per token: norm inputs (2h), QKV-projection input (h), Q/K/V (h + 2 kv), attention output
-    (h, also the out-projection input), MLP input after norm (h), fc1 output (2f for SwiGLU: gate
-    and up), SwiGLU output (f, the fc2 input), plus the residual inputs (2h).
-    A reference (non-flash) attention also saves its softmax probabilities: heads values per pair.
+    Fused GPU path (TE / flash-attn): norm inputs and rstd (2h + 2), the QKV output (h + 2kv), the
+    attention output (h, also the out-projection input), the MLP input after norm (h), the fc1
+    output (2f for SwiGLU) and the SwiGLU output (f); the kernel keeps no score matrix.
+    Torch reference path (measured with saved_tensors_hooks on megatron-core 0.16.1's local spec):
+    each torch RMSNorm keeps x, x*rstd and rstd (4h + 2); the inputs of linear_qkv, linear_proj and
+    linear_fc1 (3h); a scaled q inside SDPA (h); K and V expanded to all heads (2h); RoPE cos/sin
+    for q and k (4d); SwiGLU keeps 2f + 2f + f. Per KV-prefix token, the expanded K/V (2h); per
+    (query, key) pair, the softmax probabilities of every head over the slice's full rectangle,
+    about twice the causal pairs.
     """
-    h, kv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
-    per_token_elements = 2 * h + h + (h + 2 * kv) + h + h + fc1 + f + 2 * h
-    per_pair = 0.0 if attention_backend == "flash" else model.num_attention_heads * dtype_bytes
-    return ActivationCoefficients(per_token_elements * dtype_bytes, per_pair)
+    if attention_backend == "torch":
+        per_token = 4 * h + 2 + 3 * h + h + 2 * h + 4 * d + fc1 + 2 * f + f
+        return ActivationCoefficients(per_token * dtype_bytes, 2 * model.num_attention_heads * dtype_bytes,
+                                      2 * h * dtype_bytes, (3 * h + 1) * dtype_bytes)
+    per_token = (2 * h + 2) + (h + 2 * kv) + h + h + fc1 + f
+    return ActivationCoefficients(per_token * dtype_bytes, 0.0, 0.0, (2 * h + 1) * dtype_bytes)
 
 
 class CostModel:
@@ -263,8 +274,11 @@ class CostModel:
         optimizer = 12.0 * params / (parallel.dp * parallel.cp if parallel.zero1 else 1)
         return params * (self.dtype_bytes + 4.0) + optimizer
 
-    def activation_bytes(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
-        """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward."""
+    def activation_bytes(
+        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False, prefix_tokens: float = 0.0
+    ) -> float:
+        """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward.
+        `prefix_tokens`: KV-prefix tokens its slices read (matters only where the kernel copies them)."""
         layers = self.layers_per_stage(parallel)
         shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
         if parallel.recompute == "full":
@@ -273,10 +287,11 @@ class CostModel:
             per_token = self.activation.per_token
             if parallel.recompute == "selective":
                 per_token -= 2 * self.model.ffn_hidden_size * self.dtype_bytes  # fc1 output recomputed
-            per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp) / shards
+            per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp
+                         + self.activation.per_prefix_token * prefix_tokens) / shards
         total = layers * per_layer
         if last_stage:
-            total += self.logits_bytes(tokens, parallel)
+            total += self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards
         return total
 
     def logits_bytes(self, tokens: float, parallel: ParallelConfig) -> float:

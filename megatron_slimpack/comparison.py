@@ -1,0 +1,108 @@
+"""Side-by-side comparison: every strategy on the same batches, cost model and simulator, each in
+its own best memory-feasible layout for the same GPU count (`slimpack compare`)."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import SlimPackConfig
+from .costmodel import CostModel
+from .plan import PlanError
+from .simulator import simulate
+from .simulator.report import ComparisonRow, comparison_table, write_gantt
+from .solver.layouts import LayoutResult, NoFeasibleLayout, best_layout
+from .solver.strategies import strategy_names
+
+REFERENCE = "megatron-fixed"
+
+
+@dataclass
+class ComparisonResult:
+    results: dict[str, LayoutResult]
+    failures: dict[str, str] = field(default_factory=dict)
+    gantt_files: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[ComparisonRow]:
+        reference = self.results.get(REFERENCE)
+        rows = []
+        for name, result in self.results.items():
+            report = _mean_report(result)
+            planning = [p.metadata.get("planning_time_s") for p in result.plans if p.metadata.get("planning_time_s")]
+            rows.append(ComparisonRow(
+                strategy=name, layout=result.parallel.describe(), report=report,
+                planning_time_s=sum(planning) / len(planning) if planning else None,
+                reference=reference.mean_iteration_time_s if reference else None,
+            ))
+        return rows
+
+    def table(self, fmt: str = "markdown") -> str:
+        return comparison_table(self.rows(), fmt)
+
+    def notes(self) -> list[str]:
+        lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
+        lines += [f"Gantt chart: {path}" for path in self.gantt_files]
+        return lines
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": [row.values() for row in self.rows()],
+            "layouts": {name: result.to_dict() for name, result in self.results.items()},
+            "failures": self.failures,
+        }
+
+
+def _mean_report(result: LayoutResult):
+    """The step whose time is closest to the mean stands for the strategy; the iteration time
+    shown is the mean over all steps (delayed documents of stateful strategies included)."""
+    reports = result.reports
+    mean = result.mean_iteration_time_s
+    closest = min(reports, key=lambda r: abs(r.iteration_time_s - mean))
+    tokens = sum(r.num_tokens for r in reports)
+    closest.tokens_per_s = tokens / (mean * result.best.num_batches) if mean > 0 else 0.0
+    closest.iteration_time_s = mean
+    return closest
+
+
+def resolve_strategies(text: str) -> list[str]:
+    known = strategy_names()
+    if text == "all":
+        ordered = [REFERENCE] + [n for n in known if n != REFERENCE]
+        return [n for n in ordered if n in known]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PlanError(f"unknown strategies {unknown}; known: {', '.join(known)}")
+    return names
+
+
+def run_comparison(
+    *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int,
+    global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int = 0,
+    solver_time_limit_s: float = 0.5, gantt_dir: str | None = None, show_progress: bool = True,
+    batches: list[list[int]] | None = None,
+) -> ComparisonResult:
+    if batches is None:
+        from .workload import GlobalBatchSampler, load_lengths
+
+        sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
+        batches = [sampler.next_batch().lengths for _ in range(steps)]
+    config = SlimPackConfig(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s)
+    result = ComparisonResult({})
+    for name in resolve_strategies(strategies):
+        if show_progress:
+            print(f"[compare] {name}: searching layouts for {gpus} GPUs ...", file=sys.stderr, flush=True)
+        try:
+            result.results[name] = best_layout(name, batches, cost, gpus, context_length, config)
+        except NoFeasibleLayout as error:
+            result.failures[name] = str(error).splitlines()[0]
+        except PlanError as error:
+            result.failures[name] = str(error)
+    if gantt_dir:
+        Path(gantt_dir).mkdir(parents=True, exist_ok=True)
+        for name, layout in result.results.items():
+            detailed = simulate(layout.plans[0], cost)
+            path = Path(gantt_dir) / f"{name}.png"
+            write_gantt(detailed, path, title=f"{name} {layout.parallel.describe()} step 0")
+            result.gantt_files.append(str(path))
+    return result
