@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from .specs import ParallelConfig
 
@@ -20,17 +20,16 @@ class PlanError(ValueError):
     """A plan (or planner input) that breaks a rule; the message names the rule and the culprit."""
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     """One document of `length` tokens; `sample_id` is unique within the global batch."""
 
     sample_id: int
     length: int
 
 
-@dataclass(frozen=True)
-class Slice:
-    """Tokens [start, end) of a sample. Its queries attend to [0, end) of the same sample."""
+class Slice(NamedTuple):
+    """Tokens [start, end) of a sample. Its queries attend to [0, end) of the same sample.
+    (A NamedTuple: the planner creates hundreds of thousands per step.)"""
 
     sample_id: int
     start: int
@@ -80,13 +79,18 @@ def chains(micropacks: list[MicroPack]) -> list[list[int]]:
             i = parent[i]
         return i
 
+    # Only a sample with a continuation slice (start > 0) links MicroPacks.
+    continued = {piece.sample_id for m in micropacks for piece in m.slices if piece.start > 0}
     owner: dict[int, int] = {}
-    for index, micropack in enumerate(micropacks):
-        for sample_id in micropack.sample_ids:
-            if sample_id in owner:
-                parent[find(index)] = find(owner[sample_id])
-            else:
-                owner[sample_id] = index
+    if continued:
+        for index, micropack in enumerate(micropacks):
+            for piece in micropack.slices:
+                if piece.sample_id not in continued:
+                    continue
+                if piece.sample_id in owner:
+                    parent[find(index)] = find(owner[piece.sample_id])
+                else:
+                    owner[piece.sample_id] = index
     groups: dict[int, list[int]] = {}
     for index in range(len(micropacks)):
         groups.setdefault(find(index), []).append(index)

@@ -107,19 +107,20 @@ def _solve(
     costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float, seed: int, workers: int
 ) -> tuple[list[list[int]], dict]:
     heavy, sand = order[:MAX_MODEL_ITEMS], order[MAX_MODEL_ITEMS:]
-    hint = _lpt(costs, order, fixed_load)
-    hint_rank = {i: r for r, members in enumerate(hint) for i in members}
+    hint_rank = {i: r for r, members in enumerate(_lpt(costs, heavy, fixed_load)) for i in members}
     model, assign, sand_amount, makespan = _build_model(costs, heavy, sand, fixed_load, hint_rank)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
+    # Presolve's symmetry breaking would otherwise declare the LPT hint infeasible and drop it.
+    solver.parameters.keep_all_feasible_solutions_in_presolve = True
     status = solver.Solve(model)
     status_name = solver.StatusName(status)
     report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand))}
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s; using the LPT assignment"
-        return hint, report
+        return _lpt(costs, order, fixed_load), report
     objective, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
     report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
                   gap=(objective - bound) / objective if objective else 0.0)
@@ -129,10 +130,6 @@ def _solve(
         replicas[rank].append(int(index))
     targets = [solver.Value(amount) / COST_SCALE for amount in sand_amount]
     _pour_sand(costs, sand, replicas, targets)
-    chosen = _loads(costs, replicas, fixed_load)
-    if max(chosen) > max(_loads(costs, hint, fixed_load)):
-        report["fallback"] = "LPT assignment was better after pouring the short documents; using it"
-        return hint, report
     return replicas, report
 
 
@@ -153,7 +150,13 @@ def _build_model(costs, heavy, sand, fixed_load, hint_rank):
         model.AddExactlyOne(assign[index, rank] for rank in range(dp))
     sand_amount = [model.NewIntVar(0, sand_total, f"sand_{rank}") for rank in range(dp)]
     model.Add(sum(sand_amount) == sand_total)
+    hinted = list(fixed)
+    for index, rank in hint_rank.items():
+        hinted[rank] += scaled[int(index)]
+    for rank, amount in enumerate(_water_fill(hinted, sand_total)):
+        model.AddHint(sand_amount[rank], amount)
     makespan = model.NewIntVar(0, upper, "makespan")
+    model.AddHint(makespan, max(load + amount for load, amount in zip(hinted, _water_fill(hinted, sand_total))))
     for rank in range(dp):
         load = sum(scaled[int(i)] * assign[int(i), rank] for i in heavy) + sand_amount[rank] + fixed[rank]
         model.Add(load <= makespan)
@@ -164,15 +167,36 @@ def _build_model(costs, heavy, sand, fixed_load, hint_rank):
     return model, assign, sand_amount, makespan
 
 
+def _water_fill(loads: list[int], total: int) -> list[int]:
+    """Integer amounts summing to `total` that raise the lowest loads to a common level."""
+    order = sorted(range(len(loads)), key=lambda r: loads[r])
+    amounts = [0] * len(loads)
+    remaining = total
+    for count in range(1, len(order) + 1):
+        group = order[:count]
+        level = loads[order[0]] + amounts[order[0]]  # the group's members share this level
+        if count < len(order) and (loads[order[count]] - level) * count <= remaining:
+            rise = loads[order[count]] - level
+            for rank in group:
+                amounts[rank] += rise
+            remaining -= rise * count
+            continue
+        share, extra = divmod(remaining, count)
+        for position, rank in enumerate(group):
+            amounts[rank] += share + (1 if position < extra else 0)
+        return amounts
+    return amounts
+
+
 def _pour_sand(costs, sand, replicas, targets) -> None:
-    """Largest-first: each short document to the replica furthest below its target."""
-    remaining = [target for target in targets]
-    heap = [(-room, rank) for rank, room in enumerate(remaining)]
-    heapq.heapify(heap)
-    for index in sand:
-        room, rank = heapq.heappop(heap)
-        replicas[rank].append(int(index))
-        heapq.heappush(heap, (room + costs[index], rank))
+    """Deal the short documents (largest first) into consecutive runs whose costs meet each
+    replica's target; each replica misses its target by less than one short document."""
+    if len(sand) == 0:
+        return
+    boundaries = np.cumsum(targets)[:-1]
+    owner = np.searchsorted(boundaries, np.cumsum(costs[sand]) - costs[sand] / 2, side="right")
+    for rank in range(len(replicas)):
+        replicas[rank].extend(int(i) for i in sand[owner == rank])
 
 
 def _loads(costs, replicas, fixed_load) -> list[float]:

@@ -241,8 +241,15 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
         "half-document": -(-longest // 2),
     }[rule]
     pairs = tokens  # every token attends at least to itself; activations barely depend on pairs
-    need = static + cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
-    need += cost.recompute_peak_bytes(tokens, pairs, parallel)
+    last_stage = static + cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
+    need = last_stage + cost.recompute_peak_bytes(tokens, pairs, parallel)
+    if rule == "sequence" and parallel.pp > 1:
+        # 1F1B: stage 0 holds min(pp, its micro-batches) full sequences before its first backward.
+        full_sequences = sum(lengths) // context_length  # rank 0's block starts with full ones
+        first_rank = math.ceil(math.ceil(sum(lengths) / context_length) / parallel.dp)
+        if min(full_sequences, first_rank) >= parallel.pp:
+            first_stage = static + parallel.pp * cost.activation_bytes(tokens, pairs, parallel)
+            need = max(need, first_stage)
     return need
 
 
@@ -272,12 +279,16 @@ def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel
                          f"{format_bytes(budget)} usable on {cost.hardware.name}")
     need = minimum_memory_bytes(strategy, lengths, cost, parallel, context_length)
     if need > budget:
-        what = {"sequence": "a full sequence", "document": "the longest document",
-                "half-document": "half of the longest document"}[MINIMUM_IN_FLIGHT[strategy]]
+        rule, longest = MINIMUM_IN_FLIGHT[strategy], max(lengths)
+        what = {
+            "sequence": f"full {min(context_length, sum(lengths))}-token sequences (1F1B keeps up to pp of them "
+                        "on stage 0)",
+            "document": f"the longest document ({longest} tokens) whole",
+            "half-document": f"the larger piece of the longest document ({-(-longest // 2)}+ tokens)",
+        }[rule]
         return Rejection(parallel, "minimum-memory",
-                         f"memory: {strategy} holds at least {what} ({max(lengths)}-token document, context "
-                         f"{context_length}) in flight: {format_bytes(need)} per device > {format_bytes(budget)} "
-                         f"usable on {cost.hardware.name}")
+                         f"memory: {strategy} holds {what} in flight: at least {format_bytes(need)} per device, "
+                         f"{format_bytes(budget)} usable on {cost.hardware.name}")
     return None
 
 
@@ -462,10 +473,13 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
 
 
 def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> str:
-    shown = "; ".join(str(r) for r in rejected[:6])
-    more = f" (and {len(rejected) - 6} more)" if len(rejected) > 6 else ""
-    return (f"no feasible layout of {gpus} GPUs for {strategy}: {shown}{more}. Use more GPUs, a shorter context "
-            f"or a smaller model")
+    """Rejections counted by kind, with the last (most parallel or most recompute) example of each."""
+    by_kind: dict[str, list[Rejection]] = {}
+    for rejection in rejected:
+        by_kind.setdefault(rejection.kind, []).append(rejection)
+    parts = [f"{len(items)} {kind} (e.g. {items[-1]})" for kind, items in by_kind.items()]
+    return (f"no feasible layout of {gpus} GPUs for {strategy}; {len(rejected)} rejected: " + "; ".join(parts)
+            + ". Use more GPUs, activation recompute, a shorter context or a smaller model")
 
 
 __all__ = [

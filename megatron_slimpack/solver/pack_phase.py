@@ -65,11 +65,26 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
     return bounds
 
 
-def pack_micropacks(samples: list[Sample], options: PackOptions, rates: WorkRates) -> list[MicroPack]:
-    chains = [cut_document(s, options, rates) for s in samples if s.length > options.slice_tokens]
-    short = sorted((s for s in samples if s.length <= options.slice_tokens), key=lambda s: -s.length)
-    lengths = np.array([s.length for s in short], dtype=float)
-    short_cost = rates.total(lengths, lengths * (lengths + 1) / 2)
+class SortedSamples:
+    """A replica's documents, longest first, with their whole-document slices and costs: computed
+    once and shared by every MicroPack size the planner tries."""
+
+    def __init__(self, samples: list[Sample], rates: WorkRates):
+        self.samples = sorted(samples, key=lambda s: -s.length)
+        self.lengths = np.array([s.length for s in self.samples], dtype=float)
+        self.whole = [Slice(s.sample_id, 0, s.length) for s in self.samples]
+        self.costs = rates.total(self.lengths, self.lengths * (self.lengths + 1) / 2)
+
+    def split(self, slice_tokens: int) -> int:
+        """Index of the first document short enough to stay whole."""
+        return int(np.searchsorted(-self.lengths, -slice_tokens, side="left"))
+
+
+def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions, rates: WorkRates) -> list[MicroPack]:
+    ordered = samples if isinstance(samples, SortedSamples) else SortedSamples(samples, rates)
+    first_short = ordered.split(options.slice_tokens)
+    chains = [cut_document(s, options, rates) for s in ordered.samples[:first_short]]
+    short, short_cost = ordered.whole[first_short:], ordered.costs[first_short:]
     pieces = [piece for chain in chains for piece in chain]
     slice_costs = [rates.total(p.length, p.attention_pairs) for p in pieces]
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
@@ -81,7 +96,7 @@ def pack_micropacks(samples: list[Sample], options: PackOptions, rates: WorkRate
     for piece, piece_cost in zip(pieces, slice_costs):
         pack, room, tokens = [piece], target - piece_cost, options.token_cap - piece.length
         while smallest >= 0 and short_cost[smallest] <= room and short[smallest].length <= tokens:
-            pack.append(Slice(short[smallest].sample_id, 0, short[smallest].length))
+            pack.append(short[smallest])
             room -= short_cost[smallest]
             tokens -= short[smallest].length
             smallest -= 1
@@ -91,13 +106,13 @@ def pack_micropacks(samples: list[Sample], options: PackOptions, rates: WorkRate
     others: list[list[Slice]] = []
     room = tokens = -1.0
     for index in range(smallest + 1):
-        sample, cost = short[index], short_cost[index]
-        if cost > room or sample.length > tokens:
+        whole, cost = short[index], short_cost[index]
+        if cost > room or whole.length > tokens:
             others.append([])
             room, tokens = target, options.token_cap
-        others[-1].append(Slice(sample.sample_id, 0, sample.length))
+        others[-1].append(whole)
         room -= cost
-        tokens -= sample.length
+        tokens -= whole.length
     return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
 
 
@@ -164,23 +179,33 @@ def segment_units(
     return forward_units, [[order[p] for p in group] for group in backward_positions]
 
 
+def unit_sums(values: np.ndarray, units: list[list[int]]) -> np.ndarray:
+    """Sum of `values` over each unit's MicroPacks."""
+    flat = np.fromiter((mp for unit in units for mp in unit), dtype=np.int64)
+    starts = np.cumsum([0] + [len(unit) for unit in units[:-1]])
+    return np.add.reduceat(values[flat], starts)
+
+
 def stage_work(
     forward_units, backward_units, costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig, budget_bytes: float
 ) -> StageWork:
     pp = parallel.pp
 
     def per_stage(values: np.ndarray, units) -> list[list[float]]:
-        middle = [float(values[0][u].sum()) for u in units]
-        last = [float(values[1][u].sum()) for u in units]
+        middle, last = unit_sums(values[0], units).tolist(), unit_sums(values[1], units).tolist()
         return [last if stage == pp - 1 else middle for stage in range(pp)]
+
+    def transfer(units) -> list[float]:
+        tokens = unit_sums(costs.tokens, units)
+        return (cost.p2p_time(tokens, parallel) + np.zeros_like(tokens)).tolist()
 
     forward_bytes = per_stage(costs.activation, forward_units)
     largest = [max(row) for row in forward_bytes]
     return StageWork(
         forward_time=per_stage(costs.forward, forward_units),
         backward_time=per_stage(costs.backward, backward_units),
-        forward_transfer=[cost.p2p_time(costs.tokens[u].sum(), parallel) for u in forward_units],
-        backward_transfer=[cost.p2p_time(costs.tokens[u].sum(), parallel) for u in backward_units],
+        forward_transfer=transfer(forward_units),
+        backward_transfer=transfer(backward_units),
         forward_bytes=forward_bytes,
         backward_frees=per_stage(costs.activation, backward_units),
         budget=[min((pp - stage) * largest[stage], budget_bytes) for stage in range(pp)],

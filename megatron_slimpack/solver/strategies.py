@@ -17,7 +17,7 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError, ReplicaPlan, Sample
 from ..specs import ParallelConfig
 from .dp_phase import assign_to_replicas
-from .pack_phase import MicroPackCosts, PackOptions, order_replica, pack_micropacks
+from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, order_replica, pack_micropacks
 from .work import WorkRates
 
 Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
@@ -151,15 +151,16 @@ def unit_candidates(pp: int, micropacks: int) -> list[int]:
 
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
-    rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool,
+    rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, sizes: list[int] | None = None,
 ) -> tuple[ReplicaPlan, float, dict]:
-    """Try MicroPack sizes and unit counts; keep the shortest pipeline schedule."""
+    """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
     budget = activation_budget(cost, parallel, config.context_length)
     best: tuple[ReplicaPlan, float, dict] | None = None
-    for size in slice_candidates(token_cap, config):
-        micropacks = pack_micropacks(samples, PackOptions(size, size, 1), rates)
+    ordered = SortedSamples(samples, rates)
+    for size in sizes or slice_candidates(token_cap, config):
+        micropacks = pack_micropacks(ordered, PackOptions(size, size, 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
         for units in unit_candidates(parallel.pp, len(micropacks)):
             replica, makespan = order_replica(micropacks, costs, units, symmetric, cost, parallel, dp_ranks, budget)
@@ -177,7 +178,8 @@ def plan_slimpack(
     token_cap = auto_token_cap(cost, parallel, config)
     rates = WorkRates.from_cost(cost, parallel, token_cap)
     samples = [Sample(i, n) for i, n in enumerate(lengths)]
-    document_costs = np.array([rates.document(n) for n in lengths])
+    as_array = np.asarray(lengths, dtype=float)
+    document_costs = rates.total(as_array, as_array * (as_array + 1) / 2)
     assignment = assign_to_replicas(
         document_costs, parallel.dp, time_limit_s=config.solver_time_limit_s, seed=config.seed,
         workers=config.solver_workers, dp_merge=config.dp_merge if dp_merge is None else dp_merge,
@@ -191,13 +193,24 @@ def plan_slimpack(
         replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric)
         replicas.append(replica)
         predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": float(makespan), **choice})
-    for rank, indices in enumerate(assignment.replica_samples):
+    # Replicas hold statistically alike batches: the MicroPack size is searched on the heaviest
+    # one and reused by the others (unit counts are still searched per replica).
+    heaviest = int(np.argmax(assignment.replica_loads))
+    order = [heaviest] + [rank for rank in range(parallel.dp) if rank != heaviest]
+    own: dict[int, ReplicaPlan] = {}
+    chosen_sizes: list[int] | None = None
+    for rank in order:
         # A rank may get no documents of its own (fewer heavy documents than ranks): it then idles
         # until the gradient reduction, which the simulator shows as DP imbalance.
-        members = [samples[i] for i in indices]
-        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric)
-        replicas.append(replica)
+        members = [samples[i] for i in assignment.replica_samples[rank]]
+        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric,
+                                                 sizes=chosen_sizes)
+        if members and chosen_sizes is None:
+            chosen_sizes = [choice["micropack_tokens"]]
+        own[rank] = replica
         predicted.append({"dp_ranks": [rank], "makespan_s": float(makespan), **choice})
+    replicas += [own[rank] for rank in range(parallel.dp)]
+    predicted.sort(key=lambda entry: (len(entry["dp_ranks"]) == 1, entry["dp_ranks"]))
     metadata = {
         "token_cap": token_cap,
         "phase1": assignment.solver,
