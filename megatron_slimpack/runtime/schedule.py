@@ -1,0 +1,308 @@
+"""Pipeline-parallel schedule for one `ReplicaPlan` (design.md section 3).
+
+`slimpack_forward_backward` is a drop-in `forward_backward_func`: it takes Megatron's keyword
+signature (`forward_step_func, data_iterator, model, num_microbatches, seq_length,
+micro_batch_size, forward_only`, extra keywords accepted) plus the SlimPack ones (`plan`,
+`token_source`, and optionally `replica_index`/`dp_rank`, `pp_group`, `pp_rank`, `dp_group`,
+`kv_store`). Megatron's own arguments are accepted for compatibility only: the plan decides what
+runs, and the tokens come from `token_source` (`forward_step_func` and `data_iterator` are not
+called).
+
+Each pipeline stage (one process holding a megatron-core GPTModel chunk built with
+`pre_process`/`post_process` for its stage) runs exactly `replica.stage_orders[pp_rank]`:
+
+* forward unit u: receive the unit's activation from the previous stage (blocking `recv` of a
+  [sum of the unit's MicroPack tokens, 1, hidden] tensor: the shape comes from the plan, there
+  is no shape exchange), split it into one leaf per MicroPack (`split_into_leaves`), run
+  `forward_step` per MicroPack, concatenate the outputs and `isend` them to the next stage;
+* backward unit v: receive the gradient of the unit's outputs (ordered as the backward unit lists
+  its MicroPacks), run `backward_step` per MicroPack in that order (on the last stage the output
+  is the MicroPack's loss sum and its gradient is 1 / global loss tokens), concatenate the input
+  gradients in the same order and `isend` them upstream.
+
+Communication is plain `torch.distributed` point-to-point over the pipeline process group (gloo
+on CPU, or NCCL), not Megatron's `p2p_communication` (which assumes CUDA). Sends are
+non-blocking; their handles are waited on before the function returns. Messages between two
+neighbouring stages flow in one direction per kind (activations downstream in forward-unit
+order, gradients upstream in backward-unit order) and each side posts them in the same order, so
+they match without tags.
+
+Data parallelism: gradients are summed over the data-parallel group once, after the last backward
+of the step, by a plain `all_reduce(SUM)` of every parameter's `.grad` (coalesced into one flat
+buffer per dtype). Because the loss is already divided by the global batch's loss-token count,
+a sum (not a mean) gives the global per-token gradient. This replaces Megatron DDP's
+`finalize_model_grads` (not used here: its grad buffers and hooks were not validated on CPU);
+pass `reduce_grads=False` to do the reduction yourself (e.g. with Megatron DDP).
+
+Before running, the plan's fingerprint is compared across all ranks of `check_group` (default:
+the world) and the stage orders are checked for deadlock (a replay of the blocking receives).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..plan import Plan, PlanError, ReplicaPlan
+from .attention import KVStore
+from .batch import TokenSource, build_batch
+from .executor import backward_step, forward_step, global_loss_tokens, split_into_leaves
+
+
+class ScheduleError(RuntimeError):
+    """The plan cannot run here: ranks disagree on it, or its stage orders deadlock."""
+
+
+class ScheduleResult(list):
+    """Megatron-style return value: the list of per-unit report dicts (on every stage; loss
+    figures only on the last), plus `loss` (per-token mean over the whole global batch, all
+    replicas, on the last stage; None elsewhere), `loss_sum` (this replica's) and
+    `num_loss_tokens` (the global divisor)."""
+
+    loss: Optional[float] = None
+    loss_sum: Optional[float] = None
+    num_loss_tokens: int = 0
+
+
+# ---- checks --------------------------------------------------------------------------------
+def check_stage_orders(replica: ReplicaPlan) -> None:
+    """Raise ScheduleError if the stages' task lists deadlock under blocking receives.
+
+    Replays all stages: F u on stage s waits for F u on stage s - 1; B v on stage s waits for
+    B v on stage s + 1 (sends never block). Also checks what `Plan.validate` checks per stage
+    (each unit once, in sequence order, backward after the forwards it needs)."""
+    orders = replica.stage_orders
+    pp = len(orders)
+    forward_of = replica.forward_unit_of()
+    expected = sorted([("F", u) for u in range(len(replica.forward_units))]
+                      + [("B", v) for v in range(len(replica.backward_units))])
+    for stage, order in enumerate(orders):
+        if sorted(order) != expected:
+            raise ScheduleError(f"stage {stage} must run each forward and backward unit exactly once")
+        done_forward = -1
+        for kind, unit in order:
+            if kind == "F":
+                if unit != done_forward + 1:
+                    raise ScheduleError(f"stage {stage} runs forward unit {unit} out of order")
+                done_forward = unit
+            elif max(forward_of[mp] for mp in replica.backward_units[unit]) > done_forward:
+                raise ScheduleError(f"stage {stage} runs backward unit {unit} before the forwards it needs")
+    done = [set() for _ in range(pp)]
+    position = [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for stage in range(pp):
+            while position[stage] < len(orders[stage]):
+                kind, unit = orders[stage][position[stage]]
+                peer = stage - 1 if kind == "F" else stage + 1
+                if 0 <= peer < pp and (kind, unit) not in done[peer]:
+                    break
+                done[stage].add((kind, unit))
+                position[stage] += 1
+                progress = True
+    stuck = [(stage, orders[stage][position[stage]]) for stage in range(pp) if position[stage] < len(orders[stage])]
+    if stuck:
+        waits = ", ".join(f"stage {s} waits at {k}{u}" for s, (k, u) in stuck)
+        raise ScheduleError(f"the plan's stage orders deadlock: {waits}")
+
+
+def check_same_plan(plan: Plan, group=None) -> None:
+    """all_gather the plan fingerprint over `group`; raise ScheduleError naming the ranks that differ."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = torch.tensor(list(plan.fingerprint().encode()), dtype=torch.uint8)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = mine.to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    prints = [bytes(t.cpu().tolist()).decode(errors="replace") for t in everyone]
+    if len(set(prints)) != 1:
+        listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
+        raise ScheduleError(f"ranks run different plans (fingerprints differ: {listing})")
+
+
+def _pick_replica(plan: Plan, replica_index: Optional[int], dp_rank: Optional[int]) -> ReplicaPlan:
+    if replica_index is not None:
+        replica = plan.replicas[replica_index]
+    else:
+        mine = plan.replicas_of_rank(dp_rank or 0)
+        if len(mine) != 1:
+            raise NotImplementedError(
+                f"data-parallel rank {dp_rank} has {len(mine)} replica plans (DP-Merge groups are not supported "
+                "by the pipeline schedule yet)")
+        replica = mine[0]
+    if replica.is_merge_group:
+        raise NotImplementedError("DP-Merge replica plans are not supported by the pipeline schedule yet")
+    return replica
+
+
+def _reduce_grads(model, group) -> None:
+    """Sum parameter gradients over the data-parallel group, one flat buffer per dtype."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+# ---- the schedule --------------------------------------------------------------------------
+def slimpack_forward_backward(
+    *,
+    forward_step_func=None,
+    data_iterator=None,
+    model,
+    num_microbatches: Optional[int] = None,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    forward_only: bool = False,
+    plan: Plan,
+    token_source: TokenSource,
+    replica_index: Optional[int] = None,
+    dp_rank: Optional[int] = None,
+    pp_group=None,
+    pp_rank: Optional[int] = None,
+    dp_group=None,
+    check_group=None,
+    kv_store: Optional[KVStore] = None,
+    reduce_grads: bool = True,
+    check_plan: bool = True,
+    **kwargs,
+) -> ScheduleResult:
+    """Run this rank's stage of one replica plan for one global-batch step (see module doc).
+
+    Gradients accumulate into the chunk's parameters' `.grad` (zero them before the step, as with
+    Megatron's schedules). `pp_group`/`pp_rank`/`dp_group` default to megatron's parallel state
+    when it is initialised, else to a single stage / no data parallelism.
+    """
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise NotImplementedError("virtual pipeline stages (several model chunks) are not supported")
+        model = model[0]
+    from megatron.core import parallel_state
+
+    megatron_ready = dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+    if pp_group is None and megatron_ready:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = dist.get_world_size(pp_group) if (pp_group is not None and dist.is_initialized()) else 1
+    if pp_rank is None:
+        pp_rank = dist.get_rank(pp_group) if pp_size > 1 else 0
+    if dp_group is None and megatron_ready:
+        dp_group = parallel_state.get_data_parallel_group()
+    if dp_rank is None and replica_index is None:
+        dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+
+    replica = _pick_replica(plan, replica_index, dp_rank)
+    if len(replica.stage_orders) != pp_size:
+        raise PlanError(f"the plan has {len(replica.stage_orders)} stage orders but the pipeline group has {pp_size} stages")
+    if check_plan:
+        check_same_plan(plan, check_group)
+        check_stage_orders(replica)
+
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not first else None
+    next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not last else None
+    param = next(model.parameters())
+    device = param.device
+    config = getattr(model, "config", None)
+    hidden = config.hidden_size
+    dtype = getattr(config, "pipeline_dtype", None) or param.dtype
+    num_loss_tokens = global_loss_tokens(plan)
+    store = kv_store if kv_store is not None else KVStore()
+    batches = [build_batch(mp, token_source, store, device) for mp in replica.micropacks]
+    counts = [mp.num_tokens for mp in replica.micropacks]
+
+    inputs: dict[int, Tensor] = {}   # received leaves, per MicroPack (not on the first stage)
+    outputs: dict[int, Tensor] = {}  # forward outputs kept for backward
+    pending: list[tuple] = []        # (isend handle, tensor kept alive)
+    result = ScheduleResult()
+    loss_sum = 0.0
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            for kind, unit in replica.stage_orders[pp_rank]:
+                if kind == "B" and forward_only:
+                    continue
+                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+                sizes = [counts[mp] for mp in members]
+                began = time.perf_counter()
+                report = {"kind": kind, "index": unit, "micropacks": list(members), "tokens": sum(sizes),
+                          "attention_pairs": sum(replica.micropacks[mp].attention_pairs for mp in members)}
+                if kind == "F":
+                    leaves = [None] * len(members)
+                    if not first:
+                        buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
+                        dist.recv(buffer, src=prev_rank, group=pp_group)
+                        leaves = split_into_leaves(buffer, sizes)
+                    sent, unit_loss = [], 0.0
+                    for mp, leaf in zip(members, leaves):
+                        output = forward_step(model, batches[mp], input_tensor=leaf)
+                        if last:
+                            unit_loss += float(output.detach())
+                        else:
+                            sent.append(output.detach())
+                        if not forward_only:
+                            outputs[mp] = output
+                            if leaf is not None:
+                                inputs[mp] = leaf
+                    if last:
+                        loss_sum += unit_loss
+                        report["loss_sum"] = unit_loss
+                    else:
+                        activation = torch.cat(sent).to(dtype).contiguous()
+                        pending.append((dist.isend(activation, dst=next_rank, group=pp_group), activation))
+                else:
+                    grads: list = [1.0 / num_loss_tokens] * len(members)
+                    if not last:
+                        buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
+                        dist.recv(buffer, src=next_rank, group=pp_group)
+                        grads = list(buffer.split(sizes, dim=0))
+                    upstream = []
+                    for mp, grad, size in zip(members, grads, sizes):
+                        leaf = inputs.pop(mp, None)
+                        input_grad = backward_step(outputs.pop(mp), grad, input_tensor=leaf)
+                        if not first:
+                            if input_grad is None:
+                                input_grad = torch.zeros(size, 1, hidden, dtype=dtype, device=device)
+                            upstream.append(input_grad)
+                    if not first:
+                        gradient = torch.cat(upstream).to(dtype).contiguous()
+                        pending.append((dist.isend(gradient, dst=prev_rank, group=pp_group), gradient))
+                report["seconds"] = time.perf_counter() - began
+                result.append(report)
+        for handle, _ in pending:
+            handle.wait()
+        pending.clear()
+        if not forward_only:
+            if outputs or len(store):
+                raise RuntimeError(f"after the step {len(outputs)} MicroPack outputs and {len(store)} KV entries remain: "
+                                   "some backward did not run")
+            if reduce_grads:
+                _reduce_grads(model, dp_group)
+    finally:
+        if forward_only:
+            store.clear()
+        for handle, _ in pending:
+            handle.wait()
+    result.num_loss_tokens = num_loss_tokens
+    if last:
+        result.loss_sum = loss_sum
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            if dist.get_backend(dp_group) == "nccl":
+                total = total.cuda()
+            dist.all_reduce(total, group=dp_group)
+        result.loss = float(total) / num_loss_tokens
+    return result
