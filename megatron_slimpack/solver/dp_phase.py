@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -49,13 +50,20 @@ def assign_to_replicas(
     workers: int = 1,
     dp_merge: bool = True,
     merge_threshold: float = 1.0,
-    merge_efficiency: float = 0.9,
+    min_group: np.ndarray | None = None,
+    merged_cost: Callable[[int, int], float] | None = None,
 ) -> Assignment:
-    """Balance `costs` (seconds per document) over `dp` replicas."""
+    """Balance `costs` (seconds per document) over `dp` replicas. `min_group[i]` > 1 says document
+    i only fits memory when that many replicas share it (DP-Merge driven by memory);
+    `merged_cost(i, k)` is what document i costs each of k replicas sharing it (default: an even
+    split at 90% efficiency)."""
     costs = np.asarray(costs, dtype=float)
     started = time.perf_counter()
     fixed_load = np.zeros(dp)
-    merge_groups = _merge_outliers(costs, dp, merge_threshold, merge_efficiency, fixed_load) if dp_merge and dp > 1 else []
+    min_group = np.ones(len(costs), dtype=int) if min_group is None else np.asarray(min_group, dtype=int)
+    merged_cost = merged_cost or (lambda index, size: costs[index] / (0.9 * size))
+    merge_groups = (_merge_outliers(costs, dp, merge_threshold, merged_cost, fixed_load, min_group)
+                    if dp_merge and dp > 1 else [])
     merged = {i for group in merge_groups for i in group.sample_indices}
     free = np.array([i for i in np.argsort(-costs, kind="stable") if i not in merged], dtype=int)
 
@@ -70,25 +78,27 @@ def assign_to_replicas(
 
 
 def _merge_outliers(
-    costs: np.ndarray, dp: int, threshold: float, efficiency: float, fixed_load: np.ndarray
+    costs: np.ndarray, dp: int, threshold: float, merged_cost, fixed_load: np.ndarray, min_group: np.ndarray
 ) -> list[MergeGroup]:
-    """Give each outlier a group of k ranks, k the smallest power of two that tames it."""
+    """Give each outlier (too heavy to balance, or too long to fit one replica's memory) a group of
+    k ranks, k the smallest power of two dividing dp that tames it. Outliers given the same block
+    of ranks share one merge group, so the block runs them as one pipeline."""
     mean_load = costs.sum() / dp
-    groups: list[MergeGroup] = []
+    groups: dict[tuple[int, ...], MergeGroup] = {}
     for index in np.argsort(-costs, kind="stable"):
-        if costs[index] <= threshold * mean_load:
-            break
-        size = 2
-        while size < dp and dp % (size * 2) == 0 and costs[index] / (size * efficiency) > threshold * mean_load:
+        heavy = costs[index] > threshold * mean_load
+        if not heavy and min_group[index] <= 1:
+            continue
+        size = max(2, int(min_group[index]))
+        while heavy and size < dp and merged_cost(index, size) > threshold * mean_load:
             size *= 2
-        if dp % size:
-            break
-        # The least-loaded aligned block of ranks takes it.
-        blocks = [list(range(start, start + size)) for start in range(0, dp, size)]
-        ranks = min(blocks, key=lambda block: fixed_load[block].sum())
-        fixed_load[ranks] += costs[index] / (size * efficiency)
-        groups.append(MergeGroup(ranks, [int(index)]))
-    return groups
+        if size > dp or dp % size:
+            continue  # cannot merge here: the planner's memory check reports it
+        blocks = [tuple(range(start, start + size)) for start in range(0, dp, size)]
+        ranks = min(blocks, key=lambda block: fixed_load[list(block)].sum())
+        fixed_load[list(ranks)] += merged_cost(index, size)
+        groups.setdefault(ranks, MergeGroup(list(ranks), [])).sample_indices.append(int(index))
+    return list(groups.values())
 
 
 def _lpt(costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray) -> list[list[int]]:

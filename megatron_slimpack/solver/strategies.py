@@ -118,18 +118,38 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
     return min(cap, config.context_length)
 
 
-def check_memory(lengths: list[int], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> None:
-    """A document's slices are all in flight before its backward: its activations must fit."""
-    longest = max(lengths)
-    need = cost.static_memory_bytes(parallel) + cost.activation_bytes(longest, longest * longest / 2, parallel, True)
-    need += cost.kv_cache_bytes(longest, parallel)
-    if need > cost.memory_budget_bytes():
-        raise PlanError(
-            f"memory: a {longest}-token document needs at least {format_bytes(need)} per device with "
-            f"{parallel.describe()} but {format_bytes(cost.memory_budget_bytes())} is usable on "
-            f"{cost.hardware.name}; use activation recompute (recompute='full'), more tensor or pipeline "
-            f"parallelism, or a shorter context"
-        )
+def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig) -> float:
+    """Per-device memory of one document whose slices are all in flight, as its backward needs."""
+    pairs = length * (length + 1) / 2
+    return (cost.static_memory_bytes(parallel) + cost.activation_bytes(length, pairs, parallel, True)
+            + cost.kv_cache_bytes(length, parallel))
+
+
+def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
+                      dp_merge: bool) -> np.ndarray:
+    """For each document, how many replicas must share it (context parallelism across a DP-Merge
+    group) for it to fit memory: 1 for nearly all. Raises PlanError when no group size suffices."""
+    budget = cost.memory_budget_bytes()
+    sizes = np.ones(len(lengths), dtype=int)
+    largest_group = parallel.dp if dp_merge else 1
+    for index in np.argsort(lengths)[::-1]:
+        length = int(lengths[index])
+        if document_memory_bytes(length, cost, parallel) <= budget:
+            break  # shorter documents fit too
+        size = 2
+        while size <= largest_group and document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size)) > budget:
+            size *= 2
+        if size > largest_group or parallel.dp % size:
+            need = document_memory_bytes(length, cost, parallel)
+            raise PlanError(
+                f"memory: a {length}-token document needs at least {format_bytes(need)} per device with "
+                f"{parallel.describe()} but {format_bytes(budget)} is usable on {cost.hardware.name}"
+                f"{'' if dp_merge else ' (DP-Merge is off)'}; use activation recompute (recompute='full'), "
+                f"more tensor or pipeline parallelism, {'DP-Merge, ' if not dp_merge else 'more data-parallel replicas, '}"
+                f"or a shorter context"
+            )
+        sizes[index] = size
+    return sizes
 
 
 def slice_candidates(token_cap: int, config: SlimPackConfig) -> list[int]:
@@ -144,8 +164,8 @@ def slice_candidates(token_cap: int, config: SlimPackConfig) -> list[int]:
 
 def unit_candidates(pp: int, micropacks: int) -> list[int]:
     """Unit counts to try: a few multiples of pp, and one unit per MicroPack."""
-    if pp == 1:
-        return [1]
+    if pp == 1:  # no pipeline to fill: the smallest units hold the least memory
+        return [micropacks]
     return sorted({min(k * pp, micropacks) for k in (2, 4, 8)} | {micropacks})
 
 
@@ -170,11 +190,24 @@ def plan_replica(
     return best
 
 
+def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
+    """Per-rank seconds of document i run by k replicas with context parallelism k."""
+    rates_by_size: dict[int, WorkRates] = {}
+
+    def merged_cost(index: int, size: int) -> float:
+        if size not in rates_by_size:
+            rates_by_size[size] = WorkRates.from_cost(cost, parallel.with_(cp=parallel.cp * size), token_cap)
+        return rates_by_size[size].document(lengths[index])
+
+    return merged_cost
+
+
 def plan_slimpack(
     lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
     *, symmetric: bool = False, dp_merge: bool | None = None,
 ) -> Plan:
-    check_memory(lengths, cost, parallel, config)
+    use_merge = config.dp_merge if dp_merge is None else dp_merge
+    group_sizes = merge_group_sizes(lengths, cost, parallel, config, use_merge)
     token_cap = auto_token_cap(cost, parallel, config)
     rates = WorkRates.from_cost(cost, parallel, token_cap)
     samples = [Sample(i, n) for i, n in enumerate(lengths)]
@@ -182,8 +215,8 @@ def plan_slimpack(
     document_costs = rates.total(as_array, as_array * (as_array + 1) / 2)
     assignment = assign_to_replicas(
         document_costs, parallel.dp, time_limit_s=config.solver_time_limit_s, seed=config.seed,
-        workers=config.solver_workers, dp_merge=config.dp_merge if dp_merge is None else dp_merge,
-        merge_threshold=config.merge_threshold,
+        workers=config.solver_workers, dp_merge=use_merge, merge_threshold=config.merge_threshold,
+        min_group=group_sizes, merged_cost=merged_cost_function(lengths, cost, parallel, token_cap),
     )
     replicas: list[ReplicaPlan] = []
     predicted: list[dict] = []

@@ -32,7 +32,8 @@ class WorkRates:
 
         def rates(backward: bool) -> tuple[float, float]:
             stages = cost.layers_per_stage(parallel) * parallel.pp
-            base = cost.layer_time(tokens, 0, parallel, backward) + cost.tp_comm_time(tokens, parallel, backward)
+            base = (cost.layer_time(tokens, 0, parallel, backward) + cost.tp_comm_time(tokens, parallel, backward)
+                    + cost.cp_comm_time(tokens, parallel, backward))
             with_pairs = cost.layer_time(tokens, pairs, parallel, backward)
             per_token = stages * base / tokens + cost.head_time(tokens, parallel, backward) / tokens
             per_pair = stages * (with_pairs - cost.layer_time(tokens, 0, parallel, backward)) / pairs
