@@ -74,6 +74,8 @@ def _as_length_array(lengths, what: str) -> np.ndarray:
     if isinstance(lengths, (str, bytes)):
         raise WorkloadError(f"{what} must be a sequence of positive integers, got the string {lengths!r}")
     array = lengths if isinstance(lengths, np.ndarray) else None
+    if array is None and isinstance(lengths, list) and all(type(value) is int for value in lengths):
+        array = np.array(lengths, dtype=np.int64)  # the common case, without a per-item check
     if array is None or array.dtype.kind not in "iuf":
         array = np.array([_one_length(value, index, what) for index, value in enumerate(lengths)], dtype=np.int64)
     if array.ndim != 1:

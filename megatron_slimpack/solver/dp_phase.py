@@ -85,10 +85,9 @@ def _merge_outliers(
     of ranks share one merge group, so the block runs them as one pipeline."""
     mean_load = costs.sum() / dp
     groups: dict[tuple[int, ...], MergeGroup] = {}
-    for index in np.argsort(-costs, kind="stable"):
+    outliers = np.flatnonzero((costs > threshold * mean_load) | (min_group > 1))
+    for index in outliers[np.argsort(-costs[outliers], kind="stable")]:
         heavy = costs[index] > threshold * mean_load
-        if not heavy and min_group[index] <= 1:
-            continue
         size = max(2, int(min_group[index]))
         while heavy and size < dp and merged_cost(index, size) > threshold * mean_load:
             size *= 2
