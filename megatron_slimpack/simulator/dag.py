@@ -681,6 +681,8 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
 
 def _offsets_in_unit(seconds: np.ndarray, units: list[list[int]], unit_of: np.ndarray) -> np.ndarray:
     """Start of each MicroPack relative to its unit's start (a unit runs its MicroPacks in order)."""
+    if len(seconds) == 0:  # a rank whose only work is in merge groups
+        return np.zeros(0)
     flat = np.fromiter((mp for unit in units for mp in unit), dtype=np.int64, count=len(seconds))
     before = np.cumsum(seconds[flat]) - seconds[flat]  # exclusive prefix sum along the units
     first_of_unit = np.cumsum([0] + [len(unit) for unit in units[:-1]])

@@ -36,7 +36,7 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
-from .strategies import StepPlanner, check_plan_input, new_planner
+from .strategies import StepPlanner, check_plan_input, document_memory_bytes, new_planner
 from .work import causal_pairs
 
 
@@ -72,6 +72,8 @@ LAYOUT_CONSTRAINTS: dict[str, LayoutConstraints] = {
 #   sequence:      one full fixed-length sequence (min(context, batch tokens) tokens)
 #   document:      the longest document, whole
 #   half-document: the larger piece of the longest document (it may be cut at a sequence boundary)
+#   merged-document: the longest document, whole, shared by the largest DP-Merge group (SlimPack's
+#                  own memory rule, `strategies.document_memory_bytes`, with CP widened by the group)
 #   none:          nothing fixed (the strategy sizes its work to memory itself)
 MINIMUM_IN_FLIGHT: dict[str, str] = {
     "megatron-fixed": "sequence",
@@ -79,8 +81,8 @@ MINIMUM_IN_FLIGHT: dict[str, str] = {
     "sorted": "document",
     "wlb-llm": "document",
     "slimpipe": "half-document",
-    "slimpack": "document",
-    "slimpack-sym": "document",
+    "slimpack": "merged-document",
+    "slimpack-sym": "merged-document",
     "slimpack-nomerge": "document",
     "megatron-hybrid-cp": "none",
 }
@@ -235,6 +237,9 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
     if rule == "none":
         return static
     longest = max(lengths)
+    if rule == "merged-document":
+        group = parallel.dp & -parallel.dp  # merge groups are powers of two dividing dp
+        return document_memory_bytes(longest, cost, parallel.with_(cp=parallel.cp * group))
     tokens = {
         "sequence": min(context_length, sum(lengths)),
         "document": longest,
@@ -285,6 +290,8 @@ def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel
                         "on stage 0)",
             "document": f"the longest document ({longest} tokens) whole",
             "half-document": f"the larger piece of the longest document ({-(-longest // 2)}+ tokens)",
+            "merged-document": f"the longest document ({longest} tokens) whole, even shared by its largest "
+                               f"DP-Merge group ({parallel.dp & -parallel.dp} replicas),",
         }[rule]
         return Rejection(parallel, "minimum-memory",
                          f"memory: {strategy} holds {what} in flight: at least {format_bytes(need)} per device, "

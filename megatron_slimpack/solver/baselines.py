@@ -1,0 +1,621 @@
+"""Baselines: the peers SlimPack is compared against, in the same framework.
+
+Every baseline is a strategy in the registry of `strategies.py`: it turns one global batch of
+document lengths into a `Plan` that `Plan.validate()` accepts, priced by the same cost model and
+timed by the same simulator as SlimPack, so a comparison is a comparison of schedules only. The
+building blocks are the planner's own (`MicroPackCosts`, `stage_work`, `build_stage_orders`,
+`cut_document`, `WorkRates`); what differs is how documents become micro-batches and where the
+micro-batches run.
+
+Registered names and what each reproduces (details in each function's docstring):
+
+    megatron-fixed      Megatron-LM GPTDataset: concatenate, cut at exactly the context length
+    bfd                 best-fit-decreasing token packing (TRL / NeMo)
+    sorted              LongAlign sorted batching
+    wlb-llm             WLB-LLM: cost-balanced variable-length packing + outlier-delay queues (stateful)
+    megatron-hybrid-cp  Megatron-Core's BalancedCPScheduler (hybrid context parallel), called as a library
+    slimpipe            SlimPipe: uniform slices of each sequence, slice-level 1F1B
+
+All of them schedule each data-parallel replica with standard (non-interleaved) 1F1B: one
+forward and one backward unit per micro-batch, pp - s - 1 warm-up forwards on stage s.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from ..config import SlimPackConfig
+from ..costmodel import CostModel, format_bytes
+from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence
+from ..specs import ParallelConfig
+from .orders import build_stage_orders
+from .pack_phase import MicroPackCosts, PackOptions, cut_document, stage_work
+from .strategies import StepPlanner, register, register_stateful
+from .work import WorkRates
+
+# ==== shared building blocks ====================================================================
+
+
+def schedule_1f1b(micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig,
+                  dp_ranks: list[int]) -> ReplicaPlan:
+    """One forward unit and one backward unit per MicroPack, stages ordered by classic 1F1B.
+
+    The backward sequence is the plan's (chains reversed), so sliced documents (SlimPipe) get
+    SlimPipe's slice-level 1F1B. The activation budget handed to `build_stage_orders` is zero,
+    which disables its memory-driven extra warm-up: stage s warms up with exactly pp - s - 1
+    forwards, as Megatron-LM's `forward_backward_pipelining_without_interleaving` does.
+    """
+    if not micropacks:  # a rank with nothing to do (fewer micro-batches than ranks)
+        return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
+    forward_units = [[index] for index in range(len(micropacks))]
+    backward_units = [[index] for index in backward_sequence(micropacks)]
+    costs = MicroPackCosts.of(micropacks, cost, parallel)
+    work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes=0.0)
+    orders, _ = build_stage_orders(forward_units, backward_units, work)
+    return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
+
+
+def whole_documents(samples: list[Sample]) -> MicroPack:
+    """A micro-batch holding each sample whole (per-document attention masking)."""
+    return MicroPack([Slice(s.sample_id, 0, s.length) for s in samples])
+
+
+def deal_contiguous(items: list, dp: int) -> list[list]:
+    """Rank r gets a contiguous block; with a remainder the first ranks get one more."""
+    base, extra = divmod(len(items), dp)
+    blocks, start = [], 0
+    for rank in range(dp):
+        size = base + (rank < extra)
+        blocks.append(items[start:start + size])
+        start += size
+    return blocks
+
+
+def deal_round_robin(items: list, dp: int) -> list[list]:
+    """Item i goes to rank i % dp."""
+    return [items[rank::dp] for rank in range(dp)]
+
+
+def assemble_plan(
+    per_rank: list[list[MicroPack]], samples: list[Sample], parallel: ParallelConfig, cost: CostModel,
+    config: SlimPackConfig, token_cap: int | None, metadata: dict,
+) -> Plan:
+    """One 1F1B replica plan per data-parallel rank."""
+    replicas = [schedule_1f1b(micropacks, cost, parallel, [rank]) for rank, micropacks in enumerate(per_rank)]
+    metadata = {"cost_model": cost.describe(), "micro_batches_per_rank": [len(m) for m in per_rank], **metadata}
+    return Plan(replicas, samples, parallel, config.context_length, config.strategy, token_cap, metadata)
+
+
+# ==== megatron-fixed ============================================================================
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a document that landed in one fixed-length sequence: tokens
+    [offset, offset + sample.length) of document `document` (an index into the batch's lengths)."""
+
+    sample: Sample
+    document: int
+    offset: int
+
+
+def concatenate_and_cut(lengths: list[int], context_length: int) -> list[list[Piece]]:
+    """Megatron-LM GPTDataset packing: documents concatenated in the given order and the token
+    stream cut every `context_length` tokens. A document crossing a cut becomes two pieces (more
+    if it is longer than the context), each a new sample id, numbered in stream order. The last
+    sequence keeps the leftover tokens (shorter than the context) so that nothing is dropped."""
+    sequences: list[list[Piece]] = [[]]
+    filled = 0
+    next_id = 0
+    for document, length in enumerate(lengths):
+        offset = 0
+        while offset < length:
+            if filled == context_length:
+                sequences.append([])
+                filled = 0
+            take = min(length - offset, context_length - filled)
+            sequences[-1].append(Piece(Sample(next_id, take), document, offset))
+            next_id += 1
+            offset += take
+            filled += take
+    return [sequence for sequence in sequences if sequence]
+
+
+def _piece_metadata(sequences: list[list[Piece]]) -> dict:
+    return {
+        "num_sequences": len(sequences),
+        # sample id -> [document index in the batch, first token of the piece in that document]
+        "pieces": [[piece.document, piece.offset] for sequence in sequences for piece in sequence],
+    }
+
+
+@register("megatron-fixed")
+def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    """Megatron-LM's default data path (GPTDataset + 1F1B).
+
+    Reproduces: documents concatenated in the given (sampled) order and cut at exactly
+    `context_length` tokens (`concatenate_and_cut`); a document crossing a cut becomes separate
+    samples that do not attend to each other (the continuation loses its prefix), and inside a
+    sequence each piece attends only within itself (`--reset-attention-mask`). One sequence is
+    one micro-batch (micro-batch size 1). Sequences are dealt to data-parallel ranks in
+    contiguous blocks (rank r gets the r-th block of num_sequences/dp; with a remainder the first
+    ranks get one more), and each rank runs classic 1F1B. Long sequences need the layout's CP/TP
+    to fit; `parallel.cp` is priced by the cost model (context parallelism for every sequence).
+    """
+    sequences = concatenate_and_cut(lengths, config.context_length)
+    samples = [piece.sample for sequence in sequences for piece in sequence]
+    micropacks = [whole_documents([piece.sample for piece in sequence]) for sequence in sequences]
+    per_rank = deal_contiguous(micropacks, parallel.dp)
+    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, _piece_metadata(sequences))
+
+
+# ==== bfd =======================================================================================
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of document indices: documents in decreasing length (ties: lower index first), each
+    into the open bin with the least room that still holds it, else a new bin. Bins in order of
+    opening."""
+    bins: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # sorted (room left, bin index)
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        position = bisect.bisect_left(rooms, (length, -1))
+        if position == len(rooms):
+            bins.append([index])
+            bisect.insort(rooms, (capacity - length, len(bins) - 1))
+            continue
+        room, chosen = rooms.pop(position)
+        bins[chosen].append(index)
+        bisect.insort(rooms, (room - length, chosen))
+    return bins
+
+
+@register("bfd")
+def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    """Best-fit-decreasing token packing (TRL `pack_dataset(strategy="bfd")`, NeMo packed SFT).
+
+    Reproduces: whole documents (never split) packed into bins of `context_length` tokens by
+    best-fit decreasing (`best_fit_decreasing`); one bin per micro-batch, per-document attention
+    masking. Bins are sorted by token count, largest first (stable), and dealt round-robin to
+    data-parallel ranks (bin i to rank i % dp); each rank runs classic 1F1B.
+    """
+    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    bins = best_fit_decreasing(lengths, config.context_length)
+    bins.sort(key=lambda members: -sum(lengths[i] for i in members))
+    micropacks = [whole_documents([samples[i] for i in members]) for members in bins]
+    per_rank = deal_round_robin(micropacks, parallel.dp)
+    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, {"num_bins": len(bins)})
+
+
+# ==== sorted ====================================================================================
+
+
+def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
+    """Next-fit: documents in `order` fill a sequence until the next one does not fit."""
+    sequences: list[list[int]] = []
+    filled = capacity
+    for index in order:
+        if filled + lengths[index] > capacity:
+            sequences.append([])
+            filled = 0
+        sequences[-1].append(index)
+        filled += lengths[index]
+    return sequences
+
+
+@register("sorted")
+def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    """LongAlign's sorted batching.
+
+    Reproduces: documents sorted by length (ascending, stable), packed greedily in that order
+    into sequences of at most `context_length` tokens (next-fit, `pack_in_order`); consecutive
+    sequences form groups of dp (one micro-batch step of all data-parallel ranks, so ranks see
+    similar lengths at the same time); the order of the groups is shuffled with
+    `random.Random(config.seed)` (LongAlign shuffles its sorted batches) and within a group
+    sequence j goes to rank j (a last, partial group leaves the last ranks one micro-batch
+    short). Each rank runs classic 1F1B.
+    """
+    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sequences = pack_in_order(order, lengths, config.context_length)
+    groups = [sequences[start:start + parallel.dp] for start in range(0, len(sequences), parallel.dp)]
+    random.Random(config.seed).shuffle(groups)
+    per_rank: list[list[MicroPack]] = [[] for _ in range(parallel.dp)]
+    for group in groups:
+        for rank, members in enumerate(group):
+            per_rank[rank].append(whole_documents([samples[i] for i in members]))
+    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length,
+                         {"num_sequences": len(sequences), "group_order_seed": config.seed})
+
+
+# ==== wlb-llm ===================================================================================
+
+
+@dataclass(frozen=True)
+class PendingDocument:
+    """A document waiting to be scheduled: `lengths[index]` of the batch of step `step`."""
+
+    step: int
+    index: int
+    length: int
+
+
+@dataclass
+class MicroBatch:
+    documents: list[PendingDocument]
+    tokens: int = 0
+    cost: float = 0.0
+
+    def add(self, document: PendingDocument, cost: float) -> None:
+        self.documents.append(document)
+        self.tokens += document.length
+        self.cost += cost
+
+
+@register_stateful("wlb-llm")
+class WlbLlmPlanner(StepPlanner):
+    """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
+
+    Reproduces, per global batch:
+    - Micro-batch count fixed as in Megatron: M = ceil(new tokens / (context_length * dp)) per
+      replica, dp * M micro-batches in all, each capped at `context_length` tokens.
+    - Multi-level outlier-delay queues: a new document longer than `context_length *
+      LEVEL_FRACTIONS[i]` (and not longer than the previous level's threshold) joins queue i
+      instead of being packed. A queue releases documents only once it holds as many as there
+      are micro-batches, and then releases exactly one per micro-batch (oldest first; the
+      longest released document goes to the micro-batch with the most token room). It keeps
+      releasing rounds while it still holds a full round and the previous round fitted; a
+      released document that does not fit its micro-batch's token room goes back to the queue.
+    - The other documents are packed, those carried over from the previous step before the new
+      ones, each group longest-cost first, each document into the micro-batch with the least cost
+      that has token room; cost is the profiled quadratic + linear cost (`WorkRates.document`).
+      A document that fits no micro-batch is carried over to the next step.
+    - Micro-batches are dealt to data-parallel replicas greedily by cost (heaviest first to the
+      least-loaded replica that has fewer than M), so replicas are balanced too; classic 1F1B.
+    Nothing is dropped: a plan contains exactly the documents it schedules (sample ids 0..k-1,
+    origin [step, index] in `metadata["documents"]`); delayed ones stay in `pending`. At the end
+    of a run, `flush()` plans everything still pending as one more step (enough micro-batches
+    for all of it, no delay). If a step would otherwise schedule nothing (every new document
+    delayed and no queue full), it is planned like `flush()` so that training makes progress.
+    """
+
+    LEVEL_FRACTIONS = (0.5, 0.25)  # level 0: > context/2; level 1: (context/4, context/2]
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+        self.queues: list[deque[PendingDocument]] = [deque() for _ in self.LEVEL_FRACTIONS]
+        self.carried: list[PendingDocument] = []
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> list[PendingDocument]:
+        """Documents delayed so far and not yet scheduled."""
+        return [d for queue in self.queues for d in queue] + list(self.carried)
+
+    def level_of(self, length: int, context_length: int) -> int | None:
+        for level, fraction in enumerate(self.LEVEL_FRACTIONS):
+            if length > context_length * fraction:
+                return level
+        return None
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+        context = config.context_length
+        rates = WorkRates.from_cost(cost, parallel, context)
+        per_replica = max(1, math.ceil(sum(lengths) / (context * parallel.dp)))
+        micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
+        fresh: list[PendingDocument] = []
+        for index, length in enumerate(lengths):
+            document = PendingDocument(self.step, index, length)
+            level = self.level_of(length, context)
+            (fresh if level is None else self.queues[level]).append(document)
+        released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
+        carried, self.carried = self.carried, []
+        self.carried = _pack_by_cost(carried, micro_batches, rates, context)  # they waited: first
+        self.carried += _pack_by_cost(fresh, micro_batches, rates, context)
+        metadata = {"micro_batches_per_replica": per_replica, "released_per_level": released}
+        if not any(mb.documents for mb in micro_batches):
+            return self._plan_pending(parallel, cost, config, rates, metadata)
+        return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
+
+    def flush(self, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan | None:
+        """Plan every pending document as one last step (None when nothing is pending)."""
+        if not self.pending:
+            return None
+        rates = WorkRates.from_cost(cost, parallel, config.context_length)
+        return self._plan_pending(parallel, cost, config, rates, {"flush": True})
+
+    def _plan_pending(self, parallel, cost, config, rates, metadata) -> Plan:
+        """All pending documents, packed by cost into just enough micro-batches."""
+        documents = self.pending
+        self.queues = [deque() for _ in self.LEVEL_FRACTIONS]
+        self.carried = []
+        context = config.context_length
+        per_replica = max(1, math.ceil(sum(d.length for d in documents) / (context * parallel.dp)))
+        while True:
+            micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
+            if not _pack_by_cost(documents, micro_batches, rates, context):
+                break
+            per_replica += 1  # greedy packing left some out: one more micro-batch per replica
+        metadata = {**metadata, "micro_batches_per_replica": per_replica, "released_all_pending": len(documents)}
+        return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
+
+    def _release(self, queue: deque, micro_batches: list[MicroBatch], rates: WorkRates, context: int) -> int:
+        """Release rounds of one document per micro-batch while the queue holds a full round."""
+        released = 0
+        while len(queue) >= len(micro_batches):
+            batch = [queue.popleft() for _ in range(len(micro_batches))]
+            roomiest = sorted(micro_batches, key=lambda mb: mb.tokens)
+            unfit = []
+            for document, micro_batch in zip(sorted(batch, key=lambda d: -d.length), roomiest):
+                if micro_batch.tokens + document.length <= context:
+                    micro_batch.add(document, rates.document(document.length))
+                    released += 1
+                else:
+                    unfit.append(document)
+            if unfit:
+                queue.extendleft(sorted(unfit, key=lambda d: (d.step, d.index), reverse=True))
+                break
+        return released
+
+    def _finish(self, micro_batches, per_replica, parallel, cost, config, rates, metadata) -> Plan:
+        used = [mb for mb in micro_batches if mb.documents]
+        per_rank = _deal_by_cost(used, parallel.dp, per_replica)
+        documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
+        sample_of = {(d.step, d.index): Sample(i, d.length) for i, d in enumerate(documents)}
+        micropacks = [[whole_documents([sample_of[d.step, d.index] for d in mb.documents]) for mb in mbs]
+                      for mbs in per_rank]
+        pending = self.pending
+        metadata = {
+            **metadata, "step": self.step,
+            "documents": [[d.step, d.index] for d in documents],
+            "micro_batch_costs_s": [[mb.cost for mb in mbs] for mbs in per_rank],
+            "delayed_documents": len(pending), "delayed_tokens": sum(d.length for d in pending),
+        }
+        self.step += 1
+        samples = list(sample_of.values())
+        return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata)
+
+
+def _pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatch], rates: WorkRates,
+                  capacity: int) -> list[PendingDocument]:
+    """Heaviest document first into the cheapest micro-batch with token room; returns the
+    documents that fit nowhere (in their given order)."""
+    costs = {id(d): rates.document(d.length) for d in documents}
+    heap = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
+    heapq.heapify(heap)
+    left: list[PendingDocument] = []
+    for document in sorted(documents, key=lambda d: -costs[id(d)]):
+        skipped, placed = [], False
+        while heap:
+            load, position = heapq.heappop(heap)
+            micro_batch = micro_batches[position]
+            if micro_batch.tokens + document.length <= capacity:
+                micro_batch.add(document, costs[id(document)])
+                heapq.heappush(heap, (micro_batch.cost, position))
+                placed = True
+                break
+            skipped.append((load, position))
+            if len(skipped) == 1 and document.length > capacity - min(mb.tokens for mb in micro_batches):
+                break  # no micro-batch has room: do not scan them all
+        for item in skipped:
+            heapq.heappush(heap, item)
+        if not placed:
+            left.append(document)
+    order = {id(d): i for i, d in enumerate(documents)}
+    return sorted(left, key=lambda d: order[id(d)])
+
+
+def _deal_by_cost(micro_batches: list[MicroBatch], dp: int, per_replica: int) -> list[list[MicroBatch]]:
+    """Heaviest micro-batch first to the least-loaded replica with fewer than `per_replica`."""
+    per_rank: list[list[MicroBatch]] = [[] for _ in range(dp)]
+    heap = [(0.0, rank) for rank in range(dp)]
+    for micro_batch in sorted(micro_batches, key=lambda mb: -mb.cost):
+        load, rank = heapq.heappop(heap)
+        per_rank[rank].append(micro_batch)
+        if len(per_rank[rank]) < per_replica:
+            heapq.heappush(heap, (load + micro_batch.cost, rank))
+    return per_rank
+
+
+# ==== megatron-hybrid-cp ========================================================================
+
+
+class _PoolSize:
+    """Stand-in for the DP x CP process group: `BalancedCPScheduler.__init__` only calls
+    `dp_cp_group.size()`; nothing else of a process group is used by the scheduling code."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _balanced_cp_scheduler():
+    try:
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    except ImportError as error:
+        raise PlanError(
+            "megatron-hybrid-cp: the installed megatron-core has no "
+            "megatron.core.pipeline_parallel.hybrid_cp_schedule.BalancedCPScheduler "
+            f"({error}); it needs megatron-core >= 0.16"
+        ) from error
+    return BalancedCPScheduler
+
+
+def max_tokens_per_rank(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
+    """Megatron's `--max-seqlen-per-cp-rank`: `config.max_micropack_tokens` if set, else the
+    largest power of two (at most the context) whose activations fit one device next to the
+    weights and optimizer state (one sub-sample in flight: forward then backward at once)."""
+    if config.max_micropack_tokens:
+        return config.max_micropack_tokens
+    budget = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
+    tokens = 1 << max(config.context_length.bit_length() - 1, 0)
+
+    def need(n: int) -> float:
+        pairs = n * (n + 1) / 2
+        activations = cost.activation_bytes(n, pairs, parallel, last_stage=True)
+        return activations + cost.recompute_peak_bytes(n, pairs, parallel)
+
+    while tokens > 256 and need(tokens) > budget:
+        tokens //= 2
+    if need(tokens) > budget:
+        raise PlanError(
+            f"memory: with {parallel.describe()} a {cost.model.name} replica has "
+            f"{format_bytes(max(budget, 0))} left after weights and optimizer state on {cost.hardware.name}, "
+            f"not enough for {tokens} tokens per rank; use more tensor parallelism or recompute"
+        )
+    return min(tokens, config.context_length)
+
+
+def _cp_groups(sample_id_groups: list[list[list[int]]]) -> list[dict[tuple[int, ...], list[int]]]:
+    """Per scheduler group: rank set -> the sample ids it runs together, in order."""
+    groups = []
+    for per_gpu in sample_id_groups:
+        ranks_of: dict[int, list[int]] = {}
+        order: list[int] = []
+        for rank, sample_ids in enumerate(per_gpu):
+            for sample_id in sample_ids:
+                if sample_id not in ranks_of:
+                    ranks_of[sample_id] = []
+                    order.append(sample_id)
+                if rank not in ranks_of[sample_id]:
+                    ranks_of[sample_id].append(rank)
+        by_ranks: dict[tuple[int, ...], list[int]] = {}
+        for sample_id in order:
+            by_ranks.setdefault(tuple(sorted(ranks_of[sample_id])), []).append(sample_id)
+        groups.append(by_ranks)
+    return groups
+
+
+@register("megatron-hybrid-cp")
+def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
+                            config: SlimPackConfig) -> Plan:
+    """Megatron-Core's hybrid context parallelism (`hybrid_cp_schedule.BalancedCPScheduler`).
+
+    Reproduces: the installed megatron-core's scheduler is called as a library
+    (`get_groups_and_subsamples`) on the documents of the batch, with the data-parallel ranks as
+    its DP x CP pool (`parallel.dp` GPUs; `parallel.cp` must be 1, since CP sizes are chosen per
+    sample) and `max_tokens_per_rank` as `--max-seqlen-per-cp-rank`. It gives each document a
+    power-of-two CP size (tokens / max per rank, rounded up; cost L^2/cp) and forms groups in
+    which every GPU gets a balanced list of sub-samples. Conversion: a document on k > 1 GPUs
+    becomes a DP-Merge replica plan over those k ranks (the simulator runs it with CP of k,
+    which is the scheduler's semantics: CP ranks taken from the DP x CP pool); documents on one
+    GPU form that rank's own replica plan. Every sub-sample is its own micro-batch, forward then
+    backward at once (the scheduler's loop; 1F1B with one stage).
+    Approximation: our plans order a rank's work as its merge groups (in scheduler-group order)
+    and then its own documents, and the simulator synchronises ranks only inside merge groups;
+    the scheduler's barrier between groups is not modelled, which slightly favours this baseline.
+    Supported regime only: pipeline parallelism is refused ("PP not yet supported" upstream).
+    """
+    if parallel.pp > 1:
+        raise PlanError(
+            f"megatron-hybrid-cp: Megatron-Core's BalancedCPScheduler does not support pipeline parallelism "
+            f"(hybrid_cp_schedule.py: 'PP not yet supported'); got pp={parallel.pp}, use pp=1"
+        )
+    if parallel.cp > 1:
+        raise PlanError(
+            f"megatron-hybrid-cp: CP sizes are chosen per sample from the DP x CP pool; give the whole pool "
+            f"as data parallelism (dp={parallel.dp * parallel.cp}, cp=1) instead of cp={parallel.cp}"
+        )
+    scheduler_class = _balanced_cp_scheduler()
+    per_rank_tokens = max_tokens_per_rank(cost, parallel, config)
+    scheduler = scheduler_class(per_rank_tokens, _PoolSize(parallel.dp))
+    widest = scheduler.gpus_needed(max(lengths))
+    if widest > parallel.dp:
+        raise PlanError(
+            f"memory: a {max(lengths)}-token document needs CP {widest} at {per_rank_tokens} tokens per rank, "
+            f"more than the {parallel.dp} GPUs of the DP x CP pool; use more GPUs, recompute or tensor parallelism"
+        )
+    try:
+        _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
+    except AssertionError as error:
+        raise PlanError(f"megatron-hybrid-cp: BalancedCPScheduler failed on this batch: {error}") from error
+    return _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens)
+
+
+def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens) -> Plan:
+    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    merges: list[ReplicaPlan] = []
+    own: list[list[MicroPack]] = [[] for _ in range(parallel.dp)]
+    scheduled: list[int] = []
+    cp_sizes: dict[int, int] = {}
+    for by_ranks in _cp_groups(sample_id_groups):
+        for ranks, sample_ids in by_ranks.items():
+            scheduled += sample_ids
+            cp_sizes.update({sample_id: len(ranks) for sample_id in sample_ids})
+            micropacks = [whole_documents([samples[i]]) for i in sample_ids]
+            if len(ranks) == 1:
+                own[ranks[0]] += micropacks
+            else:
+                merged = parallel.with_(cp=parallel.cp * len(ranks))
+                merges.append(schedule_1f1b(micropacks, cost, merged, list(ranks)))
+    if sorted(scheduled) != list(range(len(lengths))):
+        raise PlanError("megatron-hybrid-cp: BalancedCPScheduler did not schedule every document exactly once")
+    replicas = merges + [schedule_1f1b(m, cost, parallel, [rank]) for rank, m in enumerate(own)]
+    metadata = {
+        "cost_model": cost.describe(), "max_seqlen_per_cp_rank": per_rank_tokens,
+        "scheduler_groups": len(sample_id_groups),
+        "cp_size_per_sample": [cp_sizes[i] for i in range(len(lengths))],
+    }
+    return Plan(replicas, samples, parallel, config.context_length, config.strategy, None, metadata)
+
+
+# ==== slimpipe ==================================================================================
+
+
+def slice_sequence(sequence: list[Piece], slice_tokens: int, rates: WorkRates) -> list[MicroPack]:
+    """Cut a packed sequence into uniform slices of at most `slice_tokens` tokens (SlimPipe);
+    a slice holds the parts of the pieces it overlaps, each attending to its piece's prefix."""
+    total = sum(piece.sample.length for piece in sequence)
+    options = PackOptions(token_cap=slice_tokens, slice_tokens=slice_tokens, units=1, symmetric=True,
+                          cost_balanced_slices=False)
+    bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates)]
+    micropacks, offset, starts = [], 0, []
+    for piece in sequence:
+        starts.append(offset)
+        offset += piece.sample.length
+    for begin, end in bounds:
+        pieces = []
+        for piece, start in zip(sequence, starts):
+            low, high = max(begin, start), min(end, start + piece.sample.length)
+            if low < high:
+                pieces.append(Slice(piece.sample.sample_id, low - start, high - start))
+        micropacks.append(MicroPack(pieces))
+    return micropacks
+
+
+@register("slimpipe")
+def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    """SlimPipe (SC'25): uniform slicing with a slice-level 1F1B pipeline.
+
+    Reproduces: the sequences of `megatron-fixed` (same concatenation, cuts, pieces and
+    contiguous dealing to data-parallel ranks), each cut into n uniform slices of at most
+    `config.slice_tokens` tokens (default context/8): a slice is a MicroPack, one forward and
+    one backward unit each (the same grouping for both passes). A slice attends to the KV of its
+    piece's earlier slices, so a piece's slices form a chain: its backward runs last slice first,
+    after all its forwards, which is SlimPipe's slice-level 1F1B (classic warm-up of pp - s - 1
+    slices per stage).
+    """
+    slice_tokens = config.slice_tokens or max(1, config.context_length // 8)
+    rates = WorkRates.from_cost(cost, parallel, slice_tokens)
+    sequences = concatenate_and_cut(lengths, config.context_length)
+    samples = [piece.sample for sequence in sequences for piece in sequence]
+    per_rank = [[mp for sequence in block for mp in slice_sequence(sequence, slice_tokens, rates)]
+                for block in deal_contiguous(sequences, parallel.dp)]
+    metadata = {**_piece_metadata(sequences), "slice_tokens": slice_tokens}
+    return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata)
+
+
+__all__ = [
+    "schedule_1f1b", "concatenate_and_cut", "best_fit_decreasing", "pack_in_order", "WlbLlmPlanner",
+    "max_tokens_per_rank", "slice_sequence", "plan_megatron_fixed", "plan_bfd", "plan_sorted",
+    "plan_megatron_hybrid_cp", "plan_slimpipe", "Piece", "PendingDocument",
+]

@@ -1,0 +1,134 @@
+"""Per-strategy layout search: enumeration, cheap memory checks, feasible choice, reasons."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megatron_slimpack as ms
+from megatron_slimpack.plan import PlanError
+from megatron_slimpack.solver.layouts import (
+    LAYOUT_CONSTRAINTS, NoFeasibleLayout, best_layout, cheap_rejection, enumerate_layouts, iteration_lower_bound,
+    minimum_memory_bytes,
+)
+from megatron_slimpack.solver.strategies import get_strategy
+from megatron_slimpack.simulator.dag import simulate
+from megatron_slimpack.specs import ParallelConfig
+
+COST_7B = ms.CostModel.analytic("llama-7b", "h100-sxm")
+COST_70B = ms.CostModel.analytic("llama-70b", "h100-sxm")
+FAST = ms.SlimPackConfig(solver_time_limit_s=0.1)
+
+
+def batch(seed: int, count: int, context: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(rng.lognormal(7.5, 1.5, count), 1, context)]
+
+
+def test_enumeration_respects_hardware_model_and_strategy():
+    layouts = enumerate_layouts(COST_70B, 256, "megatron-fixed")
+    assert layouts and len(set(layouts)) == len(layouts)
+    for p in layouts:
+        assert p.world_size == 256 and p.tp <= 8 and 64 % p.tp == 0 and 8 % p.tp == 0
+        assert 80 % p.pp == 0 and p.cp & (p.cp - 1) == 0
+    assert {p.recompute for p in layouts} == {"none", "selective", "full"}
+    assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
+    assert all(p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "slimpack"))
+    assert LAYOUT_CONSTRAINTS["megatron-hybrid-cp"].reason
+
+
+def test_minimum_memory_matches_the_simulated_peak_of_fixed_packing():
+    context = 65536
+    lengths = batch(0, 300, context)
+    parallel = ParallelConfig(dp=2, pp=4, tp=8, recompute="selective")
+    plan = get_strategy("megatron-fixed")(lengths, parallel, COST_7B,
+                                          ms.SlimPackConfig(strategy="megatron-fixed", context_length=context))
+    peak = max(simulate(plan, COST_7B, detail=False).peak_memory_bytes)
+    bound = minimum_memory_bytes("megatron-fixed", lengths, COST_7B, parallel, context)
+    assert bound <= peak * (1 + 1e-9)
+
+
+def test_lower_bound_never_exceeds_the_simulated_time():
+    context = 32768
+    lengths = batch(1, 120, context)
+    for strategy in ("megatron-fixed", "bfd", "slimpipe", "slimpack"):
+        for parallel in (ParallelConfig(dp=4, pp=2, tp=4), ParallelConfig(dp=2, pp=1, tp=8, recompute="full"),
+                         ParallelConfig(dp=2, pp=2, tp=4, cp=2 if strategy != "slimpack" else 1)):
+            plan = get_strategy(strategy)(lengths, parallel, COST_7B,
+                                          FAST.with_(strategy=strategy, context_length=context))
+            time_s = simulate(plan, COST_7B, detail=False).iteration_time_s
+            assert iteration_lower_bound(strategy, lengths, COST_7B, parallel) <= time_s, (strategy, parallel)
+
+
+@pytest.mark.parametrize("strategy", ["megatron-fixed", "wlb-llm", "slimpack"])
+def test_best_layout_is_feasible_and_fastest_of_its_finalists(strategy):
+    context = 32768
+    batches = [batch(seed, 150, context) for seed in (2, 3)]
+    result = best_layout(strategy, batches, COST_7B, 8, context, FAST)
+    assert result.parallel.world_size == 8
+    assert result.best.peak_memory_bytes <= COST_7B.memory_budget_bytes()
+    assert len(result.plans) >= len(batches) and len(result.reports) == len(result.plans)
+    assert result.mean_iteration_time_s == min(e.mean_iteration_time_s for e in result.finalists)
+    for plan in result.plans:
+        plan.validate()
+        assert plan.parallel == result.parallel
+    assert all(r.reason for r in result.rejected)
+    assert result.to_dict()["layout"] == result.parallel.describe()
+    if strategy == "wlb-llm":  # delayed documents are flushed at the end: every document is trained
+        trained = sum(p.num_tokens for p in result.plans)
+        assert trained == sum(map(sum, batches))
+
+
+def test_llama70b_at_256k_without_recompute_on_few_gpus_is_rejected_with_reasons():
+    context = 262144
+    lengths = [context, context // 2, 50000] + [4000] * 20
+    no_recompute = [p for p in enumerate_layouts(COST_70B, 32, "megatron-fixed") if p.recompute == "none"]
+    with pytest.raises(NoFeasibleLayout, match="memory") as caught:
+        best_layout("megatron-fixed", [lengths], COST_70B, 32, context, layouts=no_recompute)
+    assert len(caught.value.rejected) == len(no_recompute)
+    assert {r.kind for r in caught.value.rejected} <= {"static-memory", "minimum-memory", "simulated-memory"}
+    assert all("GiB" in r.reason for r in caught.value.rejected)
+    # With recompute allowed the same GPUs fit it, and the search says why the others failed.
+    result = best_layout("megatron-fixed", [lengths], COST_70B, 32, context)
+    assert result.parallel.recompute != "none"
+    assert any(r.parallel.recompute == "none" and r.infeasible for r in result.rejected)
+
+
+def test_explicit_layouts_are_checked():
+    context = 16384
+    lengths = batch(4, 60, context)
+    wrong = [ParallelConfig(dp=1, pp=2, tp=8), ParallelConfig(dp=1, pp=3, tp=8), ParallelConfig(dp=8, pp=2, tp=1),
+             ParallelConfig(dp=4, tp=8)]
+    with pytest.raises(NoFeasibleLayout) as caught:
+        best_layout("megatron-hybrid-cp", [lengths], COST_7B, 16, context, layouts=wrong)
+    reasons = [r.reason for r in caught.value.rejected]
+    assert "not a megatron-hybrid-cp layout" in reasons[0]
+    assert "32 layers" in reasons[1] and "not divisible by pp=3" in reasons[1]
+    assert "not a megatron-hybrid-cp layout" in reasons[2]
+    assert reasons[3] == "uses 32 GPUs, not 16"
+
+
+def test_cheap_checks_reject_static_memory_first():
+    parallel = ParallelConfig(dp=8, pp=1, tp=1)
+    rejection = cheap_rejection("bfd", [1000], COST_70B, parallel, 4096)
+    assert rejection.kind == "static-memory" and "optimizer" in rejection.reason
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(PlanError, match="no batches"):
+        best_layout("bfd", [], COST_7B, 8, 4096)
+    with pytest.raises(PlanError, match="unknown strategy"):
+        best_layout("no-such-strategy", [[100]], COST_7B, 8, 4096)
+
+
+def test_slimpack_minimum_need_agrees_with_its_planner():
+    context = 262144
+    lengths = [context, 30000, 2000]
+    config = ms.SlimPackConfig(strategy="slimpack", context_length=context)
+    for parallel in (ParallelConfig(dp=1, pp=4, tp=8), ParallelConfig(dp=2, pp=4, tp=8, recompute="full"),
+                     ParallelConfig(dp=1, pp=8, tp=8, recompute="selective")):
+        rejection = cheap_rejection("slimpack", lengths, COST_70B, parallel, context)
+        if rejection is not None:
+            assert rejection.kind == "minimum-memory"
+            with pytest.raises(PlanError, match="memory"):
+                get_strategy("slimpack")(lengths, parallel, COST_70B, config)
+    assert cheap_rejection("slimpack", lengths, COST_70B, ParallelConfig(dp=1, pp=4, tp=8), context) is not None
