@@ -107,14 +107,28 @@ def activation_budget(cost: CostModel, parallel: ParallelConfig, context_length:
     return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel) - cost.kv_cache_bytes(context_length, parallel)
 
 
+MIN_MICROPACK_TOKENS = 1024
+
+
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
     """The largest power-of-two MicroPack that lets stage 0 hold pp of them, at most the context."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
     budget = activation_budget(cost, parallel, config.context_length)
+
+    def need(cap: int) -> float:
+        return parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True)
+
     cap = 1 << (config.context_length.bit_length() - 1)
-    while cap > 256 and parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True) > budget:
+    while cap > MIN_MICROPACK_TOKENS and need(cap) > budget:
         cap //= 2
+    if need(cap) > budget:
+        raise PlanError(
+            f"memory: with {parallel.describe()} on {cost.hardware.name}, weights, optimizer state and one "
+            f"context's KV cache leave {format_bytes(max(budget, 0))} for activations, less than {parallel.pp} "
+            f"MicroPacks of {cap} tokens need ({format_bytes(need(cap))}); use activation recompute, more tensor "
+            f"or pipeline parallelism, or a shorter context"
+        )
     return min(cap, config.context_length)
 
 
