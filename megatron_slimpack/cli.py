@@ -235,6 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--gantt-dir", help="write one Gantt PNG per strategy here")
     compare.set_defaults(run=cmd_compare)
 
+    profile = commands.add_parser("profile", help="time the real model on this device and fit the cost model")
+    from .profiler import add_profile_arguments, profile_main
+
+    add_profile_arguments(profile)
+    profile.set_defaults(run=profile_main)
+
+    validate = commands.add_parser("validate", help="measured multi-process steps vs the simulator (fidelity)")
+    from .fidelity import add_validate_arguments, validate_main
+
+    add_validate_arguments(validate)
+    validate.set_defaults(run=validate_main)
+
     demo = commands.add_parser("demo", help="the main job on the embedded default workload")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--data-dir", default=None, help="text files to train on (default: Python's standard library)")

@@ -117,7 +117,50 @@ def _global_name(name: str, stage: int, pp: int) -> str:
     return name
 
 
-def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="random"):
+def _shard(name: str, full: torch.Tensor, param, tp: int, tp_rank: int) -> torch.Tensor:
+    """The tp_rank shard of a full (tp=1) parameter, megatron's layout (SwiGLU fc1: [gate; up] per rank)."""
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat([half.chunk(tp, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(tp, dim)[tp_rank]
+
+
+def _unshard(name: str, shard: torch.Tensor, param, tp: int, group) -> torch.Tensor:
+    """All-gather a TP shard back into the full (tp=1) layout."""
+    import torch.distributed as dist
+
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    dim = param.partition_dim
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(parts, dim)
+
+
+def _with_units(plan, variant: str):
+    """Same MicroPacks, other units: "fine" (one unit per MicroPack) or "coarse" (a single huge unit)."""
+    import copy
+
+    plan = copy.deepcopy(plan)
+    for replica in plan.replicas:
+        count = len(replica.micropacks)
+        if variant == "fine":
+            replica.forward_units = [[m] for m in range(count)]
+            replica.backward_units = [[m] for m in replica.backward_sequence()]
+            replica.stage_orders = _stage_orders(random.Random(0), replica, plan.parallel.pp)
+        else:
+            replica.forward_units = [list(range(count))]
+            replica.backward_units = [replica.backward_sequence()]
+            replica.stage_orders = [[("F", 0), ("B", 0)] for _ in range(plan.parallel.pp)]
+    return plan.validate()
+
+
+def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="random", options=None):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -126,46 +169,104 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.runtime.schedule import slimpack_forward_backward
 
+    options = options or {}
+    tp = options.get("tp", 1)
     torch.set_num_threads(1)
     compat.apply()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
-    plan, documents = CASES[case](seed, pp, world_size // pp)
+    base_plan, documents = CASES[case](seed, pp, world_size // (pp * tp))
     saved = torch.load(path)
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
-    chunk = build_gpt_model(_config(**extra), vocab_size=VOCAB, max_sequence_length=64, backend="torch",
+    if tp > 1:
+        extra["tensor_model_parallel_size"] = tp
+    if options.get("ddp"):
+        extra["calculate_per_token_loss"] = True
+    if options.get("deallocate"):
+        extra["deallocate_pipeline_outputs"] = True
+    config = _config(**extra)
+    chunk = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=64, backend="torch",
                             pre_process=stage == 0, post_process=stage == pp - 1)
     names = {name: _global_name(name, stage, pp) for name, _ in chunk.named_parameters()}
-    chunk.load_state_dict({k: saved["state"][_global_name(k, stage, pp)] for k in chunk.state_dict()})
+    params = dict(chunk.named_parameters())
+    chunk.load_state_dict({k: _shard(k, saved["state"][_global_name(k, stage, pp)], params.get(k), tp, tp_rank)
+                           for k in chunk.state_dict()})
+    model = chunk
+    calls = {"no_sync": 0, "finalize": 0}
+    if options.get("ddp"):
+        import contextlib
 
-    result = slimpack_forward_backward(model=[chunk], forward_only=forward_only, plan=plan,
-                                       token_source=InMemoryTokenSource(documents), num_microbatches=1,
-                                       seq_length=64, micro_batch_size=1, dp_rank=dp_rank)
-    order = plan.replicas[dp_rank].stage_orders[stage]
-    assert [(u["kind"], u["index"]) for u in result] == [t for t in order if not forward_only or t[0] == "F"]
-    if stage == pp - 1:
-        assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
-    else:
-        assert result.loss is None
-    if forward_only:
-        assert all(p.grad is None for p in chunk.parameters())
-        return
-    worst = 0.0
-    for name, p in chunk.named_parameters():
-        expected = saved["grads"][names[name]]
-        worst = max(worst, ((p.grad - expected).norm() / expected.norm().clamp_min(1e-30)).item())
-    assert worst <= 1e-5, f"rank {rank} (stage {stage}): worst relative gradient error {worst:.2e}"
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), chunk)
+
+        @contextlib.contextmanager
+        def counted_no_sync():
+            calls["no_sync"] += 1
+            with model.no_sync():
+                yield
+
+        def counted_finalize(*args, **kwargs):
+            calls["finalize"] += 1
+            return finalize_model_grads(*args, **kwargs)
+
+        config.no_sync_func = counted_no_sync
+        config.finalize_model_grads_func = counted_finalize
+
+    for variant in options.get("variants", [None]):
+        plan = base_plan if variant is None else _with_units(base_plan, variant)
+        if options.get("ddp"):
+            model.zero_grad_buffer()
+        else:
+            chunk.zero_grad(set_to_none=True)
+        result = slimpack_forward_backward(model=[model], forward_only=forward_only, plan=plan,
+                                           token_source=InMemoryTokenSource(documents), num_microbatches=1,
+                                           seq_length=64, micro_batch_size=1, dp_rank=dp_rank,
+                                           timeline=bool(options.get("trace")))
+        order = plan.replicas[dp_rank].stage_orders[stage]
+        assert [(u["kind"], u["index"]) for u in result] == [t for t in order if not forward_only or t[0] == "F"]
+        if stage == pp - 1:
+            assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
+        else:
+            assert result.loss is None
+        if options.get("trace") and rank == 0:
+            timeline = result.timeline
+            computed = [r for r in timeline.records if r.kind in ("F", "B")]
+            for r_dp in range(plan.parallel.dp):
+                for s in range(pp):
+                    mine = sorted((r for r in computed if r.rank == r_dp and r.stage == s), key=lambda r: r.start)
+                    assert [(r.kind, r.unit) for r in mine] == plan.replicas[r_dp].stage_orders[s]
+            assert all(0 <= r.start <= r.end for r in timeline.records)
+            timeline.write_chrome_trace(options["trace"], {"plan": plan.fingerprint()})
+            timeline.write_gantt(options["trace"] + ".png")
+        if forward_only:
+            assert all(p.grad is None for p in chunk.parameters())
+            return
+        worst = 0.0
+        for name, p in chunk.named_parameters():
+            grad = p.main_grad if options.get("ddp") else p.grad
+            grad = _unshard(name, grad, p, tp, parallel_state.get_tensor_model_parallel_group())
+            expected = saved["grads"][names[name]]
+            worst = max(worst, ((grad - expected).norm() / expected.norm().clamp_min(1e-30)).item())
+        assert worst <= 1e-5, f"rank {rank} (stage {stage}, {variant}): worst relative gradient error {worst:.2e}"
+    if options.get("ddp"):
+        steps = len(options.get("variants", [None]))
+        assert calls == {"no_sync": steps, "finalize": steps}, calls  # once per step, as megatron's schedules
 
 
-def _run(tmp_path, megatron_cpu, *, pp, dp, seed, forward_only=False, timeout_s=180, case="random"):
+def _run(tmp_path, megatron_cpu, *, pp, dp, seed, forward_only=False, timeout_s=180, case="random", options=None):
+    tp = (options or {}).get("tp", 1)
     plan, documents = CASES[case](seed, pp, dp)
     path = tmp_path / "reference.pt"
     reference(plan, documents, path)
-    run_multiprocess(schedule_worker, pp * dp, pp, seed, str(path), forward_only, case, timeout_s=timeout_s)
+    run_multiprocess(schedule_worker, pp * dp * tp, pp, seed, str(path), forward_only, case, options,
+                     timeout_s=timeout_s)
 
 
 @pytest.mark.slow
@@ -195,6 +296,50 @@ def test_data_parallel_two_replicas(tmp_path, megatron_cpu):
 @pytest.mark.slow
 def test_pipeline_and_data_parallel(tmp_path, megatron_cpu):
     _run(tmp_path, megatron_cpu, pp=2, dp=2, seed=6, timeout_s=240, case="interleaved")
+
+
+@pytest.mark.slow
+def test_pipeline_data_parallel_megatron_ddp_with_trace(tmp_path, megatron_cpu):
+    """PP=2 x DP=2 with megatron-core DistributedDataParallel (no_sync + finalize_model_grads),
+    deallocated pipeline outputs, and a measured timeline written as a Chrome trace."""
+    import json
+
+    trace = str(tmp_path / "trace.json")
+    _run(tmp_path, megatron_cpu, pp=2, dp=2, seed=7, timeout_s=240, case="interleaved",
+         options={"ddp": True, "deallocate": True, "trace": trace})
+    events = json.loads(open(trace).read())["traceEvents"]
+    bars = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in bars} >= {"F", "B", "RECV", "P2P", "DP"}
+    assert {e["pid"] for e in bars} == {0, 1}
+    assert (tmp_path / "trace.json.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_many_small_units_and_one_huge_unit(tmp_path, megatron_cpu):
+    _run(tmp_path, megatron_cpu, pp=2, dp=1, seed=12, options={"variants": ["fine", "coarse"]})
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel(tmp_path, megatron_cpu):
+    """TP=2 x PP=2 (4 processes, no sequence parallelism): gathered gradients == whole documents."""
+    _run(tmp_path, megatron_cpu, pp=2, dp=1, seed=3, timeout_s=240, options={"tp": 2})
+
+
+def test_sequence_parallel_is_refused(megatron_cpu):
+    """Sequence parallelism is refused up front with a clear error (megatron's CPU norms cannot
+    even be built with it, so the flag is set on a built model's config)."""
+    from megatron_slimpack.runtime import InMemoryTokenSource
+    from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+
+    plan, documents = make_case(1, pp=1, dp=1)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    model.config.tensor_model_parallel_size, model.config.sequence_parallel = 2, True
+    try:
+        with pytest.raises(ScheduleError, match="sequence parallelism"):
+            slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents))
+    finally:
+        model.config.tensor_model_parallel_size, model.config.sequence_parallel = 1, False
 
 
 # ---- checks that need no processes ----------------------------------------------------------

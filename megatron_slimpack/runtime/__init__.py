@@ -12,10 +12,14 @@ from .executor import (
     SingleStageExecutor, StepResult, UnitReport, backward_step, forward_step, global_loss_tokens,
     split_into_leaves,
 )
+from .schedule import ScheduleError, ScheduleResult, check_same_plan, check_stage_orders, slimpack_forward_backward
+from .timing import SavedBytesMeter, StageMemory, TimedTask, Timeline, overlay_records, write_overlay_gantt
 
 __all__ = [
     "BACKENDS", "BackendUnavailable", "KVStore", "SlicedDotProductAttention", "SlicedSeqParams",
     "available_backends", "resolve_backend", "slimpack_layer_spec", "InMemoryTokenSource", "MicroPackBatch",
     "TokenSource", "build_batch", "SingleStageExecutor", "StepResult", "UnitReport", "backward_step",
-    "forward_step", "global_loss_tokens", "split_into_leaves",
+    "forward_step", "global_loss_tokens", "split_into_leaves", "ScheduleError", "ScheduleResult",
+    "check_same_plan", "check_stage_orders", "slimpack_forward_backward", "SavedBytesMeter", "StageMemory",
+    "TimedTask", "Timeline", "overlay_records", "write_overlay_gantt",
 ]

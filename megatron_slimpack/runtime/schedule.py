@@ -27,18 +27,32 @@ neighbouring stages flow in one direction per kind (activations downstream in fo
 order, gradients upstream in backward-unit order) and each side posts them in the same order, so
 they match without tags.
 
-Data parallelism: gradients are summed over the data-parallel group once, after the last backward
-of the step, by a plain `all_reduce(SUM)` of every parameter's `.grad` (coalesced into one flat
-buffer per dtype). Because the loss is already divided by the global batch's loss-token count,
-a sum (not a mean) gives the global per-token gradient. This replaces Megatron DDP's
-`finalize_model_grads` (not used here: its grad buffers and hooks were not validated on CPU);
-pass `reduce_grads=False` to do the reduction yourself (e.g. with Megatron DDP).
+Data parallelism (Megatron's DDP protocol, as `forward_backward_pipelining_without_interleaving`):
+when the model config has `no_sync_func` (Megatron `DistributedDataParallel.no_sync`), it wraps every
+backward but this stage's last one; after the last backward `grad_sync_func` (if set) is called
+with the parameters and `finalize_model_grads_func([model], None)` once per step (num_tokens is
+None: the loss is already divided by the global batch's loss-token count, so DDP must *sum*:
+build the config with `calculate_per_token_loss=True` before wrapping, which the schedule checks).
+Megatron DDP (0.16.1) runs on CPU with gloo under `compat.apply()` (overlap_grad_reduce=False
+tested). Fallback without a finalize function: a Megatron DDP model gets `finish_grad_sync()`,
+a plain module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group
+(`reduce_grads=False` skips it). `config.deallocate_pipeline_outputs` frees a stage's outputs'
+data once sent (backward then goes through megatron's `custom_backward`).
+
+Tensor parallelism without sequence parallelism works (each TP rank exchanges the full
+activation with its peer in the pipeline group); sequence parallelism is refused with a clear
+`ScheduleError`.
+
+Timing: `timeline=True` (or a `runtime.timing.Timeline`) records every F/B task, blocking
+receive and send on every rank against a clock started after a barrier, gathered to rank 0
+(`result.timeline`); see timing.py.
 
 Before running, the plan's fingerprint is compared across all ranks of `check_group` (default:
 the world) and the stage orders are checked for deadlock (a replay of the blocking receives).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -65,6 +79,7 @@ class ScheduleResult(list):
     loss: Optional[float] = None
     loss_sum: Optional[float] = None
     num_loss_tokens: int = 0
+    timeline = None  # the `runtime.timing.Timeline` when the step was timed
 
 
 # ---- checks --------------------------------------------------------------------------------
@@ -160,6 +175,68 @@ def _reduce_grads(model, group) -> None:
 
 
 # ---- the schedule --------------------------------------------------------------------------
+def _is_megatron_ddp(model) -> bool:
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, DistributedDataParallel)
+
+
+def _inner_module(model):
+    """The module that owns `set_input_tensor` / `post_process` (through DDP / Float16 wrappers)."""
+    inner = model
+    while not hasattr(inner, "post_process") and hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def _free_output(output: Tensor) -> bool:
+    """Megatron's `deallocate_output_tensor`: keep only the autograd node of a sent output."""
+    if output._base is not None or output.numel() <= 1:
+        return False
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+    return True
+
+
+def _backward(output: Tensor, grad, input_tensor: Optional[Tensor], freed: bool) -> Optional[Tensor]:
+    if not freed:
+        return backward_step(output, grad, input_tensor=input_tensor)
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    custom_backward(output, grad)  # the C++ engine skips the shape check of the freed output
+    return input_tensor.grad if input_tensor is not None else None
+
+
+class _Pending:
+    """Non-blocking sends in flight; completion is polled (for the timeline) at task boundaries."""
+
+    def __init__(self, timeline):
+        self.items: list[list] = []  # [handle, tensor, unit, detail, posted_at]
+        self.timeline = timeline
+
+    def add(self, handle, tensor, unit: int, detail: str) -> None:
+        self.items.append([handle, tensor, unit, detail, self.timeline.now() if self.timeline else 0.0])
+
+    def poll(self) -> None:
+        if self.timeline is None:
+            return
+        keep = []
+        for item in self.items:
+            if item[0].is_completed():
+                self.timeline.record("P2P", item[2], item[4], self.timeline.now(), item[3])
+            else:
+                keep.append(item)
+        self.items = keep
+
+    def wait_all(self) -> None:
+        for handle, _, unit, detail, posted in self.items:
+            handle.wait()
+            if self.timeline is not None:
+                self.timeline.record("P2P", unit, posted, self.timeline.now(), detail)
+        self.items = []
+
+
 def slimpack_forward_backward(
     *,
     forward_step_func=None,
@@ -180,13 +257,16 @@ def slimpack_forward_backward(
     kv_store: Optional[KVStore] = None,
     reduce_grads: bool = True,
     check_plan: bool = True,
+    timeline=None,
     **kwargs,
 ) -> ScheduleResult:
     """Run this rank's stage of one replica plan for one global-batch step (see module doc).
 
-    Gradients accumulate into the chunk's parameters' `.grad` (zero them before the step, as with
-    Megatron's schedules). `pp_group`/`pp_rank`/`dp_group` default to megatron's parallel state
-    when it is initialised, else to a single stage / no data parallelism.
+    Gradients accumulate into the chunk's parameters' `.grad` (or Megatron DDP's `main_grad`);
+    zero them before the step, as with Megatron's schedules. `pp_group`/`pp_rank`/`dp_group`
+    default to megatron's parallel state when it is initialised, else to a single stage / no data
+    parallelism. `timeline`: True or a `runtime.timing.Timeline` to record every task's start and
+    end (gathered to the first rank of `check_group`; returned as `result.timeline`).
     """
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
@@ -204,6 +284,23 @@ def slimpack_forward_backward(
         dp_group = parallel_state.get_data_parallel_group()
     if dp_rank is None and replica_index is None:
         dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    dp_size = dist.get_world_size(dp_group) if (dp_group is not None and dist.is_initialized()) else 1
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if megatron_ready else 0
+
+    inner = _inner_module(model)
+    config = getattr(model, "config", None) or getattr(inner, "config", None)
+    tp_size = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if tp_size > 1 and getattr(config, "sequence_parallel", False):
+        raise ScheduleError(
+            "the SlimPack pipeline schedule does not support sequence parallelism yet (MicroPacks are not padded "
+            "to a multiple of tp and activations would be sent as TP shards); set sequence_parallel=False "
+            "(tensor parallelism without sequence parallelism is supported)")
+    ddp = _is_megatron_ddp(model)
+    if ddp and dp_size > 1 and not getattr(config, "calculate_per_token_loss", False) and not forward_only:
+        raise ScheduleError(
+            "with Megatron DDP the schedule needs config.calculate_per_token_loss=True before the model is "
+            "wrapped: the loss is already divided by the global batch's token count, so DDP must sum (not "
+            "average) gradients over data-parallel ranks")
 
     replica = _pick_replica(plan, replica_index, dp_rank)
     if len(replica.stage_orders) != pp_size:
@@ -212,27 +309,76 @@ def slimpack_forward_backward(
         check_same_plan(plan, check_group)
         check_stage_orders(replica)
 
+    if timeline is True:
+        from .timing import Timeline
+
+        timeline = Timeline(group=check_group)
+    elif timeline is False:
+        timeline = None
+    replica_rank = dp_rank if dp_rank is not None else (replica.dp_ranks[0] if replica.dp_ranks else 0)
+
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not first else None
     next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not last else None
     param = next(model.parameters())
     device = param.device
-    config = getattr(model, "config", None)
     hidden = config.hidden_size
     dtype = getattr(config, "pipeline_dtype", None) or param.dtype
+    deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not last
     num_loss_tokens = global_loss_tokens(plan)
     store = kv_store if kv_store is not None else KVStore()
     batches = [build_batch(mp, token_source, store, device) for mp in replica.micropacks]
     counts = [mp.num_tokens for mp in replica.micropacks]
 
+    # Megatron DDP protocol (as forward_backward_pipelining_without_interleaving): gradient sync is
+    # disabled (no_sync) around every backward but this stage's last one; then grad_sync_func (if
+    # any) and finalize_model_grads_func once per step.
+    no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+    grad_sync_func = getattr(config, "grad_sync_func", None)
+    finalize_func = getattr(config, "finalize_model_grads_func", None)
+    order = replica.stage_orders[pp_rank]
+    last_backward = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
+    no_sync_context = None
+
+    def disable_grad_sync():
+        nonlocal no_sync_context
+        if no_sync_context is None:
+            no_sync_context = no_sync_func()
+            no_sync_context.__enter__()
+
+    def enable_grad_sync():
+        nonlocal no_sync_context
+        if no_sync_context is not None:
+            no_sync_context.__exit__(None, None, None)
+            no_sync_context = None
+
+    meter = None
+    live_bytes: dict[int, int] = {}
+    memory_record = None
+    if timeline is not None:
+        timeline.start(rank=replica_rank, stage=pp_rank, tp_rank=tp_rank)
+        if timeline.track_memory:
+            from .timing import SavedBytesMeter, StageMemory
+
+            meter = SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+            memory_record = StageMemory(replica_rank, pp_rank, tp_rank=tp_rank)
+
+    def note_memory():
+        if memory_record is not None:
+            current = sum(live_bytes.values()) + store.nbytes()
+            memory_record.peak_activation_bytes = max(memory_record.peak_activation_bytes, current)
+
     inputs: dict[int, Tensor] = {}   # received leaves, per MicroPack (not on the first stage)
     outputs: dict[int, Tensor] = {}  # forward outputs kept for backward
-    pending: list[tuple] = []        # (isend handle, tensor kept alive)
+    freed: set[int] = set()          # outputs whose data was deallocated after the send
+    pending = _Pending(timeline)
     result = ScheduleResult()
     loss_sum = 0.0
+    if not forward_only:
+        disable_grad_sync()
     try:
         with torch.set_grad_enabled(not forward_only):
-            for kind, unit in replica.stage_orders[pp_rank]:
+            for position, (kind, unit) in enumerate(order):
                 if kind == "B" and forward_only:
                     continue
                 members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
@@ -240,15 +386,29 @@ def slimpack_forward_backward(
                 began = time.perf_counter()
                 report = {"kind": kind, "index": unit, "micropacks": list(members), "tokens": sum(sizes),
                           "attention_pairs": sum(replica.micropacks[mp].attention_pairs for mp in members)}
+                pending.poll()
                 if kind == "F":
                     leaves = [None] * len(members)
                     if not first:
                         buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
+                        waited = timeline.now() if timeline else 0.0
                         dist.recv(buffer, src=prev_rank, group=pp_group)
+                        if timeline:
+                            timeline.record("RECV", unit, waited, timeline.now(), f"F {pp_rank - 1}->{pp_rank}")
                         leaves = split_into_leaves(buffer, sizes)
+                        if meter is not None:
+                            meter.shared = {buffer.untyped_storage().data_ptr()}
+                    task_start = timeline.now() if timeline else 0.0
                     sent, unit_loss = [], 0.0
                     for mp, leaf in zip(members, leaves):
-                        output = forward_step(model, batches[mp], input_tensor=leaf)
+                        if meter is not None:
+                            with meter:
+                                output = forward_step(inner, batches[mp], input_tensor=leaf)
+                            live_bytes[mp] = meter.bytes
+                            memory_record.micropack_bytes[mp] = meter.bytes
+                            note_memory()
+                        else:
+                            output = forward_step(inner, batches[mp], input_tensor=leaf)
                         if last:
                             unit_loss += float(output.detach())
                         else:
@@ -262,40 +422,80 @@ def slimpack_forward_backward(
                         report["loss_sum"] = unit_loss
                     else:
                         activation = torch.cat(sent).to(dtype).contiguous()
-                        pending.append((dist.isend(activation, dst=next_rank, group=pp_group), activation))
+                        del sent
+                        if deallocate and not forward_only:
+                            for mp in members:
+                                if _free_output(outputs[mp]):
+                                    freed.add(mp)
+                        if timeline:
+                            timeline.record("F", unit, task_start, timeline.now())
+                        pending.add(dist.isend(activation, dst=next_rank, group=pp_group), activation, unit,
+                                    f"F {pp_rank}->{pp_rank + 1}")
+                    if last and timeline:
+                        timeline.record("F", unit, task_start, timeline.now())
                 else:
                     grads: list = [1.0 / num_loss_tokens] * len(members)
                     if not last:
                         buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
+                        waited = timeline.now() if timeline else 0.0
                         dist.recv(buffer, src=next_rank, group=pp_group)
+                        if timeline:
+                            timeline.record("RECV", unit, waited, timeline.now(), f"B {pp_rank + 1}->{pp_rank}")
                         grads = list(buffer.split(sizes, dim=0))
+                    if position == last_backward and (grad_sync_func is None or first):
+                        enable_grad_sync()
+                    task_start = timeline.now() if timeline else 0.0
                     upstream = []
                     for mp, grad, size in zip(members, grads, sizes):
                         leaf = inputs.pop(mp, None)
-                        input_grad = backward_step(outputs.pop(mp), grad, input_tensor=leaf)
+                        output = outputs.pop(mp)
+                        if not isinstance(grad, Tensor):
+                            grad = torch.tensor(grad, dtype=output.dtype, device=output.device)
+                        input_grad = _backward(output, grad, leaf, mp in freed)
+                        freed.discard(mp)
                         if not first:
                             if input_grad is None:
                                 input_grad = torch.zeros(size, 1, hidden, dtype=dtype, device=device)
                             upstream.append(input_grad)
+                    for mp in members:
+                        live_bytes.pop(mp, None)
+                    note_memory()
                     if not first:
                         gradient = torch.cat(upstream).to(dtype).contiguous()
-                        pending.append((dist.isend(gradient, dst=prev_rank, group=pp_group), gradient))
+                        if timeline:
+                            timeline.record("B", unit, task_start, timeline.now())
+                        pending.add(dist.isend(gradient, dst=prev_rank, group=pp_group), gradient, unit,
+                                    f"B {pp_rank}->{pp_rank - 1}")
+                    elif timeline:
+                        timeline.record("B", unit, task_start, timeline.now())
                 report["seconds"] = time.perf_counter() - began
                 result.append(report)
-        for handle, _ in pending:
-            handle.wait()
-        pending.clear()
+        pending.wait_all()
         if not forward_only:
             if outputs or len(store):
                 raise RuntimeError(f"after the step {len(outputs)} MicroPack outputs and {len(store)} KV entries remain: "
                                    "some backward did not run")
-            if reduce_grads:
-                _reduce_grads(model, dp_group)
+            reduce_start = timeline.now() if timeline else 0.0
+            if no_sync_context is not None:
+                enable_grad_sync()
+                if grad_sync_func is not None:
+                    grad_sync_func(model.parameters())
+            if finalize_func is not None:
+                # The loss was divided by the global loss-token count already: no num_tokens scaling.
+                finalize_func([model], None)
+            elif reduce_grads:
+                if ddp:
+                    model.finish_grad_sync()
+                else:
+                    _reduce_grads(model, dp_group)
+            if timeline and (finalize_func is not None or (reduce_grads and dp_size > 1)):
+                timeline.record("DP", -1, reduce_start, timeline.now(), "gradient reduction")
     finally:
+        if no_sync_context is not None:
+            enable_grad_sync()
         if forward_only:
             store.clear()
-        for handle, _ in pending:
-            handle.wait()
+        pending.wait_all()
     result.num_loss_tokens = num_loss_tokens
     if last:
         result.loss_sum = loss_sum
@@ -305,4 +505,9 @@ def slimpack_forward_backward(
                 total = total.cuda()
             dist.all_reduce(total, group=dp_group)
         result.loss = float(total) / num_loss_tokens
+    if timeline is not None:
+        if memory_record is not None:
+            timeline.memory.append(memory_record)
+        timeline.gather()
+        result.timeline = timeline
     return result

@@ -1,0 +1,63 @@
+"""Cost-model profiler: a tiny grid gives a loadable profile whose predictions are close to
+held-out measurements (loose bounds: the CPU is shared)."""
+import pytest
+
+from megatron_slimpack.specs import ModelSpec
+
+SPEC = ModelSpec("test-small", 2, 64, 128, 4, num_query_groups=2, vocab_size=128)
+GRID = dict(tokens=(64, 192, 384), slices=(1, 2), prefixes=(0, 128))
+
+
+@pytest.fixture(scope="module")
+def profiled(megatron_cpu, tmp_path_factory):
+    from megatron_slimpack.profiler import profile
+
+    result = profile(SPEC, pp=1, grid=GRID, repeats=2, p2p=False, progress=None)
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    result.write(path)
+    return result, path
+
+
+@pytest.mark.slow
+def test_profile_loads_and_predicts_held_out(profiled):
+    import json
+
+    from megatron_slimpack.costmodel import CostModel
+    from megatron_slimpack.profiler import measure_chunk, predict_point
+    from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.profiler import transformer_config
+    from megatron_slimpack.specs import ParallelConfig
+
+    result, path = profiled
+    cost = CostModel.from_profile(path)
+    data = json.loads(path.read_text())
+    assert data["attention_backend"] == "torch" and data["dtype_bytes"] == 4
+    for term in ("forward", "backward", "activation"):
+        assert data["fit"][term]["mape"] < 1.0
+    # non-negative least squares: a term the noise hides may drop to 0, never below
+    assert cost.profiled_forward.per_token >= 0 and cost.profiled_forward(256, 256 * 257 / 2) > 0
+    assert cost.activation.per_token > 0
+    # same interface as the analytic model
+    parallel = ParallelConfig(pp=1)
+    assert cost.forward_time(256, 256 * 257 / 2, parallel, last_stage=True) > 0
+
+    chunk = build_gpt_model(transformer_config(SPEC, num_layers=SPEC.num_layers), vocab_size=SPEC.vocab_size,
+                            max_sequence_length=4096, backend="torch", pre_process=False, post_process=False)
+    held_out = measure_chunk(chunk, SPEC, 288, 2, 64, repeats=3)  # a shape outside the grid
+    forward, backward, saved = predict_point(cost, held_out, SPEC.num_layers)
+    assert saved == pytest.approx(held_out.saved_bytes, rel=0.15)  # memory is deterministic
+    assert 0.33 < forward / held_out.forward_s < 3.0  # time: loose (shared CPU)
+    assert 0.33 < backward / held_out.backward_s < 3.0
+
+
+def test_least_squares_recovers_coefficients():
+    import numpy as np
+
+    from megatron_slimpack.profiler import least_squares
+
+    t = np.array([64, 128, 256, 512, 1024], dtype=float)
+    a = t * (t + 1) / 2
+    y = 1e-3 + 2e-6 * t + 3e-9 * a
+    fit = least_squares([np.ones_like(t), t, a], y, ["c0", "per_token", "per_pair"])
+    assert fit["coefficients"]["per_token"] == pytest.approx(2e-6, rel=1e-6)
+    assert fit["mape"] < 1e-9
