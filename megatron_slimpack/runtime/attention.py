@@ -75,6 +75,16 @@ class KVStore:
     def clear(self) -> None:
         self._entries.clear()
 
+    def sample_ids(self) -> set[int]:
+        """Samples with K/V held."""
+        return {sample_id for sample_id, _ in self._entries}
+
+    def discard(self, sample_ids) -> None:
+        """Drop every entry of these samples (after a forward-only pass)."""
+        wanted = set(sample_ids)
+        for key in [key for key in self._entries if key[0] in wanted]:
+            del self._entries[key]
+
     def __len__(self) -> int:
         return sum(len(slices) for slices in self._entries.values())
 
@@ -99,6 +109,10 @@ class SlicedSeqParams(PackedSeqParams):
     kv_store: Optional[KVStore] = None
     cu_seqlens_attn_kv: Optional[Tensor] = None  # prefix + slice per segment: the kernel's keys
     max_seqlen_attn_kv: Optional[int] = None
+    # DP-Merge (context_parallel.py): the current tokens are this member's share of the
+    # MicroPack; their absolute positions, and how the shares fit together.
+    token_positions: Optional[Tensor] = None
+    cp: Optional[object] = None  # context_parallel.CPLayout
 
     def __post_init__(self):
         if not (len(self.sample_ids) == len(self.starts) == len(self.keeps_kv)):
@@ -191,7 +205,17 @@ class SlicedAttentionMixin:
         out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu, cu, s, s)
         return out.view(b, s, -1).transpose(0, 1).contiguous()
 
+    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions):
+        """Local queries at arbitrary absolute positions against natural-order keys (DP-Merge)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot run context-parallel (DP-Merge) slices yet; use backend='torch' "
+            "(see context_parallel.py for what TE/flash would need)")
+
     def _sliced(self, query: Tensor, key: Tensor, value: Tensor, params: SlicedSeqParams) -> Tensor:
+        if params.cp is not None:  # a merged MicroPack: this member's token share
+            from .context_parallel import cp_sliced_attention
+
+            return cp_sliced_attention(self, query, key, value, params)
         store, layer = params.kv_store, self.layer_number
         bounds = params.cu_seqlens_q.tolist()
         owners, keys, values = [], [], []
@@ -244,6 +268,15 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
     def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv):
         dropout = self.dropout_p if self.training else 0.0
         out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
+        return out.reshape(out.shape[0], -1)
+
+    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions):
+        if self.kernel is not torch_kernel:
+            return super()._attend_positions(q, k, v, cu_q, cu_kv, q_positions)
+        from .context_parallel import torch_position_kernel
+
+        dropout = self.dropout_p if self.training else 0.0
+        out = torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, self.softmax_scale, dropout)
         return out.reshape(out.shape[0], -1)
 
 

@@ -16,7 +16,10 @@ from .attention import SlicedSeqParams
 
 
 def slice_positions(params: SlicedSeqParams) -> Tensor:
-    """Absolute position of every packed token: start..end-1 for each slice, in pack order."""
+    """Absolute position of every packed token: start..end-1 for each slice, in pack order (or
+    the explicit per-token positions of a context-parallel share, see context_parallel.py)."""
+    if getattr(params, "token_positions", None) is not None:
+        return params.token_positions
     lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
     device = params.cu_seqlens_q.device
     return torch.cat([torch.arange(start, start + n, device=device) for start, n in zip(params.starts, lengths)])
@@ -28,5 +31,5 @@ def rotary_freqs_at(rotary_embedding, positions: Tensor) -> Tensor:
     `rotary_embedding` is megatron's `RotaryEmbedding`; its table up to the largest position is
     computed (and cached) by megatron, then one row is taken per token.
     """
-    table = rotary_embedding(int(positions.max()) + 1)
+    table = rotary_embedding(int(positions.max()) + 1 if positions.numel() else 1)
     return table.index_select(0, positions.to(table.device))

@@ -1,0 +1,296 @@
+"""Context-parallel sliced attention inside a DP-Merge group (design.md sections 2, 3, 5).
+
+The k replicas of a merge group run the group's MicroPacks together: every MicroPack's tokens
+are split across the k members, each member runs the model on its share only, and inside every
+attention layer the K/V of the MicroPack's slices are all-gathered within the group.
+
+Token split (`split_slice`), balanced for causal cost
+-----------------------------------------------------
+A slice of n >= 2k tokens is cut into 2k contiguous chunks of (almost) equal size (the n mod 2k
+leftover tokens go one per rank); group rank i takes chunks i and 2k-1-i ("zigzag", as in Megatron/TE's load-balanced CP). A query at position
+p attends p+1 keys (prefix included), so the cost of a chunk grows linearly with its position;
+pairing the i-th chunk from the front with the i-th from the back gives every rank the same
+query count and (up to the +-1 token of uneven chunk sizes) the same number of attention pairs.
+The prefix [0, start) adds the same per-query cost on every rank, so it does not unbalance.
+A slice shorter than 2k tokens is dealt round-robin, token by token, continuing the rotation
+from the previous short slice of the MicroPack, so that a MicroPack of >= k tokens gives every
+rank at least one token (megatron's layers cannot run on zero tokens). A MicroPack with fewer
+than k tokens cannot be merged: `build_cp_batch` raises.
+
+Each member's local tokens are laid out slice by slice (pack order), and within a slice in
+position order; the model gets `SlicedSeqParams` whose cu_seqlens describe these *local* tokens
+(a slice may have zero local tokens: an empty segment), `position_ids` and
+`token_positions` hold the tokens' absolute positions (RoPE and learned embeddings follow them
+token by token, see rope.py), and `cp` holds the `CPLayout` below.
+
+K/V exchange and gradients
+--------------------------
+In each layer, the members' local K and V (stacked, padded to the largest share) are gathered
+with `all_gather_into_tensor` by `GatherFromGroup`, whose backward is the matching
+`reduce_scatter_tensor` (sum): the gradient of a token's K/V is the sum over every member's
+queries that attend it, delivered to the member that owns the token. The gathered rows are put
+back into natural order (`CPLayout.gather_index`, an `index_select` whose backward scatter-adds),
+so every member holds the full K/V of the MicroPack's slices. From there the single-device logic
+of design.md section 3 applies unchanged to these full tensors:
+  * the KV prefix of earlier slices comes from the KV store, where it sits as full (gathered)
+    K/V leaves on every member;
+  * a slice that a later slice continues stores its full K/V as detached leaves; later slices'
+    backward on *this* member accumulates (this member's queries') dK/dV into their `.grad`;
+  * the gradient hand-off (`_InjectKVGrad`) adds those accumulated leaves' gradients to the
+    gradient of the gathered full K/V, i.e. *before* the reduce-scatter, so the reduce-scatter
+    sums every member's contributions of later slices as well and delivers them to the owners.
+Weight gradients need nothing extra: each member's parameter gradients are its tokens' share;
+the data-parallel all-reduce sums them (and the other replicas' own work) as usual.
+
+Collectives are issued in the same order on every member as long as all members run the group's
+MicroPacks in the plan's forward/backward order (one all-gather per layer in forward, one
+reduce-scatter per layer in backward, layers in reverse order by autograd's data dependencies).
+
+Kernels: what is and isn't supported
+------------------------------------
+* torch reference (CPU and tests; implemented here): one `scaled_dot_product_attention` per
+  slice, local queries against [prefix + full slice] keys in natural order, with an explicit
+  mask built from absolute positions (key position <= query position). Any permutation of the
+  tokens works, not only the zigzag split.
+* Transformer Engine (not implemented): THD with cu_seqlens over the local queries and over the
+  gathered keys (prefix + full slice), causal by positions. TE's own THD context parallelism
+  (`cp_comm_type="all_gather"`) assumes exactly the 2k-chunk zigzag split above per sequence and
+  no KV prefix, so the prefix would have to be passed as extra keys through the
+  `padding_causal_bottom_right` path per chunk (each local chunk [a, b) of a slice attends the
+  contiguous keys [0, b): bottom-right aligned).
+* flash-attn (not implemented): `flash_attn_varlen_func(causal=True)` is bottom-right aligned and
+  needs each segment's keys contiguous and ending at the segment's last query. That holds per
+  zigzag chunk ([a, b) attends [0, b)), so the zigzag split works with one varlen call per
+  chunk half (front chunks, back chunks), each with its own cu_seqlens_k over the natural-order
+  keys; arbitrary permutations (and the round-robin dealing of short slices) do not, and would
+  need an explicit-mask kernel.
+Both GPU backends raise NotImplementedError here for now; use backend="torch".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..plan import MicroPack
+
+
+# ---- token split ---------------------------------------------------------------------------
+def split_slice(length: int, group_size: int, rotation: int = 0) -> list[list[int]]:
+    """Offsets (0..length-1) of a slice's tokens per group rank, each list in position order.
+
+    length >= 2k: 2k near-equal chunks, rank i takes chunks i and 2k-1-i (causal balance).
+    length < 2k: round-robin, token j to rank (rotation + j) % k.
+    """
+    k = group_size
+    if k == 1:
+        return [list(range(length))]
+    if length < 2 * k:
+        shares: list[list[int]] = [[] for _ in range(k)]
+        for j in range(length):
+            shares[(rotation + j) % k].append(j)
+        return shares
+    base, extra = divmod(length, 2 * k)
+    # the `extra` leftover tokens go one per rank (front chunks 0.., then back chunks 2k-1..), so
+    # members' token counts differ by at most one
+    sizes = [base] * (2 * k)
+    for j in range(extra):
+        sizes[j if j < k else 3 * k - 1 - j] += 1
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [list(range(bounds[i], bounds[i + 1])) + list(range(bounds[2 * k - 1 - i], bounds[2 * k - i]))
+            for i in range(k)]
+
+
+def split_micropack(lengths: Sequence[int], group_size: int) -> list[list[list[int]]]:
+    """Per slice, per rank: the slice offsets that rank holds (see `split_slice`)."""
+    rotation, out = 0, []
+    for n in lengths:
+        out.append(split_slice(n, group_size, rotation))
+        if n < 2 * group_size:
+            rotation = (rotation + n) % group_size
+    return out
+
+
+@dataclass
+class CPLayout:
+    """How one MicroPack's tokens are spread over a merge group, seen from one member."""
+
+    group: Optional[object]  # torch.distributed ProcessGroup (None: size 1, for tests)
+    group_size: int
+    group_rank: int
+    local_counts: list[int]  # tokens each member holds (all members)
+    gather_index: Tensor  # natural pack order -> row of the padded, gathered buffer
+    full_cu_seqlens: Tensor  # slices' full lengths, cumulative (natural pack order)
+    local_positions: Tensor  # absolute position of each local token
+
+    @property
+    def padded(self) -> int:
+        return max(self.local_counts)
+
+
+def _cumulative(lengths: list[int], device) -> Tensor:
+    return torch.tensor([0] + list(lengths), dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+
+
+def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
+                 device: torch.device | str = "cpu") -> tuple[CPLayout, Tensor, list[int]]:
+    """The member's layout, the natural-pack-order indices of its local tokens, and its local
+    token count per slice."""
+    lengths = [s.length for s in micropack.slices]
+    if micropack.num_tokens < group_size:
+        raise ValueError(
+            f"a MicroPack of {micropack.num_tokens} tokens cannot be split over a merge group of {group_size} "
+            "ranks (every member needs at least one token): the planner must not merge it")
+    shares = split_micropack(lengths, group_size)
+    offsets = _cumulative(lengths, "cpu").tolist()
+    per_rank: list[list[int]] = [[] for _ in range(group_size)]
+    for slice_index, by_rank in enumerate(shares):
+        for rank, local in enumerate(by_rank):
+            per_rank[rank] += [offsets[slice_index] + j for j in local]
+    counts = [len(p) for p in per_rank]
+    padded = max(counts)
+    gather_index = torch.empty(micropack.num_tokens, dtype=torch.long)
+    for rank, indices in enumerate(per_rank):
+        gather_index[torch.tensor(indices, dtype=torch.long)] = rank * padded + torch.arange(len(indices))
+    starts = [s.start for s in micropack.slices]
+    positions = torch.tensor([starts[i] + j for i, by_rank in enumerate(shares) for j in by_rank[group_rank]],
+                             dtype=torch.long)
+    layout = CPLayout(
+        group=group, group_size=group_size, group_rank=group_rank, local_counts=counts,
+        gather_index=gather_index.to(device), full_cu_seqlens=_cumulative(lengths, device),
+        local_positions=positions.to(device),
+    )
+    local_per_slice = [len(by_rank[group_rank]) for by_rank in shares]
+    return layout, torch.tensor(per_rank[group_rank], dtype=torch.long), local_per_slice
+
+
+def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size: int, group_rank: int,
+                   device: torch.device | str = "cpu"):
+    """This member's share of a MicroPack as model inputs (a `MicroPackBatch` of local tokens)."""
+    from .batch import MicroPackBatch, build_batch
+
+    full = build_batch(micropack, source, kv_store, "cpu")
+    layout, local, local_per_slice = build_layout(micropack, group, group_size, group_rank, device)
+    fp = full.packed_seq_params
+    cu_q = _cumulative(local_per_slice, device)
+    params = type(fp)(
+        qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
+        max_seqlen_q=max(local_per_slice), max_seqlen_kv=max(local_per_slice),
+        sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
+        cu_seqlens_attn_kv=fp.cu_seqlens_attn_kv.to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
+        token_positions=layout.local_positions, cp=layout,
+    )
+    pick = lambda row: row[:, local].to(device)  # noqa: E731
+    return MicroPackBatch(tokens=pick(full.tokens), labels=pick(full.labels), loss_mask=pick(full.loss_mask),
+                          position_ids=pick(full.position_ids), packed_seq_params=params)
+
+
+# ---- collectives ---------------------------------------------------------------------------
+def _reduce_scatter(output: Tensor, grad: Tensor, group) -> None:
+    try:
+        dist.reduce_scatter_tensor(output, grad, op=dist.ReduceOp.SUM, group=group)
+    except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter: all-reduce + own rows
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        rank = dist.get_rank(group)
+        output.copy_(grad[rank * output.shape[0]:(rank + 1) * output.shape[0]])
+
+
+class GatherFromGroup(torch.autograd.Function):
+    """All-gather along dim 0 within the merge group (rank order); backward: reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, group, group_size: int) -> Tensor:
+        ctx.group, ctx.rows = group, local.shape[0]
+        if group_size == 1:
+            return local.clone()
+        local = local.contiguous()
+        out = local.new_empty((group_size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if grad.shape[0] == ctx.rows:
+            return grad, None, None
+        output = grad.new_empty((ctx.rows, *grad.shape[1:]))
+        _reduce_scatter(output, grad.contiguous(), ctx.group)
+        return output, None, None
+
+
+def gather_full(local: Tensor, layout: CPLayout) -> Tensor:
+    """Local rows [T_local, ...] of every member -> the MicroPack's rows in natural order [T, ...]."""
+    pad = layout.padded - local.shape[0]
+    if pad:
+        local = torch.cat([local, local.new_zeros((pad, *local.shape[1:]))])
+    gathered = GatherFromGroup.apply(local, layout.group, layout.group_size)
+    return gathered.index_select(0, layout.gather_index)
+
+
+# ---- the torch kernel with position masks --------------------------------------------------
+def torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, scale, dropout_p):
+    """Packed local queries [Tq, H, D] against per-segment keys [prefix + full slice] (natural
+    order, key j at position j): query at position p sees keys 0..p."""
+    bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+    outputs = []
+    for i in range(len(bounds_q) - 1):
+        if bounds_q[i + 1] == bounds_q[i]:
+            continue  # this member holds no token of this slice
+        qs = q[bounds_q[i]:bounds_q[i + 1]].transpose(0, 1)
+        ks = k[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)
+        vs = v[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)
+        key_positions = torch.arange(ks.shape[1], device=q.device)
+        mask = key_positions[None, :] <= q_positions[bounds_q[i]:bounds_q[i + 1], None]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=ks.shape[0] != qs.shape[0])
+        outputs.append(out.transpose(0, 1))
+    if not outputs:
+        return q.new_zeros((0, q.shape[1], v.shape[-1]))
+    return torch.cat(outputs)
+
+
+# ---- the CP path of the sliced core attention ----------------------------------------------
+def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
+    """`SlicedAttentionMixin._sliced` for a member's share of a merged MicroPack.
+
+    query/key/value: the member's local tokens [T_local, heads, dim]. Returns [T_local, H*D].
+    """
+    from .attention import _InjectKVGrad
+
+    layout: CPLayout = params.cp
+    store, layer = params.kv_store, module.layer_number
+    full = gather_full(torch.stack([key, value], dim=1), layout)  # [T, 2, G, D], natural order
+    full_key, full_value = full[:, 0], full[:, 1]
+    bounds = layout.full_cu_seqlens.tolist()
+    owners, pieces = [], []
+    for i, (sample_id, start) in enumerate(zip(params.sample_ids, params.starts)):
+        begin, end = bounds[i], bounds[i + 1]
+        prefix = store.prefix(sample_id, layer) if store is not None else []
+        held = sum(entry.length for entry in prefix)
+        if held != start:
+            raise RuntimeError(
+                f"slice [{start}, ...) of sample {sample_id} in layer {layer} found {held} prefix tokens in "
+                "the KV store: its earlier slices must run forward first (and not be freed yet)")
+        pieces.append(prefix)
+        if params.keeps_kv[i]:
+            entry = store.put(sample_id, layer, start, full_key[begin:end], full_value[begin:end])
+            owners.append((begin, end, sample_id, start, entry))
+    if owners and torch.is_grad_enabled():
+        # The hand-off acts on the gathered K/V, before the reduce-scatter: later slices' dK/dV
+        # accumulated on this member reach the owning members together with this slice's own.
+        full_key, full_value = _InjectKVGrad.apply(full_key, full_value, store, layer, owners)
+    keys, values = [], []
+    for i, prefix in enumerate(pieces):
+        keys += [entry.key for entry in prefix] + [full_key[bounds[i]:bounds[i + 1]]]
+        values += [entry.value for entry in prefix] + [full_value[bounds[i]:bounds[i + 1]]]
+    cu_kv = params.cu_seqlens_attn_kv
+    if cu_kv is None:
+        raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with build_cp_batch)")
+    return module._attend_positions(query, torch.cat(keys), torch.cat(values), params.cu_seqlens_q, cu_kv,
+                                    layout.local_positions)

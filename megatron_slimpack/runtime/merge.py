@@ -1,0 +1,155 @@
+"""DP-Merge at run time: the members of a merge group run its ReplicaPlan together.
+
+A merge group is a `ReplicaPlan` whose `dp_ranks` name k > 1 data-parallel ranks; every one of
+them runs it, before its own replica plan (`Plan.replicas_of_rank`). Each member runs every
+MicroPack of the group on its share of the tokens (context_parallel.py: zigzag split, K/V
+all-gathered in attention, dK/dV reduce-scattered), in exactly the plan's task order, so the
+group's collectives line up. The loss is the sum over the member's tokens, scaled by
+1 / global loss tokens (one division for the whole global batch); the sum over members is the
+group's loss. Weight gradients need nothing extra: each member's `.grad` holds its tokens'
+share, and the data-parallel all-reduce the caller does after the step sums them together with
+every replica's own work.
+
+    groups = merge_groups(plan, dp_group_ranks)            # once, at start-up, on every rank
+    for replica in plan.replicas_of_rank(dp_rank):
+        if replica.is_merge_group:
+            run_merge_group(replica, model=model, token_source=source,
+                            group=groups[tuple(replica.dp_ranks)],
+                            group_rank=replica.dp_ranks.index(dp_rank),
+                            kv_store=kv_store, num_loss_tokens=global_loss_tokens(plan))
+        else:
+            ... the replica's own plan (executor / schedule) ...
+    ... DP all-reduce of gradients (the usual one) ...
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..plan import Plan, ReplicaPlan
+from .attention import KVStore
+from .context_parallel import build_cp_batch
+from .executor import StepResult, UnitReport, backward_step, forward_step
+
+
+def merge_layouts(dp: int) -> list[tuple[int, ...]]:
+    """Every merge group the planner can produce (solver/dp_phase.py): aligned blocks of k DP
+    ranks, k a power of two, 2 <= k <= dp, k dividing dp. Smallest blocks first."""
+    layouts, size = [], 2
+    while size <= dp:
+        if dp % size == 0:
+            layouts += [tuple(range(start, start + size)) for start in range(0, dp, size)]
+        size *= 2
+    return layouts
+
+
+def merge_groups(plan: Plan | int, dp_group_ranks: Optional[Sequence[int]] = None, *,
+                 all_dp_groups: Optional[Sequence[Sequence[int]]] = None, backend: Optional[str] = None
+                 ) -> dict[tuple[int, ...], object]:
+    """Create a process group for every merge layout; returns {tuple(dp_ranks): group} for the
+    layouts this rank belongs to.
+
+    Call once, at start-up, on *every* rank of the world (torch's `new_group` is collective and
+    must be called in the same order everywhere). `dp_group_ranks`: the global ranks of this
+    rank's data-parallel group in DP-rank order (default: the whole world, i.e. DP only). With
+    PP/TP there are several DP groups, and every rank must create the groups of all of them:
+    pass `all_dp_groups` (e.g. from your launcher's rank layout), or leave it None and the DP
+    groups are exchanged with one `all_gather_object` over the world.
+    """
+    dp = plan if isinstance(plan, int) else plan.parallel.dp
+    world = dist.get_world_size()
+    if dp_group_ranks is None:
+        dp_group_ranks = list(range(world))
+    dp_group_ranks = [int(r) for r in dp_group_ranks]
+    if len(dp_group_ranks) != dp:
+        raise ValueError(f"merge_groups: the plan has dp={dp} but the data-parallel group has {len(dp_group_ranks)} "
+                         f"ranks {dp_group_ranks}")
+    if all_dp_groups is None:
+        if len(dp_group_ranks) == world:
+            all_dp_groups = [dp_group_ranks]
+        else:
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, tuple(dp_group_ranks))
+            all_dp_groups = sorted(set(everyone))
+    all_dp_groups = sorted({tuple(int(r) for r in g) for g in all_dp_groups})
+    if tuple(dp_group_ranks) not in all_dp_groups:
+        raise ValueError(f"merge_groups: this rank's DP group {dp_group_ranks} is not among {all_dp_groups}")
+    me = dist.get_rank()
+    groups: dict[tuple[int, ...], object] = {}
+    for dp_group in all_dp_groups:
+        for layout in merge_layouts(dp):
+            ranks = [dp_group[i] for i in layout]
+            group = dist.new_group(ranks, backend=backend)
+            if me in ranks and tuple(dp_group) == tuple(dp_group_ranks):
+                groups[layout] = group
+    return groups
+
+
+def run_merge_group(
+    replica: ReplicaPlan, *, model, token_source, group, group_rank: Optional[int] = None,
+    kv_store: Optional[KVStore] = None, num_loss_tokens: int, pp_group=None, forward_only: bool = False,
+    dp_rank: Optional[int] = None,
+) -> StepResult:
+    """Run a merge-group ReplicaPlan on this member (PP=1): its share of every MicroPack, in the
+    order of `stage_orders[0]`. Gradients accumulate into the parameters' `.grad` (no DP
+    reduction here). Returns this member's share: `loss_sum` over its tokens, `loss` =
+    loss_sum / num_loss_tokens (sum over members = the group's contribution to the global loss).
+
+    `group`: the merge group's process group (from `merge_groups`), ranks in `replica.dp_ranks`
+    order; `group_rank`: this member's index in `replica.dp_ranks` (or give `dp_rank`).
+    `kv_store`: may be shared with the rank's own work; it must be empty of this group's samples.
+    """
+    if not replica.is_merge_group:
+        raise ValueError(f"run_merge_group runs merge groups; this replica plan has dp_ranks {replica.dp_ranks}")
+    pp = len(replica.stage_orders)
+    if pp != 1 or (pp_group is not None and dist.get_world_size(pp_group) > 1):
+        raise NotImplementedError(
+            f"DP-Merge with pipeline parallelism (pp={max(pp, dist.get_world_size(pp_group) if pp_group else 1)}) "
+            "is not implemented yet: merge groups run with pp=1 only")
+    size = len(replica.dp_ranks)
+    if group_rank is None:
+        if dp_rank is None or dp_rank not in replica.dp_ranks:
+            raise ValueError(f"run_merge_group: give group_rank, or a dp_rank among {replica.dp_ranks}")
+        group_rank = replica.dp_ranks.index(dp_rank)
+    if group is not None:
+        if dist.get_world_size(group) != size or dist.get_rank(group) != group_rank:
+            raise ValueError(
+                f"run_merge_group: the process group has {dist.get_world_size(group)} ranks and this rank is "
+                f"{dist.get_rank(group)} in it; the merge group {replica.dp_ranks} needs {size} ranks with this "
+                f"one at {group_rank}")
+    elif size > 1:
+        raise ValueError("run_merge_group: a merge group of several ranks needs its process group")
+    store = kv_store if kv_store is not None else KVStore()
+    device = next(model.parameters()).device
+    batches = [build_cp_batch(mp, token_source, store, group=group, group_size=size, group_rank=group_rank,
+                              device=device) for mp in replica.micropacks]
+    outputs: dict[int, Tensor] = {}
+    reports: list[UnitReport] = []
+    loss_sum = 0.0
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            for kind, unit in replica.stage_orders[0]:
+                if kind == "B" and forward_only:
+                    continue
+                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+                began = time.perf_counter()
+                for mp in members:
+                    if kind == "F":
+                        outputs[mp] = forward_step(model, batches[mp])
+                        loss_sum += float(outputs[mp].detach())
+                    else:
+                        backward_step(outputs.pop(mp), 1.0 / num_loss_tokens)
+                reports.append(UnitReport(
+                    kind, unit, list(members), sum(batches[m].num_tokens for m in members),
+                    sum(replica.micropacks[m].attention_pairs for m in members), time.perf_counter() - began))
+        if not forward_only and store.sample_ids() & set(replica.sample_ids):
+            raise RuntimeError("KV store still holds K/V of the merge group's samples after its step: some slice's "
+                               "backward did not run")
+    finally:
+        if forward_only:
+            store.discard(replica.sample_ids)
+    return StepResult(loss_sum / num_loss_tokens, loss_sum, num_loss_tokens, reports)

@@ -1,0 +1,296 @@
+"""DP-Merge at run time (runtime/merge.py, runtime/context_parallel.py): the replicas of a merge
+group run the outlier's MicroPacks with context parallelism; loss and every parameter gradient
+equal the single-process whole-document run."""
+import random
+
+import pytest
+import torch
+
+from conftest import random_plan, random_slicing, run_multiprocess, whole_document_step
+
+VOCAB = 64
+HIDDEN = 32
+LAYERS = 2
+
+
+# ---- the token split (no processes) ----------------------------------------------------------
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("length", [1, 3, 7, 8, 9, 16, 37, 64])
+def test_split_covers_and_balances(k, length):
+    from megatron_slimpack.runtime.context_parallel import split_slice
+
+    shares = split_slice(length, k)
+    flat = sorted(j for share in shares for j in share)
+    assert flat == list(range(length))
+    assert all(share == sorted(share) for share in shares)
+    counts = [len(s) for s in shares]
+    assert max(counts) - min(counts) <= 1
+    if length >= 2 * k:
+        # causal cost (keys seen) per rank, with a prefix of 100 tokens: zigzag keeps it balanced
+        # to within about one token's cost
+        costs = [sum(100 + j + 1 for j in share) for share in shares]
+        assert max(costs) - min(costs) <= 100 + length + k
+        if length % (2 * k) == 0:
+            assert max(costs) == min(costs)
+
+
+def test_every_member_gets_tokens():
+    from megatron_slimpack.plan import MicroPack, Slice
+    from megatron_slimpack.runtime.context_parallel import build_layout
+
+    pack = MicroPack([Slice(0, 0, 1), Slice(1, 3, 4), Slice(2, 0, 2)])  # only short slices, 4 tokens
+    counts = [len(build_layout(pack, None, 4, r)[1]) for r in range(4)]
+    assert counts == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot be split"):
+        build_layout(MicroPack([Slice(0, 0, 3)]), None, 4, 0)
+
+
+def test_merge_layouts():
+    from megatron_slimpack.runtime.merge import merge_layouts
+
+    assert merge_layouts(1) == []
+    assert merge_layouts(4) == [(0, 1), (2, 3), (0, 1, 2, 3)]
+    assert merge_layouts(6) == [(0, 1), (2, 3), (4, 5)]
+
+
+# ---- CP attention alone: 2 ranks vs single-process sliced attention -------------------------
+def _attention_worker(rank, world_size, port):
+    import torch.distributed as dist
+
+    from megatron_slimpack.plan import MicroPack, Slice
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, build_batch
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.context_parallel import build_cp_batch
+    from megatron_slimpack.runtime.model import tiny_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(world_size)))
+    heads, groups, dim = 4, 2, 8
+    config = tiny_config(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups)
+    attention = SlicedDotProductAttention(config, layer_number=1, attn_mask_type=None, backend="torch")
+    lengths = {0: 23, 1: 6, 2: 3}
+    source = InMemoryTokenSource({sid: torch.arange(n) for sid, n in lengths.items()})
+    # doc 0 in three slices (the later ones read a KV prefix), docs 1 and 2 whole, one short
+    packs = [MicroPack([Slice(0, 0, 9), Slice(1, 0, 6)]), MicroPack([Slice(2, 0, 3), Slice(0, 9, 20)]),
+             MicroPack([Slice(0, 20, 23)])]
+    gen = torch.Generator().manual_seed(11)
+    data = {}
+    for index, pack in enumerate(packs):
+        n = pack.num_tokens
+        data[index] = dict(q=torch.randn(n, heads, dim, generator=gen), k=torch.randn(n, groups, dim, generator=gen),
+                           v=torch.randn(n, groups, dim, generator=gen), w=torch.randn(n, heads * dim, generator=gen))
+
+    def run(batches, pick):
+        leaves, outs = {}, {}
+        for index in range(len(packs)):
+            leaves[index] = {name: pick(index, data[index][name]).clone().requires_grad_() for name in "qkv"}
+            outs[index] = attention(leaves[index]["q"], leaves[index]["k"], leaves[index]["v"],
+                                    packed_seq_params=batches[index].packed_seq_params)
+        for index in reversed(range(len(packs))):  # one chain: backward in reverse
+            (outs[index] * pick(index, data[index]["w"])).sum().backward()
+        return outs, leaves
+
+    store = KVStore()
+    ref_out, ref_leaves = run([build_batch(p, source, store) for p in packs], lambda i, t: t)
+    assert len(store) == 0
+    store = KVStore()
+    cp_batches = [build_cp_batch(p, source, store, group=group, group_size=world_size, group_rank=rank) for p in packs]
+    local = {}
+    for index, (pack, batch) in enumerate(zip(packs, cp_batches)):
+        # natural pack index of each local token, from (sample, position)
+        offset, where = 0, {}
+        for piece in pack.slices:
+            for j in range(piece.length):
+                where[(piece.sample_id, piece.start + j)] = offset + j
+            offset += piece.length
+        sids = [sid for sid, n in zip(batch.packed_seq_params.sample_ids,
+                                      (batch.packed_seq_params.cu_seqlens_q.diff()).tolist()) for _ in range(n)]
+        local[index] = torch.tensor([where[(s, int(p))] for s, p in zip(sids, batch.position_ids[0])])
+    cp_out, cp_leaves = run(cp_batches, lambda i, t: t[local[i]])
+    assert len(store) == 0
+    for index in range(len(packs)):
+        idx = local[index]
+        torch.testing.assert_close(cp_out[index], ref_out[index][idx], rtol=1e-5, atol=1e-6)
+        for name in "qkv":
+            torch.testing.assert_close(cp_leaves[index][name].grad, ref_leaves[index][name].grad[idx],
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_cp_attention_matches_single_process():
+    run_multiprocess(_attention_worker, 2, timeout_s=120)
+
+
+# ---- end to end: merge groups + own replicas == whole documents -----------------------------
+def _config():
+    from megatron_slimpack.runtime.model import tiny_config
+
+    return tiny_config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2)
+
+
+def _merge_replica(packs, ranks):
+    from megatron_slimpack.plan import MicroPack, ReplicaPlan
+
+    replica = ReplicaPlan([MicroPack(p) for p in packs], [], [], [], dp_ranks=list(ranks))
+    count = len(packs)
+    replica.forward_units = [list(range(count // 2)), list(range(count // 2, count))] if count > 1 else [[0]]
+    sequence = replica.backward_sequence()
+    replica.backward_units = [sequence[:1], sequence[1:]] if count > 1 else [sequence]
+    replica.stage_orders = [[("F", u) for u in range(len(replica.forward_units))]
+                            + [("B", v) for v in range(len(replica.backward_units))]]
+    return replica
+
+
+def make_case(dp: int, seed: int = 0):
+    """Merge groups with long documents (sliced, several per MicroPack) + own short documents."""
+    from megatron_slimpack.plan import Plan, Sample, Slice
+    from megatron_slimpack.specs import ParallelConfig
+
+    rng = random.Random(seed)
+    merges, lengths = [], {}
+    # group (0, 1): a long document in three slices sharing MicroPacks with a second one
+    lengths.update({100: 45, 101: 13})
+    merges.append(_merge_replica([[Slice(100, 0, 17), Slice(101, 0, 5)], [Slice(101, 5, 13), Slice(100, 17, 33)],
+                                  [Slice(100, 33, 45)]], (0, 1)))
+    if dp == 4:  # and a group of all four, with a short slice dealt round-robin
+        lengths.update({200: 40, 201: 3})
+        merges.insert(0, _merge_replica([[Slice(200, 0, 22)], [Slice(201, 0, 3), Slice(200, 22, 40)]],
+                                        (0, 1, 2, 3)))
+    own = []
+    for rank in range(dp):
+        ids = range(rank * 10, rank * 10 + 3)
+        mine = {sid: rng.randint(2, 12) for sid in ids}
+        slicings = {sid: random_slicing(rng, n, 3) for sid, n in mine.items()}
+        replica = random_plan(rng, slicings, num_micropacks=3).replicas[0]
+        replica.dp_ranks = [rank]
+        own.append(replica)
+        lengths.update(mine)
+    samples = [Sample(sid, n) for sid, n in sorted(lengths.items())]
+    plan = Plan(merges + own, samples, ParallelConfig(dp=dp), 64, "test").validate()
+    documents = {sid: torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed * 1000 + sid))
+                 for sid, n in lengths.items()}
+    return plan, documents
+
+
+def _merge_worker(rank, world_size, port, path, seed):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, SingleStageExecutor, compat
+    from megatron_slimpack.runtime.executor import global_loss_tokens
+    from megatron_slimpack.runtime.merge import merge_groups, run_merge_group
+    from megatron_slimpack.runtime.model import build_gpt_model
+
+    torch.set_num_threads(1)
+    compat.apply()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1234)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    plan, documents = make_case(world_size, seed)
+    groups = merge_groups(plan, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+    saved = torch.load(path)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    model.load_state_dict(saved["state"])
+    source, store = InMemoryTokenSource(documents), KVStore()
+    total = global_loss_tokens(plan)
+    loss_sum = 0.0
+    kinds = []
+    merged = [r for r in plan.replicas_of_rank(dp_rank) if r.is_merge_group]
+    forward_only = [run_merge_group(r, model=model, token_source=source, group=groups[tuple(r.dp_ranks)],
+                                    dp_rank=dp_rank, kv_store=store, num_loss_tokens=total, forward_only=True)
+                    for r in merged]
+    assert len(store) == 0 and all(p.grad is None for p in model.parameters())
+    for replica in plan.replicas_of_rank(dp_rank):
+        kinds.append(replica.is_merge_group)
+        if replica.is_merge_group:
+            result = run_merge_group(replica, model=model, token_source=source, group=groups[tuple(replica.dp_ranks)],
+                                     group_rank=replica.dp_ranks.index(dp_rank), kv_store=store,
+                                     num_loss_tokens=total)
+            assert result.loss_sum == pytest.approx(forward_only[merged.index(replica)].loss_sum, rel=1e-6)
+        else:
+            result = SingleStageExecutor(model, source, store).run(replica, num_loss_tokens=total)
+        loss_sum += result.loss_sum
+    assert kinds == sorted(kinds, reverse=True) and kinds[-1] is False  # merge groups first, own last
+    assert len(store) == 0
+    # the caller's DP reduction: a plain all-reduce of gradients (and of the loss, to check it)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
+    loss = torch.tensor([loss_sum], dtype=torch.float64)
+    dist.all_reduce(loss)
+    assert loss.item() / total == pytest.approx(saved["loss"], rel=1e-6)
+    worst = 0.0
+    for name, p in model.named_parameters():
+        expected = saved["grads"][name]
+        worst = max(worst, ((p.grad - expected).norm() / expected.norm().clamp_min(1e-30)).item())
+    assert worst <= 1e-5, f"rank {rank}: worst relative gradient error {worst:.2e}"
+
+
+def _reference(plan, documents, path):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_slimpack.runtime.executor import global_loss_tokens
+
+    torch.manual_seed(0)
+    config = _config()
+    stock = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=VOCAB,
+                     max_sequence_length=64, position_embedding_type="rope")
+    loss = whole_document_step(stock, documents, global_loss_tokens(plan))
+    torch.save({"state": stock.state_dict(), "loss": loss,
+                "grads": {k: p.grad.detach().clone() for k, p in stock.named_parameters()}}, path)
+
+
+def _run(tmp_path, dp, seed, timeout_s):
+    plan, documents = make_case(dp, seed)
+    path = tmp_path / "reference.pt"
+    _reference(plan, documents, path)
+    run_multiprocess(_merge_worker, dp, str(path), seed, timeout_s=timeout_s)
+
+
+@pytest.mark.slow
+def test_dp2_merge_group_and_own_replicas(tmp_path, megatron_cpu):
+    _run(tmp_path, dp=2, seed=1, timeout_s=180)
+
+
+@pytest.mark.slow
+def test_dp4_merges_of_four_and_two_plus_independent_replicas(tmp_path, megatron_cpu):
+    _run(tmp_path, dp=4, seed=2, timeout_s=300)
+
+
+def _groups_worker(rank, world_size, port):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_slimpack.runtime.merge import merge_groups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)  # two DP groups of 2
+    dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    groups = merge_groups(2, dp_ranks)  # DP groups exchanged with all_gather_object
+    assert list(groups) == [(0, 1)]
+    group = groups[(0, 1)]
+    assert dist.get_process_group_ranks(group) == dp_ranks
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=group)
+    assert x.item() == sum(dp_ranks)
+
+
+@pytest.mark.slow
+def test_merge_groups_with_several_dp_groups():
+    run_multiprocess(_groups_worker, 4, timeout_s=120)
+
+
+def test_pipeline_merge_is_not_implemented(megatron_cpu):
+    from megatron_slimpack.plan import Slice
+    from megatron_slimpack.runtime.merge import run_merge_group
+
+    replica = _merge_replica([[Slice(0, 0, 8)]], (0, 1))
+    replica.stage_orders = replica.stage_orders * 2
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        run_merge_group(replica, model=None, token_source=None, group=None, group_rank=0, num_loss_tokens=7)
