@@ -294,3 +294,44 @@ def test_pipeline_merge_is_not_implemented(megatron_cpu):
     replica.stage_orders = replica.stage_orders * 2
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
         run_merge_group(replica, model=None, token_source=None, group=None, group_rank=0, num_loss_tokens=7)
+
+
+def _schedule_worker(rank, world_size, port, path, seed):
+    """The same DP-Merge case through the drop-in schedule: merge groups, then the own plan, then
+    the data-parallel gradient reduction, all inside `slimpack_forward_backward`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_slimpack.runtime import InMemoryTokenSource, compat, slimpack_forward_backward
+    from megatron_slimpack.runtime.merge import merge_groups
+    from megatron_slimpack.runtime.model import build_gpt_model
+
+    torch.set_num_threads(1)
+    compat.apply()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1234)
+    plan, documents = make_case(world_size, seed)
+    dp_group = parallel_state.get_data_parallel_group()
+    groups = merge_groups(plan, dist.get_process_group_ranks(dp_group))
+    saved = torch.load(path)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    model.load_state_dict(saved["state"])
+    result = slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
+                                       dp_rank=parallel_state.get_data_parallel_rank(), dp_group=dp_group,
+                                       merge_process_groups=groups)
+    assert any(report.get("kind") == "merge" for report in result)
+    assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
+    for name, p in model.named_parameters():
+        expected = saved["grads"][name]
+        error = ((p.grad - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+        assert error <= 1e-5, f"rank {rank}: {name} relative gradient error {error:.2e}"
+
+
+@pytest.mark.slow
+def test_dp2_merge_through_the_schedule(tmp_path, megatron_cpu):
+    plan, documents = make_case(2, 1)
+    path = tmp_path / "reference.pt"
+    _reference(plan, documents, path)
+    run_multiprocess(_schedule_worker, 2, str(path), 1, timeout_s=180)

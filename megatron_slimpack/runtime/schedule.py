@@ -141,19 +141,20 @@ def check_same_plan(plan: Plan, group=None) -> None:
         raise ScheduleError(f"ranks run different plans (fingerprints differ: {listing})")
 
 
-def _pick_replica(plan: Plan, replica_index: Optional[int], dp_rank: Optional[int]) -> ReplicaPlan:
+def _pick_replicas(plan: Plan, replica_index: Optional[int], dp_rank: Optional[int]) -> tuple[list[ReplicaPlan], ReplicaPlan]:
+    """(DP-Merge groups this rank belongs to, in plan order; its own replica plan)."""
     if replica_index is not None:
         replica = plan.replicas[replica_index]
-    else:
-        mine = plan.replicas_of_rank(dp_rank or 0)
-        if len(mine) != 1:
-            raise NotImplementedError(
-                f"data-parallel rank {dp_rank} has {len(mine)} replica plans (DP-Merge groups are not supported "
-                "by the pipeline schedule yet)")
-        replica = mine[0]
-    if replica.is_merge_group:
-        raise NotImplementedError("DP-Merge replica plans are not supported by the pipeline schedule yet")
-    return replica
+        if replica.is_merge_group:
+            raise ScheduleError("replica_index names a DP-Merge group: pass dp_rank instead, so the rank runs its "
+                                "merge groups and then its own replica plan")
+        return [], replica
+    mine = plan.replicas_of_rank(dp_rank or 0)
+    merged = [r for r in mine if r.is_merge_group]
+    own = [r for r in mine if not r.is_merge_group]
+    if len(own) != 1:
+        raise PlanError(f"data-parallel rank {dp_rank} has {len(own)} replica plans of its own; expected one")
+    return merged, own[0]
 
 
 def _reduce_grads(model, group) -> None:
@@ -258,6 +259,7 @@ def slimpack_forward_backward(
     reduce_grads: bool = True,
     check_plan: bool = True,
     timeline=None,
+    merge_process_groups: Optional[dict] = None,
     **kwargs,
 ) -> ScheduleResult:
     """Run this rank's stage of one replica plan for one global-batch step (see module doc).
@@ -267,6 +269,8 @@ def slimpack_forward_backward(
     default to megatron's parallel state when it is initialised, else to a single stage / no data
     parallelism. `timeline`: True or a `runtime.timing.Timeline` to record every task's start and
     end (gathered to the first rank of `check_group`; returned as `result.timeline`).
+    `merge_process_groups`: from `runtime.merge.merge_groups`, needed when the plan has DP-Merge groups
+    (each rank runs its merge groups first, then its own replica plan; PP=1 only for now).
     """
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
@@ -302,7 +306,13 @@ def slimpack_forward_backward(
             "wrapped: the loss is already divided by the global batch's token count, so DDP must sum (not "
             "average) gradients over data-parallel ranks")
 
-    replica = _pick_replica(plan, replica_index, dp_rank)
+    merged_replicas, replica = _pick_replicas(plan, replica_index, dp_rank)
+    if merged_replicas and pp_size > 1:
+        raise NotImplementedError("DP-Merge groups run with pipeline parallelism are not supported yet (PP=1 only)")
+    if merged_replicas and merge_process_groups is None:
+        raise ScheduleError("the plan has DP-Merge groups: create their process groups once at start-up with "
+                            "megatron_slimpack.runtime.merge.merge_groups(plan_or_dp_size, dp_group_ranks) and pass "
+                            "them as merge_process_groups=")
     if len(replica.stage_orders) != pp_size:
         raise PlanError(f"the plan has {len(replica.stage_orders)} stage orders but the pipeline group has {pp_size} stages")
     if check_plan:
@@ -377,6 +387,17 @@ def slimpack_forward_backward(
     if not forward_only:
         disable_grad_sync()
     try:
+        # DP-Merge groups first (design.md section 3): members share each outlier's tokens.
+        for merged in merged_replicas:
+            from .merge import run_merge_group
+
+            share = run_merge_group(merged, model=inner, token_source=token_source,
+                                    group=merge_process_groups[tuple(merged.dp_ranks)],
+                                    group_rank=merged.dp_ranks.index(dp_rank), kv_store=store,
+                                    num_loss_tokens=num_loss_tokens, forward_only=forward_only)
+            loss_sum += share.loss_sum
+            result.append({"kind": "merge", "dp_ranks": list(merged.dp_ranks), "loss_sum": share.loss_sum,
+                           "micropacks": len(merged.micropacks)})
         with torch.set_grad_enabled(not forward_only):
             for position, (kind, unit) in enumerate(order):
                 if kind == "B" and forward_only:
