@@ -1,0 +1,373 @@
+"""Plug SlimPack into Megatron-LM's trainer (design.md section 7).
+
+`install(args=None)` replaces exactly these attributes (the *seams*), remembering the originals;
+`uninstall()` puts the originals back and nothing else:
+
+  megatron.training.training.get_forward_backward_func
+      -> returns the SlimPack schedule (`slimpack_forward_backward_func`) when --slimpack is on
+         and the data iterator is the planner iterator; Megatron's own schedule otherwise
+         (evaluation on Megatron's validation iterators keeps working);
+  megatron.training.training.build_train_valid_test_data_iterators
+      -> calls Megatron's, then replaces the *train* iterator with the planner iterator
+         (`MegatronPlannerIterator`: global batches of documents, planned ahead, broadcast);
+  megatron.training.training.get_model_config
+      -> sets `variable_seq_lengths=True` and `calculate_per_token_loss=True` on the model config;
+  gpt_builders.GPTModel (Megatron-LM's top-level builder module, when imported)
+      -> builds a `SlimPackGPTModel` whose layer spec has the SlimPack core attention.
+
+Every replacement reads the arguments when it is *called* (`args` given to `install`, else
+`megatron.training.get_args()`), so the same `install()` works with both conventions:
+
+* megatron-core 0.16 / 0.17 (`pretrain(..., extra_args_provider=...)` parses arguments inside
+  `pretrain`): call `install()` before `pretrain`; arguments are validated on first use;
+* 0.18+ (`args = parse_and_validate_args(extra_args_provider=...)` before `pretrain`): call
+  `install(args)`; arguments are validated at once.
+
+`megatron.training` is not part of the megatron-core wheel (it lives in a Megatron-LM checkout)
+and cannot start without CUDA: tests inject a stand-in module into `sys.modules`.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .args import SlimPackArgumentError, mcore_version, validate_slimpack_args
+
+TRAINING_MODULE = "megatron.training.training"
+BUILDER_MODULE = "gpt_builders"
+TRAINING_SEAMS = ("get_forward_backward_func", "build_train_valid_test_data_iterators", "get_model_config")
+
+
+class SlimPackInstallError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Installation:
+    args: Any
+    convention: str
+    version: tuple
+    swapped: list = field(default_factory=list)  # (module, attribute, original)
+    validated: bool = False
+
+
+_state: Optional[_Installation] = None
+
+
+def convention_for(version: tuple) -> str:
+    """'pretrain-extra-args' (0.16/0.17) or 'parse-and-validate' (0.18+)."""
+    return "parse-and-validate" if tuple(version[:2]) >= (0, 18) else "pretrain-extra-args"
+
+
+def is_installed() -> bool:
+    return _state is not None
+
+
+def installed_seams() -> list[str]:
+    return [f"{module.__name__}.{name}" for module, name, _ in (_state.swapped if _state else [])]
+
+
+def _swap(module, name: str, replacement) -> None:
+    if not hasattr(module, name):
+        raise SlimPackInstallError(
+            f"{module.__name__} has no attribute {name!r}: this Megatron-LM checkout does not match the "
+            f"supported versions (see patches/README.md)")
+    _state.swapped.append((module, name, getattr(module, name)))
+    setattr(module, name, replacement)
+
+
+def _original(name: str):
+    for module, attribute, original in _state.swapped:
+        if attribute == name:
+            return original
+    raise KeyError(name)
+
+
+def _args():
+    if _state is not None and _state.args is not None:
+        args = _state.args
+    else:
+        from megatron.training import get_args
+
+        args = get_args()
+    if _state is not None and not _state.validated:
+        validate_slimpack_args(args, _state.version)
+        _state.validated = True
+    return args
+
+
+def _enabled() -> bool:
+    return bool(getattr(_args(), "slimpack", False))
+
+
+def install(args=None, *, version: Optional[tuple] = None) -> _Installation:
+    """Swap the seams listed in the module docstring. Idempotent per process: a second call raises."""
+    global _state
+    if _state is not None:
+        raise SlimPackInstallError("megatron_slimpack.megatron.hooks.install() was already called; uninstall() first")
+    version = tuple(version or mcore_version())
+    if args is not None:
+        validate_slimpack_args(args, version)
+    try:
+        training = sys.modules.get(TRAINING_MODULE) or importlib.import_module(TRAINING_MODULE)
+    except ImportError as error:
+        raise SlimPackInstallError(
+            f"cannot import {TRAINING_MODULE} ({error}): install() patches Megatron-LM's trainer; put a Megatron-LM "
+            "checkout on PYTHONPATH (the megatron-core wheel does not contain megatron.training)") from error
+    _state = _Installation(args, convention_for(version), version, validated=args is not None)
+    try:
+        _swap(training, "get_forward_backward_func", _get_forward_backward_func)
+        _swap(training, "build_train_valid_test_data_iterators", _build_train_valid_test_data_iterators)
+        _swap(training, "get_model_config", _get_model_config)
+        builders = sys.modules.get(BUILDER_MODULE)
+        if builders is not None and hasattr(builders, "GPTModel"):
+            _swap(builders, "GPTModel", slimpack_gpt_model)
+    except BaseException:
+        uninstall()
+        raise
+    return _state
+
+
+def uninstall() -> None:
+    """Restore every attribute install() replaced, in reverse order."""
+    global _state
+    if _state is None:
+        return
+    for module, name, original in reversed(_state.swapped):
+        setattr(module, name, original)
+    _state = None
+
+
+# ---- seam 1: the schedule ------------------------------------------------------------------
+def _get_forward_backward_func(*args, **kwargs):
+    original = _original("get_forward_backward_func")(*args, **kwargs)
+    if not _enabled():
+        return original
+
+    def forward_backward(**call):
+        iterator = call.get("data_iterator")
+        first = iterator[0] if isinstance(iterator, (list, tuple)) and iterator else iterator
+        if not isinstance(first, MegatronPlannerIterator):
+            return original(**call)  # e.g. evaluation on Megatron's validation iterator
+        return slimpack_forward_backward_func(**call)
+
+    return forward_backward
+
+
+def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool = False, **kwargs):
+    """Megatron's forward_backward_func signature on top of the SlimPack schedule: takes the next
+    planned batch from the planner iterator, runs this rank's stage of its replica plan, and
+    returns Megatron's per-token loss records ({'lm loss': [loss_sum, tokens]}) on the last stage."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..runtime.schedule import slimpack_forward_backward
+
+    iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
+    planned = next(iterator)
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = getattr(chunks[0], "config", None)
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    no_sync = getattr(config, "no_sync_func", None)
+    import contextlib
+
+    context = no_sync() if (no_sync is not None and not forward_only) else contextlib.nullcontext()
+    with context:
+        result = slimpack_forward_backward(
+            model=chunks, forward_only=forward_only, plan=planned.plan,
+            token_source=planned.token_source(iterator.corpus), reduce_grads=finalize is None,
+            **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source")})
+    if finalize is not None and not forward_only:
+        finalize(list(chunks), None)  # the loss is already per token of the global batch: no scaling
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return []
+    dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    device = next(chunks[0].parameters()).device
+    share = float(result.num_loss_tokens) / dp  # Megatron sums [loss, tokens] over DP, then divides
+    return [{"lm loss": torch.tensor([float(result.loss_sum or 0.0), share], device=device)}]
+
+
+# ---- seam 2: the train data iterator -------------------------------------------------------
+def _build_train_valid_test_data_iterators(*args, **kwargs):
+    train, valid, test = _original("build_train_valid_test_data_iterators")(*args, **kwargs)
+    if not _enabled():
+        return train, valid, test
+    return build_planner_iterator(_args()), valid, test
+
+
+def _rerun_base():
+    try:  # Megatron's rerun state machine asserts that train iterators are RerunDataIterators
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        return RerunDataIterator
+    except ImportError:  # pragma: no cover - megatron-core without the rerun machine
+        return object
+
+
+class MegatronPlannerIterator(_rerun_base()):
+    """The planner iterator plus the corpus its token sources read (see megatron/data.py), as a
+    Megatron `RerunDataIterator` (replay of a step's planned batch works as for any iterator).
+    `planner_state_dict()` is the sampler position for an exact resume."""
+
+    def __init__(self, planner, corpus, dump_dir: Optional[str] = None):
+        if hasattr(super(), "__init__") and _rerun_base() is not object:
+            super().__init__(planner)
+        self.planner = planner
+        self.corpus = corpus
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        planned = super().__next__() if _rerun_base() is not object else next(self.planner)
+        if self.dump_dir is not None and self.planner.is_source and not getattr(self, "replaying", False):
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            planned.plan.to_json(self.dump_dir / f"plan_step{planned.step:07d}.json")
+        return planned
+
+    def planner_state_dict(self) -> dict:
+        return self.planner.state_dict()
+
+    def load_planner_state_dict(self, state: dict) -> None:
+        self.planner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.planner.close()
+
+
+class IndexedCorpus:
+    """Tokens of a Megatron indexed dataset (PREFIX.bin/.idx); each sequence of the dataset (one
+    document in preprocess_data.py output without --split-sentences) is a document."""
+
+    def __init__(self, prefix: str):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.dataset = IndexedDataset(prefix)
+        self.lengths = self.dataset.sequence_lengths.astype("int64")
+
+    def tokens(self, document: int, start: int, end: int):
+        return self.dataset.get(int(document), offset=int(start), length=int(end - start)).astype("int64")
+
+
+class MockCorpus:
+    """Deterministic pseudo-random tokens for --mock-data (lengths from the `uniform` source)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        from ..workload import load_lengths
+
+        self.vocab_size, self.seed = vocab_size, seed
+        self.lengths = load_lengths("uniform", seed=seed)
+
+    def tokens(self, document: int, start: int, end: int):
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, int(document)])
+        return rng.integers(0, self.vocab_size, size=int(self.lengths[document]))[start:end]
+
+
+def build_planner_iterator(args) -> MegatronPlannerIterator:
+    """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
+    --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
+    from ..costmodel import CostModel
+    from ..solver.strategies import check_plan_input, new_planner
+    from ..specs import ModelSpec, ParallelConfig
+    from ..workload import GlobalBatchSampler
+    from .args import slimpack_config_from_args
+    from .data import PlannerIterator
+
+    if getattr(args, "mock_data", False):
+        corpus = MockCorpus(getattr(args, "padded_vocab_size", 32000), seed=getattr(args, "seed", 0) or 0)
+    else:
+        paths = list(getattr(args, "data_path", None) or [])
+        if len(paths) != 1:
+            raise SlimPackArgumentError(
+                f"--slimpack reads document lengths from one dataset prefix; got --data-path {paths} "
+                "(blended datasets are not supported yet)")
+        corpus = IndexedCorpus(paths[0])
+    model = ModelSpec(
+        "megatron", args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads,
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+        vocab_size=getattr(args, "padded_vocab_size", 32000), swiglu=bool(getattr(args, "swiglu", True)),
+    )
+    if args.slimpack_cost_model == "analytic":
+        cost = CostModel.analytic(model, args.slimpack_hardware)
+    else:
+        cost = CostModel.from_profile(args.slimpack_cost_model)
+    recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", None), "none")
+    parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
+                              tp=args.tensor_model_parallel_size, recompute=recompute)
+    config = slimpack_config_from_args(args)
+    if config.dp_merge and parallel.dp > 1:
+        # The pipeline schedule does not run DP-Merge groups yet (runtime/schedule.py refuses them).
+        print("slimpack: DP-Merge is not supported by the runtime schedule yet; planning without it "
+              "(--no-slimpack-dp-merge)", file=sys.stderr, flush=True)
+        config = config.with_(dp_merge=False)
+    planner = new_planner(config.strategy)
+
+    def plan_batch(batch):
+        return planner.plan(check_plan_input(batch.lengths, config.context_length), parallel, cost, config).validate()
+
+    sampler = GlobalBatchSampler(corpus.lengths, args.seq_length, args.global_batch_size,
+                                 seed=getattr(args, "seed", 0) or 0)
+    # Resuming from a checkpoint (Megatron sets args.iteration when it loads one): the sampler is
+    # deterministic, so drawing (not planning) the batches already trained on continues exactly.
+    for _ in range(int(getattr(args, "iteration", 0) or 0)):
+        sampler.next_batch()
+    iterator = PlannerIterator(sampler, plan_batch, plan_ahead=args.slimpack_plan_ahead)
+    return MegatronPlannerIterator(iterator, corpus, args.slimpack_dump_plans)
+
+
+# ---- seam 3: the model config --------------------------------------------------------------
+def _get_model_config(*args, **kwargs):
+    config = _original("get_model_config")(*args, **kwargs)
+    if _enabled():
+        config.variable_seq_lengths = True
+        config.calculate_per_token_loss = True
+    return config
+
+
+# ---- seam 4: the layer spec ------------------------------------------------------------------
+def sliced_layer_spec(spec, backend: str = "auto"):
+    """`spec` (a layer ModuleSpec or a block spec with `layer_specs`) with the SlimPack core attention."""
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ..runtime.attention import SlicedDotProductAttention, TESlicedDotProductAttention, resolve_backend
+
+    spec = copy.deepcopy(spec)
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    backend = resolve_backend(backend)
+    for layer in layers:
+        attention = getattr(layer.submodules, "self_attention", None)
+        if attention is None or not hasattr(attention.submodules, "core_attention"):
+            continue
+        if backend == "te" and TESlicedDotProductAttention is not None:
+            core = ModuleSpec(module=TESlicedDotProductAttention)
+        else:
+            core = ModuleSpec(module=SlicedDotProductAttention, params={"backend": "torch" if backend == "te" else backend})
+        attention.submodules = dataclasses.replace(attention.submodules, core_attention=core)
+    return spec
+
+
+def slimpack_gpt_model(config, transformer_layer_spec, *args, **kwargs):
+    """Stands in for `gpt_builders.GPTModel`: the same constructor, a SlimPackGPTModel with the
+    sliced core attention (Megatron's GPTModel when --slimpack is off)."""
+    if not _enabled():
+        return _original("GPTModel")(config, transformer_layer_spec, *args, **kwargs)
+    from ..runtime.model import SlimPackGPTModel
+
+    if getattr(config, "apply_rope_fusion", False):
+        raise SlimPackArgumentError("--slimpack needs --no-rope-fusion")
+    return SlimPackGPTModel(config, sliced_layer_spec(transformer_layer_spec), *args, **kwargs)
+
+
+__all__ = ["install", "uninstall", "is_installed", "installed_seams", "convention_for", "SlimPackInstallError",
+           "slimpack_forward_backward_func", "build_planner_iterator", "MegatronPlannerIterator",
+           "sliced_layer_spec", "slimpack_gpt_model", "TRAINING_SEAMS"]

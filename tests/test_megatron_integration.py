@@ -1,0 +1,457 @@
+"""Megatron-LM integration: flags and their validation, the trainer seams install()/uninstall()
+swap, the planner iterator (same plan on every rank, exact resume), and the pretrain_gpt.py
+patches with scripts/apply_patches.sh."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import run_multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- arguments -----------------------------------------------------------------------------
+def megatron_like_parser() -> argparse.ArgumentParser:
+    """The few Megatron flags validation looks at, as Megatron spells them."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+def parse(*argv):
+    from megatron_slimpack.megatron import add_slimpack_args
+
+    return add_slimpack_args(megatron_like_parser()).parse_args(list(argv))
+
+
+def test_flags_parse_with_defaults():
+    args = parse()
+    assert args.slimpack is False and args.slimpack_strategy == "slimpack"
+    assert args.slimpack_dp_merge is True and args.slimpack_plan_ahead == 1
+    assert args.slimpack_cost_model == "analytic" and args.slimpack_dump_plans is None
+    args = parse("--slimpack", "--calculate-per-token-loss", "--slimpack-strategy", "slimpack-sym",
+                 "--slimpack-slice-tokens", "2048", "--slimpack-max-micropack-tokens", "4096",
+                 "--slimpack-solver-time-limit", "2", "--slimpack-plan-ahead", "3", "--no-slimpack-dp-merge",
+                 "--slimpack-dump-plans", "/tmp/plans")
+    assert (args.slimpack_slice_tokens, args.slimpack_max_micropack_tokens, args.slimpack_plan_ahead) == (2048, 4096, 3)
+    assert args.slimpack_dp_merge is False and args.slimpack_solver_time_limit == 2.0
+    from megatron_slimpack.megatron import slimpack_config_from_args, validate_slimpack_args
+
+    validate_slimpack_args(args)
+    config = slimpack_config_from_args(args)
+    assert (config.strategy, config.context_length, config.dp_merge, config.slice_tokens) == ("slimpack-sym", 4096, False, 2048)
+
+
+def test_with_slimpack_args_chains_another_provider():
+    from megatron_slimpack.megatron import with_slimpack_args
+
+    def other(parser):
+        parser.add_argument("--other-flag", action="store_true")
+        return parser
+
+    args = with_slimpack_args(other)(megatron_like_parser()).parse_args(["--other-flag", "--slimpack"])
+    assert args.other_flag and args.slimpack
+    assert with_slimpack_args(None)(megatron_like_parser()).parse_args([]).slimpack is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "--calculate-per-token-loss"),
+    (("--calculate-per-token-loss", "--context-parallel-size", "2"), "--context-parallel-size"),
+    (("--calculate-per-token-loss", "--num-layers-per-virtual-pipeline-stage", "2"), "virtual"),
+    (("--calculate-per-token-loss", "--virtual-pipeline-model-parallel-size", "2"), "virtual"),
+    (("--calculate-per-token-loss", "--micro-batch-size", "2"), "--micro-batch-size 1"),
+    (("--calculate-per-token-loss", "--slimpack-strategy", "nope"), "--slimpack-strategy 'nope' is unknown"),
+    (("--calculate-per-token-loss", "--slimpack-max-micropack-tokens", "8192"), "exceeds --seq-length"),
+    (("--calculate-per-token-loss", "--slimpack-cost-model", "/no/such/profile.json"), "slimpack profile"),
+    (("--calculate-per-token-loss", "--slimpack-plan-ahead", "-1"), "--slimpack-plan-ahead"),
+])
+def test_validation_errors_name_the_flag(argv, message):
+    from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
+
+    args = parse("--slimpack", *argv)
+    with pytest.raises(SlimPackArgumentError, match=message.replace("(", r"\(")):
+        validate_slimpack_args(args)
+
+
+def test_validation_is_silent_without_slimpack_and_checks_the_version():
+    from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
+
+    validate_slimpack_args(parse("--context-parallel-size", "4"))  # not our business without --slimpack
+    args = parse("--slimpack", "--calculate-per-token-loss")
+    validate_slimpack_args(args)  # the installed megatron-core (0.16.1) is supported
+    with pytest.raises(SlimPackArgumentError, match=r"megatron-core 0\.12\.0 is not supported"):
+        validate_slimpack_args(args, version=(0, 12, 0))
+
+
+# ---- install / uninstall ------------------------------------------------------------------
+@pytest.fixture
+def fake_megatron_training(monkeypatch):
+    """Stand-ins for megatron.training, megatron.training.training and gpt_builders in sys.modules."""
+    import megatron
+
+    training = types.ModuleType("megatron.training.training")
+    marker = {}
+
+    def get_forward_backward_func(*args, **kwargs):
+        return marker.setdefault("megatron_schedule", lambda **call: ("megatron", call))
+
+    def build_train_valid_test_data_iterators(provider):
+        return "train-iterator", "valid-iterator", "test-iterator"
+
+    def get_model_config(model):
+        return model.config
+
+    training.get_forward_backward_func = get_forward_backward_func
+    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
+    training.get_model_config = get_model_config
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    package.get_args = lambda: marker["args"]
+    builders = types.ModuleType("gpt_builders")
+    builders.GPTModel = object
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    monkeypatch.setitem(sys.modules, "gpt_builders", builders)
+    monkeypatch.setattr(megatron, "training", package, raising=False)
+    originals = {name: getattr(training, name) for name in
+                 ("get_forward_backward_func", "build_train_valid_test_data_iterators", "get_model_config")}
+    yield types.SimpleNamespace(training=training, builders=builders, originals=originals, marker=marker)
+    from megatron_slimpack.megatron import hooks
+
+    hooks.uninstall()
+
+
+def test_install_swaps_exactly_the_documented_seams(fake_megatron_training):
+    from megatron_slimpack.megatron import hooks
+
+    fake = fake_megatron_training
+    before = {name: getattr(fake.training, name) for name in dir(fake.training)}
+    before_builders = {name: getattr(fake.builders, name) for name in dir(fake.builders)}
+    state = hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
+    assert state.convention == "pretrain-extra-args"  # megatron-core 0.16.1
+    assert sorted(hooks.installed_seams()) == sorted([
+        "megatron.training.training.get_forward_backward_func",
+        "megatron.training.training.build_train_valid_test_data_iterators",
+        "megatron.training.training.get_model_config", "gpt_builders.GPTModel"])
+    changed = {n for n in before if getattr(fake.training, n) is not before[n]}
+    assert changed == set(hooks.TRAINING_SEAMS)
+    assert {n for n in before_builders if getattr(fake.builders, n) is not before_builders[n]} == {"GPTModel"}
+    with pytest.raises(hooks.SlimPackInstallError, match="already"):
+        hooks.install()
+    hooks.uninstall()
+    assert not hooks.is_installed()
+    assert all(getattr(fake.training, n) is before[n] for n in before)
+    assert all(getattr(fake.builders, n) is before_builders[n] for n in before_builders)
+    hooks.uninstall()  # a second uninstall is a no-op
+
+
+def test_installed_seams_behave(fake_megatron_training):
+    from megatron_slimpack.megatron import hooks
+
+    fake = fake_megatron_training
+    hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
+    config = types.SimpleNamespace(variable_seq_lengths=False, calculate_per_token_loss=False)
+    assert fake.training.get_model_config(types.SimpleNamespace(config=config)) is config
+    assert config.variable_seq_lengths and config.calculate_per_token_loss
+    schedule = fake.training.get_forward_backward_func()
+    # Megatron's own iterators (evaluation) still go to Megatron's schedule.
+    assert schedule(data_iterator="valid-iterator", model=None)[0] == "megatron"
+    hooks.uninstall()
+    hooks.install(parse())  # --slimpack off: every seam defers to Megatron
+    config = types.SimpleNamespace(variable_seq_lengths=False, calculate_per_token_loss=False)
+    fake.training.get_model_config(types.SimpleNamespace(config=config))
+    assert not config.variable_seq_lengths
+    assert fake.training.get_forward_backward_func() is fake.marker["megatron_schedule"]
+    assert fake.training.build_train_valid_test_data_iterators(None) == ("train-iterator", "valid-iterator", "test-iterator")
+
+
+def test_install_without_args_reads_megatron_args_lazily(fake_megatron_training):
+    """0.16/0.17 convention: install() before pretrain(); validation on first use."""
+    from megatron_slimpack.megatron import SlimPackArgumentError, hooks
+
+    fake = fake_megatron_training
+    hooks.install()
+    fake.marker["args"] = parse("--slimpack")  # no --calculate-per-token-loss
+    with pytest.raises(SlimPackArgumentError, match="--calculate-per-token-loss"):
+        fake.training.get_forward_backward_func()
+
+
+def test_install_rejects_bad_args_and_missing_seams(fake_megatron_training):
+    from megatron_slimpack.megatron import SlimPackArgumentError, hooks
+
+    with pytest.raises(SlimPackArgumentError):
+        hooks.install(parse("--slimpack"))
+    assert not hooks.is_installed()
+    del fake_megatron_training.training.get_model_config
+    with pytest.raises(hooks.SlimPackInstallError, match="does not match"):
+        hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
+    assert not hooks.is_installed()
+    assert fake_megatron_training.training.get_forward_backward_func is \
+        fake_megatron_training.originals["get_forward_backward_func"]
+
+
+def test_convention_by_version():
+    from megatron_slimpack.megatron.hooks import convention_for
+
+    assert convention_for((0, 16, 1)) == convention_for((0, 17, 0)) == "pretrain-extra-args"
+    assert convention_for((0, 18, 0)) == convention_for((0, 19, 1)) == "parse-and-validate"
+
+
+def test_sliced_layer_spec_replaces_only_core_attention():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_slimpack.megatron.hooks import sliced_layer_spec
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    sliced = sliced_layer_spec(spec)
+    assert sliced.submodules.self_attention.submodules.core_attention.module is SlicedDotProductAttention
+    original = spec.submodules.self_attention.submodules.core_attention
+    assert getattr(original, "module", original) is not SlicedDotProductAttention  # the input is not modified
+    assert sliced.submodules.mlp == spec.submodules.mlp
+    assert (sliced.submodules.self_attention.submodules.linear_qkv
+            == spec.submodules.self_attention.submodules.linear_qkv)
+
+
+# ---- the planner iterator -----------------------------------------------------------------
+def _plan_fn():
+    from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
+    from megatron_slimpack.solver.strategies import new_planner
+
+    cost = CostModel.analytic("tiny", "cpu")
+    parallel = ParallelConfig(dp=2, pp=2)
+    config = SlimPackConfig(context_length=512, solver_time_limit_s=0.05)
+    planner = new_planner("slimpack")
+    return lambda batch: planner.plan(batch.lengths, parallel, cost, config).validate()
+
+
+def _sampler():
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    return GlobalBatchSampler(load_lengths("longtail:n=2000", seed=3), 512, 8, seed=3)
+
+
+def test_planner_iterator_resumes_exactly():
+    from megatron_slimpack.megatron.data import PlannerIterator
+
+    with PlannerIterator(_sampler(), _plan_fn(), plan_ahead=2, steps=6) as full:
+        reference = [(p.batch.lengths, p.plan.fingerprint()) for p in full]
+    assert len(reference) == 6
+    first = PlannerIterator(_sampler(), _plan_fn(), plan_ahead=2, steps=6)
+    seen = [(p.batch.lengths, p.plan.fingerprint()) for _, p in zip(range(3), first)]
+    state = first.state_dict()  # the worker has planned ahead: those batches must not be skipped
+    first.close()
+    resumed = PlannerIterator(_sampler(), _plan_fn(), plan_ahead=2, steps=6)
+    resumed.load_state_dict(state)
+    seen += [(p.batch.lengths, p.plan.fingerprint()) for p in resumed]
+    assert seen == reference
+    summary = resumed.planning_summary()
+    assert summary["steps"] == 3 and summary["planning_s"] > 0
+
+
+def test_planner_iterator_inline_and_errors():
+    from megatron_slimpack.megatron.data import PlannerError, PlannerIterator
+
+    inline = PlannerIterator(_sampler(), _plan_fn(), plan_ahead=0, steps=2)
+    assert [p.step for p in inline] == [0, 1]
+
+    def broken(batch):
+        raise ValueError("solver exploded")
+
+    with pytest.raises(PlannerError, match="solver exploded"):
+        next(PlannerIterator(_sampler(), broken, plan_ahead=1, steps=2))
+
+
+def _same_plan_worker(rank, world_size, port, state_path):
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_slimpack.megatron.data import PlannerIterator
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # Only rank 0 plans; a different planning function on rank 1 must never be called.
+    plan_fn = _plan_fn() if rank == 0 else (lambda batch: (_ for _ in ()).throw(AssertionError("rank 1 planned")))
+    iterator = PlannerIterator(_sampler(), plan_fn, plan_ahead=1, steps=4)
+    prints = []
+    for index, planned in enumerate(iterator):
+        prints.append(planned.plan.fingerprint())
+        assert planned.stage_order(1, 1) == [planned.plan.replicas_of_rank(1)[0].stage_orders[1]]
+        if index == 1:
+            state = iterator.state_dict()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (prints, state))
+    assert gathered[0] == gathered[1], "ranks got different plans or states"
+    if rank == 0:
+        Path(state_path).write_text(json.dumps({"prints": prints, "state": state}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_planner_iterator_same_plan_on_all_ranks(tmp_path):
+    import json
+
+    from megatron_slimpack.megatron.data import PlannerIterator
+
+    path = tmp_path / "state.json"
+    run_multiprocess(_same_plan_worker, 2, str(path), timeout_s=120)
+    saved = json.loads(path.read_text())
+    with PlannerIterator(_sampler(), _plan_fn(), steps=4, broadcast=False) as local:
+        assert [p.plan.fingerprint() for p in local] == saved["prints"]
+    resumed = PlannerIterator(_sampler(), _plan_fn(), steps=4, broadcast=False)
+    resumed.load_state_dict(saved["state"])  # saved after step 2 (index 1)
+    assert [p.plan.fingerprint() for p in resumed] == saved["prints"][2:]
+
+
+# ---- patches ------------------------------------------------------------------------------
+PATCHES = sorted((ROOT / "patches").glob("pretrain_gpt.mcore-*.patch"))
+
+
+def pre_image(patch: Path) -> str:
+    """The patch's own expected context: the ' ' and '-' lines of every hunk, in order, with a
+    filler line between hunks (a minimal pretrain_gpt.py the patch applies to)."""
+    lines = []
+    for line in patch.read_text().splitlines()[2:]:
+        if line.startswith("@@"):
+            lines.append("# ...")
+        elif line.startswith((" ", "-")):
+            lines.append(line[1:])
+        elif line == "":
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def fake_checkout(root: Path, version: str, body: str) -> Path:
+    major, minor = version.split(".")[:2]
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = 0\n")
+    (root / "pretrain_gpt.py").write_text(body)
+    return root
+
+
+def run_script(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), *argv], capture_output=True, text=True)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
+@pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
+def test_apply_patches_check_and_apply(tmp_path, patch):
+    assert len(PATCHES) >= 4
+    version = patch.name.split("mcore-")[1].rsplit(".patch", 1)[0]
+    checkout = fake_checkout(tmp_path / "Megatron-LM", version, pre_image(patch))
+    result = run_script("--check", str(checkout))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "applies cleanly" in result.stdout
+    assert "install_slimpack" not in (checkout / "pretrain_gpt.py").read_text()  # --check changes nothing
+    result = run_script(str(checkout))
+    assert result.returncode == 0, result.stdout + result.stderr
+    patched = (checkout / "pretrain_gpt.py").read_text()
+    assert "with_slimpack_args(" in patched and "install_slimpack(" in patched
+    result = run_script("--check", str(checkout))
+    assert result.returncode == 0 and "already applied" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
+def test_apply_patches_reports_a_mismatch(tmp_path):
+    checkout = fake_checkout(tmp_path / "Megatron-LM", "0.16", "print('not the pretrain_gpt.py we know')\n")
+    result = run_script("--check", str(checkout))
+    assert result.returncode != 0
+    assert "does not match" in result.stderr
+    other = fake_checkout(tmp_path / "old", "0.12", "x = 1\n")
+    result = run_script("--check", str(other))
+    assert result.returncode != 0 and "0.12" in result.stderr and "supported" in result.stderr
+    result = run_script("--check", str(tmp_path / "nowhere"))
+    assert result.returncode != 0 and "not a Megatron-LM checkout" in result.stderr
+
+
+# ---- the Megatron-side data path on CPU (no megatron.training needed) -----------------------
+def _megatron_args(**overrides):
+    args = parse("--slimpack", "--calculate-per-token-loss", "--seq-length", "256")
+    values = dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+                  group_query_attention=True, padded_vocab_size=256, swiglu=True, data_parallel_size=2,
+                  pipeline_model_parallel_size=2, tensor_model_parallel_size=1, global_batch_size=4,
+                  slimpack_hardware="cpu", mock_data=False, data_path=None, recompute_granularity=None)
+    values.update(overrides)
+    for key, value in values.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_planner_iterator_from_megatron_args_on_an_indexed_dataset(tmp_path):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_slimpack.megatron.hooks import build_planner_iterator
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 256, size=int(n)) for n in rng.integers(5, 600, size=40)]
+    for document in documents:
+        builder.add_document(torch.tensor(document, dtype=torch.int32), [len(document)])
+    builder.finalize(prefix + ".idx")
+
+    args = _megatron_args(data_path=[prefix], slimpack_dump_plans=str(tmp_path / "plans"))
+    iterator = build_planner_iterator(args)
+    planned = next(iterator)
+    planned.plan.validate()
+    assert planned.plan.parallel.dp == 2 and planned.plan.parallel.pp == 2
+    source = planned.token_source(iterator.corpus)
+    sample = planned.batch.sample_ids[0]
+    document, offset = planned.batch.sources[0]
+    length = planned.batch.lengths[0]
+    assert list(source.tokens(sample, 0, length)) == list(documents[document][offset:offset + length])
+    assert (tmp_path / "plans" / "plan_step0000000.json").exists()
+    state = iterator.planner_state_dict()
+    iterator.close()
+    assert state["consumed"] == 1
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    assert isinstance(iterator, RerunDataIterator)  # Megatron's rerun machine requires it
+
+    with pytest.raises(Exception, match="one dataset prefix"):
+        build_planner_iterator(_megatron_args(data_path=["0.5", prefix, "0.5", prefix]))
+    mock = build_planner_iterator(_megatron_args(mock_data=True))
+    batches = [next(mock).batch.lengths for _ in range(3)]
+    mock.close()
+    resumed = build_planner_iterator(_megatron_args(mock_data=True, iteration=2))  # Megatron resumed at step 2
+    assert next(resumed).batch.lengths == batches[2]
+    resumed.close()
+
+
+def test_seams_exist_in_a_real_megatron_lm_checkout():
+    """With SLIMPACK_MEGATRON_LM=/path/to/Megatron-LM: the names install() swaps exist there."""
+    import ast
+
+    root = os.environ.get("SLIMPACK_MEGATRON_LM")
+    if not root:
+        pytest.skip("set SLIMPACK_MEGATRON_LM to a Megatron-LM checkout")
+    from megatron_slimpack.megatron.hooks import TRAINING_SEAMS
+
+    tree = ast.parse((Path(root) / "megatron" / "training" / "training.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+    assert set(TRAINING_SEAMS) <= names
+    builders = ast.parse((Path(root) / "gpt_builders.py").read_text())
+    assert "GPTModel" in {a.asname or a.name for n in ast.walk(builders) if isinstance(n, ast.ImportFrom) for a in n.names}
