@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .specs import GIB, HardwareSpec, ModelSpec, ParallelConfig, get_hardware, get_model, hardware_from_dict, model_from_dict
 
 # Backward/forward FLOP ratios (paper notes): linear layers 2x; FlashAttention's backward
@@ -176,6 +178,10 @@ class CostModel:
             return seconds + self._recompute_time(tokens, pairs, parallel)
         return (linear + attention) / (rate * shards)
 
+    def attention_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
+        """The attention share of `layer_time` (the part that scales with attention pairs)."""
+        return self.layer_time(tokens, pairs, parallel, backward) - self.layer_time(tokens, 0.0 * pairs, parallel, backward)
+
     def _recompute_time(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
         if parallel.recompute == "none":
             return 0.0
@@ -221,10 +227,14 @@ class CostModel:
     ) -> float:
         """Seconds for one MicroPack (or a unit's totals) on one pipeline stage."""
         layers = self.layers_per_stage(parallel)
+        # Context-parallel attention exchanges K/V chunk by chunk while it computes (ring attention):
+        # only the part of the exchange that outlasts the attention compute is exposed.
+        exposed_cp = np.maximum(0.0, self.cp_comm_time(tokens, parallel, backward)
+                                - self.attention_time(tokens, pairs, parallel, backward))
         per_layer = (
             self.layer_time(tokens, pairs, parallel, backward)
             + self.tp_comm_time(tokens, parallel, backward)
-            + self.cp_comm_time(tokens, parallel, backward)
+            + exposed_cp
         )
         seconds = layers * per_layer + self.hardware.kernel_overhead_s
         if last_stage:
