@@ -69,7 +69,7 @@ def commands(run: dict, bench: dict, args) -> dict[str, list[str]]:
     }
     if gpus % (tp * pp * cp):
         return {"skip": f"tp*pp*cp = {tp}*{pp}*{cp} does not divide {gpus} GPUs; adjust layouts in the config"}
-    baseline = {**common, "context-parallel-size": cp}
+    baseline = {**common, "context-parallel-size": cp, **bench.get("baseline_args", {})}
     # SlimPack slices long documents instead of context parallelism: cp folds into dp.
     slimpack = {**common, "context-parallel-size": 1, "slimpack": True,
                 "slimpack-strategy": bench.get("slimpack_strategy", "slimpack"),

@@ -28,6 +28,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234)
     return parser
 
@@ -78,6 +80,7 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--slimpack-max-micropack-tokens", "8192"), "exceeds --seq-length"),
     (("--calculate-per-token-loss", "--slimpack-cost-model", "/no/such/profile.json"), "slimpack profile"),
     (("--calculate-per-token-loss", "--slimpack-plan-ahead", "-1"), "--slimpack-plan-ahead"),
+    (("--calculate-per-token-loss", "--tensor-model-parallel-size", "2", "--sequence-parallel"), "--sequence-parallel"),
 ])
 def test_validation_errors_name_the_flag(argv, message):
     from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
