@@ -114,7 +114,8 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
     """The largest power-of-two MicroPack that lets stage 0 hold pp of them, at most the context."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
-    budget = activation_budget(cost, parallel, config.context_length)
+    # Long documents' KV caches are the DP-Merge sizing's concern (merge_group_sizes), not the cap's.
+    budget = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
     def need(cap: int) -> float:
         return parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True)
@@ -123,40 +124,53 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
     while cap > MIN_MICROPACK_TOKENS and need(cap) > budget:
         cap //= 2
     if need(cap) > budget:
+        total = cost.static_memory_bytes(parallel) + need(cap)
         raise PlanError(
-            f"memory: with {parallel.describe()} on {cost.hardware.name}, weights, optimizer state and one "
-            f"context's KV cache leave {format_bytes(max(budget, 0))} for activations, less than {parallel.pp} "
-            f"MicroPacks of {cap} tokens need ({format_bytes(need(cap))}); use activation recompute, more tensor "
-            f"or pipeline parallelism, or a shorter context"
+            f"memory: weights, optimizer state and {parallel.pp} MicroPacks of {cap} tokens need at least "
+            f"{format_bytes(total)} per device with {parallel.describe()} but {format_bytes(cost.memory_budget_bytes())} "
+            f"is usable on {cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
+            f"or a shorter context"
         )
     return min(cap, config.context_length)
 
 
-def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig) -> float:
-    """Per-device memory of one document whose slices are all in flight, as its backward needs."""
+def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig, token_cap: int | None = None) -> float:
+    """Per-device memory of one document whose slices are all in flight, as its backward needs.
+
+    Without `token_cap` this is a lower bound (the document alone). With it, the document's
+    MicroPacks count as filled to the cap (short documents top them up) and stage 0 also holds the
+    pp - 1 other MicroPacks that 1F1B keeps in flight."""
     pairs = length * (length + 1) / 2
-    return (cost.static_memory_bytes(parallel) + cost.activation_bytes(length, pairs, parallel, True)
-            + cost.kv_cache_bytes(length, parallel))
+    in_flight = length
+    others = 0.0
+    if token_cap:
+        in_flight = -(-length // token_cap) * token_cap
+        others = (parallel.pp - 1) * cost.activation_bytes(token_cap, token_cap * token_cap / 2, parallel)
+    return (cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True)
+            + cost.kv_cache_bytes(length, parallel) + others)
 
 
-def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
+def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int,
                       dp_merge: bool) -> np.ndarray:
     """For each document, how many replicas must share it (context parallelism across a DP-Merge
     group) for it to fit memory: 1 for nearly all. Raises PlanError when no group size suffices."""
     budget = cost.memory_budget_bytes()
     sizes = np.ones(len(lengths), dtype=int)
     largest_group = parallel.dp if dp_merge else 1
+
+    def need(length: int, size: int) -> float:
+        return document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size), token_cap)
+
     for index in np.argsort(lengths)[::-1]:
         length = int(lengths[index])
-        if document_memory_bytes(length, cost, parallel) <= budget:
+        if need(length, 1) <= budget:
             break  # shorter documents fit too
         size = 2
-        while size <= largest_group and document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size)) > budget:
+        while size <= largest_group and need(length, size) > budget:
             size *= 2
         if size > largest_group or parallel.dp % size:
-            need = document_memory_bytes(length, cost, parallel)
             raise PlanError(
-                f"memory: a {length}-token document needs at least {format_bytes(need)} per device with "
+                f"memory: a {length}-token document needs at least {format_bytes(need(length, 1))} per device with "
                 f"{parallel.describe()} but {format_bytes(budget)} is usable on {cost.hardware.name}"
                 f"{'' if dp_merge else ' (DP-Merge is off)'}; use activation recompute (recompute='full'), "
                 f"more tensor or pipeline parallelism, {'DP-Merge, ' if not dp_merge else 'more data-parallel replicas, '}"
@@ -221,8 +235,8 @@ def plan_slimpack(
     *, symmetric: bool = False, dp_merge: bool | None = None,
 ) -> Plan:
     use_merge = config.dp_merge if dp_merge is None else dp_merge
-    group_sizes = merge_group_sizes(lengths, cost, parallel, config, use_merge)
     token_cap = auto_token_cap(cost, parallel, config)
+    group_sizes = merge_group_sizes(lengths, cost, parallel, token_cap, use_merge)
     rates = WorkRates.from_cost(cost, parallel, token_cap)
     samples = [Sample(i, n) for i, n in enumerate(lengths)]
     as_array = np.asarray(lengths, dtype=float)
