@@ -139,12 +139,14 @@ def _interleave(chain_packs: list[MicroPack], chains: list[list[Slice]], others:
 
 @dataclass
 class MicroPackCosts:
-    """Per-MicroPack times and bytes on a middle stage and on the last stage."""
+    """Per-MicroPack times and bytes on a middle stage and on the last stage, and the backward
+    sequence (computed once per packing, shared by every unit count the planner tries)."""
 
     forward: np.ndarray  # [2, n]: row 0 middle stages, row 1 last stage
     backward: np.ndarray
     activation: np.ndarray
     tokens: np.ndarray
+    backward_order: list[int]
 
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
@@ -155,14 +157,14 @@ class MicroPackCosts:
             for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time),
                              ("activation", cost.activation_bytes))
         }
-        return cls(rows["forward"], rows["backward"], rows["activation"], tokens)
+        return cls(rows["forward"], rows["backward"], rows["activation"], tokens, backward_sequence(micropacks))
 
 
 def segment_units(
     micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Forward units over the forward sequence; backward units over the backward sequence."""
-    order = backward_sequence(micropacks)
+    order = costs.backward_order
     if symmetric:
         total = costs.forward[0] + costs.backward[0]
         forward_units = [list(group) for group in segment(total, units)]
