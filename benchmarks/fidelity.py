@@ -35,7 +35,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import overall, summary_table, validate
+    from megatron_slimpack.fidelity import summary_table, validate
     from megatron_slimpack.profiler import describe_fit, profile
 
     if args.reprofile or not Path(args.profile).exists():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -328,19 +327,15 @@ def _log(strategy: str, e: dict, total: int, bar) -> None:
 
 
 # ---- driver ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(options: DemoOptions) -> dict:
     """Run the `pp` processes; return rank 0's result."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    port = _free_port()
+    from .runtime.processes import free_port
+
+    port = free_port()
     world = options.pp
     procs = [context.Process(target=_worker, args=(r, world, port, options, results), daemon=True) for r in range(world)]
     for proc in procs:

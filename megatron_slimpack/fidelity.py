@@ -17,67 +17,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
-import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from .plan import Plan
-from .specs import ModelSpec, ParallelConfig, get_model
+from .runtime.processes import spawn
+from .specs import ModelSpec, ParallelConfig
 
 
 # ---- processes -------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawned(rank, world_size, port, fn, args, errors):
-    try:
-        fn(rank, world_size, port, *args)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-
-
-def spawn(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 600.0) -> None:
-    """Run fn(rank, world_size, port, *args) in `world_size` spawned processes; raise with the first
-    failing rank's traceback, or name the ranks still running at the timeout (never leaves them)."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    errors = context.SimpleQueue()
-    port = _free_port()
-    procs = [context.Process(target=_spawned, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    stalled = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for rank in stalled:
-        procs[rank].kill()
-        procs[rank].join()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        rank, text = failures[0]
-        raise RuntimeError(f"rank {rank} failed:\n{text}")
-    if stalled:
-        raise RuntimeError(f"ranks {stalled} did not finish within {timeout_s:.0f}s")
-    bad = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"processes exited abnormally (rank, exit code): {bad}")
-
-
 # ---- tokens ----------------------------------------------------------------------------------
 class BatchTokens:
     """Runtime token source for one `workload.GlobalBatch` served by a `TextCorpus`."""
@@ -164,8 +117,6 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     for index, (plan_text, batch_data) in enumerate(zip(plans_json, batches_json)):
         plan = Plan.from_json(plan_text)
         if corpus is not None and batch_data is not None:
-            from .workload import BatchStats
-
             batch = GlobalBatch(step=0, lengths=batch_data["lengths"], sample_ids=batch_data["sample_ids"],
                                 sources=[tuple(s) for s in batch_data["sources"]], stats=None)
             source = BatchTokens(corpus, batch, plan)
@@ -174,7 +125,7 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
         for repeat in range(warmup + repeats):
             chunk.zero_grad(set_to_none=True)
             timeline = Timeline(track_memory=True)
-            result = slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, dp_rank=dp_rank,
+            slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, dp_rank=dp_rank,
                                                timeline=timeline)
             if repeat >= warmup and rank == 0:
                 steps.append(MeasuredStep(index, repeat - warmup, timeline.iteration_time_s,

@@ -26,7 +26,6 @@ per-point residuals, MAPE); `CostModel.from_profile(path)` loads it.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -237,7 +236,7 @@ def measure_p2p(sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20), repeats:
     """One-way gloo send/recv seconds between two local processes (half a ping-pong)."""
     import tempfile
 
-    from .fidelity import spawn
+    from .runtime.processes import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p2p.json"

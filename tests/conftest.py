@@ -1,20 +1,12 @@
 """Shared test fixtures: megatron-core on CPU (one gloo process, or N spawned ones)."""
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 
+from megatron_slimpack.runtime.processes import SpawnError, free_port, spawn
+
 torch.set_num_threads(1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None, seed: int = 1234) -> None:
@@ -44,49 +36,13 @@ def megatron_cpu():
 
 
 # ---- N gloo processes -----------------------------------------------------------------------
-def _worker(rank, world_size, port, fn, args, errors):
-    try:
-        os.environ["SLIMPACK_TEST_RANK"] = str(rank)
-        fn(rank, world_size, port, *args)
-    except BaseException:  # report to the parent instead of dying silently
-        errors.put((rank, traceback.format_exc()))
-        raise
-
-
 def run_multiprocess(fn, world_size: int, *args, timeout_s: float = 120.0) -> None:
-    """Run fn(rank, world_size, port, *args) in `world_size` spawned processes.
-
-    Fails with the failing rank's traceback, or names the ranks still running at the timeout (a
-    stalled collective), and never leaves processes behind.
-    """
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    errors = context.SimpleQueue()
-    port = free_port()
-    procs = [context.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    stalled = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for rank in stalled:
-        procs[rank].kill()
-        procs[rank].join()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        rank, text = failures[0]
-        pytest.fail(f"rank {rank} failed:\n{text}")
-    if stalled:
-        pytest.fail(f"ranks {stalled} did not finish within {timeout_s:.0f}s (stalled collective?)")
-    bad = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    if bad:
-        pytest.fail(f"processes exited abnormally (rank, exit code): {bad}")
+    """Run fn(rank, world_size, port, *args) in `world_size` spawned processes; fail the test with
+    the failing rank's traceback, or name the ranks still running at the timeout."""
+    try:
+        spawn(fn, world_size, args, timeout_s=timeout_s)
+    except SpawnError as error:
+        pytest.fail(str(error))
 
 
 # ---- runtime helpers: random plans, twin models, whole-document reference -------------------

@@ -25,5 +25,5 @@ def test_validate_one_small_plan(tmp_path):
     for key in ("iteration_mape", "task_mape", "memory_mape"):
         assert figures[key] == figures[key]  # finite, not NaN
     assert figures["memory_mape"] < 0.5  # the analytic torch-backend itemisation is close already
-    assert (tmp_path / f"step0_slimpack_gantt.png").stat().st_size > 0
+    assert (tmp_path / "step0_slimpack_gantt.png").stat().st_size > 0
     assert "slimpack" in summary_table(comparisons)

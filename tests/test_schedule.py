@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import free_port, random_plan, random_slicing, run_multiprocess, whole_document_step
+from conftest import random_plan, random_slicing, run_multiprocess, whole_document_step
 
 VOCAB = 64
 HIDDEN = 32

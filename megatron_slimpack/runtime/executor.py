@@ -83,6 +83,32 @@ class StepResult:
     units: list[UnitReport] = field(default_factory=list)
 
 
+def run_stage_order(model, replica: ReplicaPlan, batches: list[MicroPackBatch], num_loss_tokens: int,
+                    forward_only: bool) -> tuple[float, list[UnitReport]]:
+    """Run a one-stage replica's task list: forward units keep their MicroPacks' outputs, backward
+    units run them in backward-sequence order. Returns (this rank's loss sum, per-unit reports)."""
+    outputs: dict[int, Tensor] = {}
+    reports: list[UnitReport] = []
+    loss_sum = 0.0
+    with torch.set_grad_enabled(not forward_only):
+        for kind, unit in replica.stage_orders[0]:
+            if kind == "B" and forward_only:
+                continue
+            members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+            began = time.perf_counter()
+            for mp in members:
+                if kind == "F":
+                    outputs[mp] = forward_step(model, batches[mp])
+                    loss_sum += float(outputs[mp].detach())
+                else:
+                    backward_step(outputs.pop(mp), 1.0 / num_loss_tokens)
+            reports.append(UnitReport(
+                kind, unit, list(members), sum(batches[m].num_tokens for m in members),
+                sum(replica.micropacks[m].attention_pairs for m in members), time.perf_counter() - began,
+            ))
+    return loss_sum, reports
+
+
 class SingleStageExecutor:
     """Executes `ReplicaPlan`s on a megatron-core GPTModel built with the SlimPack layer spec."""
 
@@ -108,26 +134,8 @@ class SingleStageExecutor:
         batches = self.batches(replica)
         if num_loss_tokens is None:
             num_loss_tokens = sum(batch.num_loss_tokens for batch in batches)
-        outputs: dict[int, Tensor] = {}
-        reports: list[UnitReport] = []
-        loss_sum = 0.0
         try:
-            with torch.set_grad_enabled(not forward_only):
-                for kind, unit in replica.stage_orders[0]:
-                    if kind == "B" and forward_only:
-                        continue
-                    members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
-                    began = time.perf_counter()
-                    for mp in members:
-                        if kind == "F":
-                            outputs[mp] = forward_step(self.model, batches[mp])
-                            loss_sum += float(outputs[mp].detach())
-                        else:
-                            backward_step(outputs.pop(mp), 1.0 / num_loss_tokens)
-                    reports.append(UnitReport(
-                        kind, unit, list(members), sum(replica.micropacks[m].num_tokens for m in members),
-                        sum(replica.micropacks[m].attention_pairs for m in members), time.perf_counter() - began,
-                    ))
+            loss_sum, reports = run_stage_order(self.model, replica, batches, num_loss_tokens, forward_only)
             if not forward_only and len(self.kv_store):
                 raise RuntimeError(f"KV store holds {len(self.kv_store)} entries after the step: some slice's "
                                    "backward did not run, or did not hand off and free its K/V")

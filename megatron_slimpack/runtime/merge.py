@@ -23,17 +23,14 @@ every replica's own work.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from ..plan import Plan, ReplicaPlan
 from .attention import KVStore
 from .context_parallel import build_cp_batch
-from .executor import StepResult, UnitReport, backward_step, forward_step
+from .executor import StepResult, run_stage_order
 
 
 def merge_layouts(dp: int) -> list[tuple[int, ...]]:
@@ -127,25 +124,8 @@ def run_merge_group(
     device = next(model.parameters()).device
     batches = [build_cp_batch(mp, token_source, store, group=group, group_size=size, group_rank=group_rank,
                               device=device) for mp in replica.micropacks]
-    outputs: dict[int, Tensor] = {}
-    reports: list[UnitReport] = []
-    loss_sum = 0.0
     try:
-        with torch.set_grad_enabled(not forward_only):
-            for kind, unit in replica.stage_orders[0]:
-                if kind == "B" and forward_only:
-                    continue
-                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
-                began = time.perf_counter()
-                for mp in members:
-                    if kind == "F":
-                        outputs[mp] = forward_step(model, batches[mp])
-                        loss_sum += float(outputs[mp].detach())
-                    else:
-                        backward_step(outputs.pop(mp), 1.0 / num_loss_tokens)
-                reports.append(UnitReport(
-                    kind, unit, list(members), sum(batches[m].num_tokens for m in members),
-                    sum(replica.micropacks[m].attention_pairs for m in members), time.perf_counter() - began))
+        loss_sum, reports = run_stage_order(model, replica, batches, num_loss_tokens, forward_only)
         if not forward_only and store.sample_ids() & set(replica.sample_ids):
             raise RuntimeError("KV store still holds K/V of the merge group's samples after its step: some slice's "
                                "backward did not run")
