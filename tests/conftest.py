@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_slimpack.runtime.processes import SpawnError, free_port, spawn
+from megatron_slimpack.runtime.timing import SavedBytesMeter
 
 torch.set_num_threads(1)
 
@@ -147,27 +148,6 @@ def assert_grads_close(got: dict, expected: dict, rtol: float = 1e-5) -> None:
     assert worst <= rtol, f"worst relative gradient error {worst:.2e} > {rtol:.0e}"
 
 
-class SavedTensorMeter:
+def SavedTensorMeter(model) -> SavedBytesMeter:
     """Bytes autograd saves for backward inside the context: unique storages, parameters excluded."""
-
-    def __init__(self, model):
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._seen: dict[int, int] = {}
-
-    def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._params:
-            self._seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._seen.values())
+    return SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})

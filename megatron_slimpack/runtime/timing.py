@@ -30,21 +30,14 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..simulator.dag import TaskRecord
 
-@dataclass
-class TimedTask:
-    rank: int
-    stage: int
-    replica: int
-    kind: str
-    unit: int
-    start: float
-    end: float
-    detail: str = ""
+
+@dataclass(slots=True)
+class TimedTask(TaskRecord):
+    """A measured task: the simulator's record plus the tensor-parallel rank that measured it."""
+
     tp_rank: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
