@@ -312,8 +312,7 @@ class CostModel:
         """With full recompute, one layer's full activations exist again during its backward."""
         if parallel.recompute != "full":
             return 0.0
-        one_layer = self.activation_bytes(tokens, pairs, parallel.with_(recompute="none", pp=self.model.num_layers))
-        return one_layer
+        return self.activation_bytes(tokens, pairs, parallel.with_(recompute="none")) / self.layers_per_stage(parallel)
 
     def kv_cache_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
         """K/V leaves of a sample's finished slices plus their accumulating gradients, one stage."""

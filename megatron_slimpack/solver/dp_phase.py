@@ -206,7 +206,3 @@ def _pour_sand(costs, sand, replicas, targets) -> None:
     owner = np.searchsorted(boundaries, np.cumsum(costs[sand]) - costs[sand] / 2, side="right")
     for rank in range(len(replicas)):
         replicas[rank].extend(int(i) for i in sand[owner == rank])
-
-
-def _loads(costs, replicas, fixed_load) -> list[float]:
-    return [fixed_load[r] + costs[members].sum() for r, members in enumerate(replicas)]

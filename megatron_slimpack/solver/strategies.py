@@ -76,11 +76,7 @@ def strategy_names() -> list[str]:
 
 
 def _load_baselines() -> None:
-    try:
-        from . import baselines  # noqa: F401  (registers on import)
-    except ImportError as error:
-        if "baselines" not in str(error):
-            raise
+    from . import baselines  # noqa: F401  (registers the baselines on first import)
 
 
 def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
@@ -93,10 +89,8 @@ def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, con
 
 
 def check_plan_input(lengths, context_length: int) -> list[int]:
-    try:
-        from ..workload import check_lengths
-    except ImportError:  # workload module not present yet
-        return [int(n) for n in lengths]
+    from ..workload import check_lengths
+
     return check_lengths(lengths, context_length)
 
 
