@@ -98,6 +98,18 @@ class KVStore:
         return total
 
 
+def slice_prefix(store: "KVStore | None", sample_id: int, layer: int, start: int) -> list[KVEntry]:
+    """The K/V of a slice's earlier slices; refuses a slice whose earlier slices are missing."""
+    prefix = store.prefix(sample_id, layer) if store is not None else []
+    held = sum(entry.length for entry in prefix)
+    if held != start:
+        raise RuntimeError(
+            f"slice [{start}, ...) of sample {sample_id} in layer {layer} found {held} prefix tokens in "
+            "the KV store: its earlier slices must run forward first (and not be freed yet)"
+        )
+    return prefix
+
+
 @dataclass
 class SlicedSeqParams(PackedSeqParams):
     """THD metadata of one MicroPack: the standard fields describe its current tokens; the
@@ -221,13 +233,7 @@ class SlicedAttentionMixin:
         owners, keys, values = [], [], []
         for i, (sample_id, start) in enumerate(zip(params.sample_ids, params.starts)):
             begin, end = bounds[i], bounds[i + 1]
-            prefix = store.prefix(sample_id, layer) if store is not None else []
-            held = sum(entry.length for entry in prefix)
-            if held != start:
-                raise RuntimeError(
-                    f"slice [{start}, ...) of sample {sample_id} in layer {layer} found {held} prefix tokens in "
-                    "the KV store: its earlier slices must run forward first (and not be freed yet)"
-                )
+            prefix = slice_prefix(store, sample_id, layer, start)
             keys += [entry.key for entry in prefix]
             values += [entry.value for entry in prefix]
             if params.keeps_kv[i]:

@@ -261,7 +261,7 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
 
     query/key/value: the member's local tokens [T_local, heads, dim]. Returns [T_local, H*D].
     """
-    from .attention import _InjectKVGrad
+    from .attention import _InjectKVGrad, slice_prefix
 
     layout: CPLayout = params.cp
     store, layer = params.kv_store, module.layer_number
@@ -271,12 +271,7 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
     owners, pieces = [], []
     for i, (sample_id, start) in enumerate(zip(params.sample_ids, params.starts)):
         begin, end = bounds[i], bounds[i + 1]
-        prefix = store.prefix(sample_id, layer) if store is not None else []
-        held = sum(entry.length for entry in prefix)
-        if held != start:
-            raise RuntimeError(
-                f"slice [{start}, ...) of sample {sample_id} in layer {layer} found {held} prefix tokens in "
-                "the KV store: its earlier slices must run forward first (and not be freed yet)")
+        prefix = slice_prefix(store, sample_id, layer, start)
         pieces.append(prefix)
         if params.keeps_kv[i]:
             entry = store.put(sample_id, layer, start, full_key[begin:end], full_value[begin:end])
