@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_plan, random_slicing, run_multiprocess, whole_document_step
+from conftest import random_plan, random_slicing, run_multiprocess, save_whole_document_reference
 
 VOCAB = 64
 HIDDEN = 32
@@ -231,18 +231,9 @@ def _merge_worker(rank, world_size, port, path, seed):
 
 
 def _reference(plan, documents, path):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from megatron_slimpack.runtime.executor import global_loss_tokens
 
-    torch.manual_seed(0)
-    config = _config()
-    stock = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=VOCAB,
-                     max_sequence_length=64, position_embedding_type="rope")
-    loss = whole_document_step(stock, documents, global_loss_tokens(plan))
-    torch.save({"state": stock.state_dict(), "loss": loss,
-                "grads": {k: p.grad.detach().clone() for k, p in stock.named_parameters()}}, path)
+    save_whole_document_reference(_config(), VOCAB, documents, global_loss_tokens(plan), path)
 
 
 def _run(tmp_path, dp, seed, timeout_s):

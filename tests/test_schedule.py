@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_plan, random_slicing, run_multiprocess, whole_document_step
+from conftest import random_plan, random_slicing, run_multiprocess, save_whole_document_reference
 
 VOCAB = 64
 HIDDEN = 32
@@ -93,19 +93,9 @@ CASES = {"random": make_case, "interleaved": make_interleaved_case}
 
 def reference(plan, documents, path):
     """Whole-document step on a stock model (single process); saves weights, grads and loss."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from megatron_slimpack.runtime.executor import global_loss_tokens
 
-    torch.manual_seed(0)
-    config = _config()
-    stock = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=VOCAB,
-                     max_sequence_length=64, position_embedding_type="rope")
-    loss = whole_document_step(stock, documents, global_loss_tokens(plan))
-    torch.save({"state": stock.state_dict(), "loss": loss,
-                "grads": {k: p.grad.detach().clone() for k, p in stock.named_parameters()}}, path)
-    return loss
+    return save_whole_document_reference(_config(), VOCAB, documents, global_loss_tokens(plan), path)
 
 
 def _global_name(name: str, stage: int, pp: int) -> str:

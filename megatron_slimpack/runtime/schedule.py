@@ -378,6 +378,15 @@ def slimpack_forward_backward(
             current = sum(live_bytes.values()) + store.nbytes()
             memory_record.peak_activation_bytes = max(memory_record.peak_activation_bytes, current)
 
+    def receive(tokens: int, source: int, unit: int, label: str) -> Tensor:
+        """Blocking receive of a [tokens, 1, hidden] activation or gradient (shape from the plan)."""
+        buffer = torch.empty(tokens, 1, hidden, dtype=dtype, device=device)
+        waited = timeline.now() if timeline else 0.0
+        dist.recv(buffer, src=source, group=pp_group)
+        if timeline:
+            timeline.record("RECV", unit, waited, timeline.now(), label)
+        return buffer
+
     inputs: dict[int, Tensor] = {}   # received leaves, per MicroPack (not on the first stage)
     outputs: dict[int, Tensor] = {}  # forward outputs kept for backward
     freed: set[int] = set()          # outputs whose data was deallocated after the send
@@ -411,11 +420,7 @@ def slimpack_forward_backward(
                 if kind == "F":
                     leaves = [None] * len(members)
                     if not first:
-                        buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
-                        waited = timeline.now() if timeline else 0.0
-                        dist.recv(buffer, src=prev_rank, group=pp_group)
-                        if timeline:
-                            timeline.record("RECV", unit, waited, timeline.now(), f"F {pp_rank - 1}->{pp_rank}")
+                        buffer = receive(sum(sizes), prev_rank, unit, f"F {pp_rank - 1}->{pp_rank}")
                         leaves = split_into_leaves(buffer, sizes)
                         if meter is not None:
                             meter.shared = {buffer.untyped_storage().data_ptr()}
@@ -457,11 +462,7 @@ def slimpack_forward_backward(
                 else:
                     grads: list = [1.0 / num_loss_tokens] * len(members)
                     if not last:
-                        buffer = torch.empty(sum(sizes), 1, hidden, dtype=dtype, device=device)
-                        waited = timeline.now() if timeline else 0.0
-                        dist.recv(buffer, src=next_rank, group=pp_group)
-                        if timeline:
-                            timeline.record("RECV", unit, waited, timeline.now(), f"B {pp_rank + 1}->{pp_rank}")
+                        buffer = receive(sum(sizes), next_rank, unit, f"B {pp_rank + 1}->{pp_rank}")
                         grads = list(buffer.split(sizes, dim=0))
                     if position == last_backward and (grad_sync_func is None or first):
                         enable_grad_sync()
