@@ -113,6 +113,11 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
         from .workload import GlobalBatch, TextCorpus
 
         corpus = TextCorpus(text_dir or None)
+    groups = None
+    if world_size // pp > 1:  # DP-Merge process groups, created once (collective, every rank)
+        from .runtime.merge import merge_groups
+
+        groups = merge_groups(world_size // pp, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
     steps = []
     for index, (plan_text, batch_data) in enumerate(zip(plans_json, batches_json)):
         plan = Plan.from_json(plan_text)
@@ -126,7 +131,7 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
             chunk.zero_grad(set_to_none=True)
             timeline = Timeline(track_memory=True)
             slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, dp_rank=dp_rank,
-                                               timeline=timeline)
+                                      timeline=timeline, merge_process_groups=groups)
             if repeat >= warmup and rank == 0:
                 steps.append(MeasuredStep(index, repeat - warmup, timeline.iteration_time_s,
                                           [r.to_dict() for r in timeline.records],
@@ -202,11 +207,11 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *, out_d
         mine = [s for s in steps if s.plan_index == index]
         report = simulate(plan, cost)
         static = cost.static_memory_bytes(plan.parallel)
-        simulated_tasks = {(t.rank, t.stage, t.kind, t.unit): t.end - t.start for t in report.tasks if t.kind in ("F", "B")}
+        simulated_tasks = {(t.rank, t.stage, t.replica, t.kind, t.unit): t.end - t.start for t in report.tasks if t.kind in ("F", "B")}
         measured_t, predicted_t = [], []
         for step in mine:
             for r in step.records:
-                key = (r["rank"], r["stage"], r["kind"], r["unit"])
+                key = (r["rank"], r["stage"], r["replica"], r["kind"], r["unit"])
                 if r["kind"] in ("F", "B") and key in simulated_tasks:
                     measured_t.append(r["end"] - r["start"])
                     predicted_t.append(simulated_tasks[key])

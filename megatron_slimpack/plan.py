@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+import numpy as np
+
 from .specs import ParallelConfig
 
 
@@ -239,12 +241,21 @@ class Plan:
 
     # ---- invariants ----------------------------------------------------------------------
     def validate(self) -> "Plan":
-        """Check every invariant of design.md section 2; raise PlanError naming the broken rule."""
+        """Check every invariant of design.md section 2; raise PlanError naming the broken rule.
+
+        The slice rules (coverage, order, token cap, one replica per sample) are first checked
+        with array operations; only a plan that fails them takes the per-slice pass, whose
+        message names the rule and the offending sample and MicroPack."""
         lengths = _check_samples(self.samples, self.context_length)
         _check_ranks(self.replicas, self.parallel.dp)
+        table = _SliceTable(self.replicas, lengths, self.max_micropack_tokens)
+        for index, replica in enumerate(self.replicas):
+            _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel.pp,
+                           slices_checked=table.valid)
+        if table.valid and table.one_replica_per_sample():
+            return self
         seen_in: dict[int, int] = {}
         for index, replica in enumerate(self.replicas):
-            _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel.pp)
             for sample_id in replica.sample_ids:
                 if sample_id in seen_in:
                     raise PlanError(
@@ -256,6 +267,58 @@ class Plan:
         if missing:
             raise PlanError(f"coverage: samples {missing[:10]} are in no MicroPack")
         return self
+
+
+class _SliceTable:
+    """Every slice of a plan as arrays (replica, MicroPack, sample, start, end), for the fast
+    pass of `Plan.validate`: `valid` says whether every per-replica slice rule holds."""
+
+    def __init__(self, replicas: list["ReplicaPlan"], lengths: dict[int, int], token_cap: int | None):
+        self.known = np.fromiter(lengths, dtype=np.int64, count=len(lengths))
+        self.known_lengths = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
+        by_id = np.argsort(self.known, kind="stable")
+        self.known, self.known_lengths = self.known[by_id], self.known_lengths[by_id]
+        packs = [m for r in replicas for m in r.micropacks]
+        counts = np.fromiter((len(m.slices) for m in packs), dtype=np.int64, count=len(packs))
+        rows = [piece for m in packs for piece in m.slices]
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), 3)
+        self.sample, self.start, self.end = table[:, 0], table[:, 1], table[:, 2]
+        self.pack = np.repeat(np.arange(len(packs)), counts)
+        self.replica = np.repeat(np.repeat(np.arange(len(replicas)), [len(r.micropacks) for r in replicas]), counts)
+        self.counts = counts
+        self.valid = bool(len(packs) == 0 or counts.min() > 0) and self._slices_ok() and (
+            token_cap is None or bool((self._tokens_per_pack() <= token_cap).all()))
+
+    def _slices_ok(self) -> bool:
+        if len(self.sample) == 0:
+            return True
+        where = np.minimum(np.searchsorted(self.known, self.sample), len(self.known) - 1)
+        if not (self.known[where] == self.sample).all():
+            return False
+        length = self.known_lengths[where]
+        # By sample, then by position in the plan: each slice starts where the previous ended.
+        order = np.lexsort((np.arange(len(self.sample)), self.sample))
+        sample, start, end = self.sample[order], self.start[order], self.end[order]
+        pack, replica, length = self.pack[order], self.replica[order], length[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = sample[1:] != sample[:-1]
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = first[1:]
+        previous_end = np.concatenate([[0], end[:-1]])
+        follows = np.where(first, start == 0, (start == previous_end) & (replica == np.roll(replica, 1)))
+        distinct_pack = first | (pack != np.roll(pack, 1))
+        return bool((follows & distinct_pack & (end > start) & (end <= length)).all()
+                    and (end[last] == length[last]).all())
+
+    def _tokens_per_pack(self) -> np.ndarray:
+        if len(self.sample) == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(self.end - self.start, np.cumsum(self.counts) - self.counts)
+
+    def one_replica_per_sample(self) -> bool:
+        """Every known sample appears, in exactly one replica plan (given `valid`)."""
+        covered = np.unique(self.sample)
+        return len(covered) == len(self.known)
 
 
 def _check_samples(samples: Iterable[Sample], context_length: int) -> dict[int, int]:
@@ -295,10 +358,12 @@ def _check_ranks(replicas: list[ReplicaPlan], dp: int) -> None:
 
 
 def _check_replica(
-    replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, pp: int
+    replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, pp: int,
+    slices_checked: bool = False,
 ) -> None:
     where = f"replica plan {index}"
-    _check_slices(replica, where, lengths, token_cap)
+    if not slices_checked:
+        _check_slices(replica, where, lengths, token_cap)
     count = len(replica.micropacks)
     _check_segmentation("forward-units", replica.forward_units, list(range(count)), where)
     _check_segmentation("backward-units", replica.backward_units, replica.backward_sequence(), where)

@@ -123,10 +123,10 @@ def test_cp_attention_matches_single_process():
 
 
 # ---- end to end: merge groups + own replicas == whole documents -----------------------------
-def _config():
+def _config(**overrides):
     from megatron_slimpack.runtime.model import tiny_config
 
-    return tiny_config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2)
+    return tiny_config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, **overrides)
 
 
 def _merge_replica(packs, ranks):
@@ -142,8 +142,9 @@ def _merge_replica(packs, ranks):
     return replica
 
 
-def make_case(dp: int, seed: int = 0):
-    """Merge groups with long documents (sliced, several per MicroPack) + own short documents."""
+def make_case(dp: int, seed: int = 0, pp: int = 1):
+    """Merge groups with long documents (sliced, several per MicroPack) + own short documents;
+    with pp > 1 every replica plan (merge groups too) gets generalised 1F1B stage orders."""
     from megatron_slimpack.plan import Plan, Sample, Slice
     from megatron_slimpack.specs import ParallelConfig
 
@@ -166,8 +167,13 @@ def make_case(dp: int, seed: int = 0):
         replica.dp_ranks = [rank]
         own.append(replica)
         lengths.update(mine)
+    if pp > 1:
+        from test_schedule import _stage_orders
+
+        for replica in merges + own:
+            replica.stage_orders = _stage_orders(rng, replica, pp)
     samples = [Sample(sid, n) for sid, n in sorted(lengths.items())]
-    plan = Plan(merges + own, samples, ParallelConfig(dp=dp), 64, "test").validate()
+    plan = Plan(merges + own, samples, ParallelConfig(dp=dp, pp=pp), 64, "test").validate()
     documents = {sid: torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed * 1000 + sid))
                  for sid, n in lengths.items()}
     return plan, documents
@@ -277,19 +283,20 @@ def test_merge_groups_with_several_dp_groups():
     run_multiprocess(_groups_worker, 4, timeout_s=120)
 
 
-def test_pipeline_merge_is_not_implemented(megatron_cpu):
+def test_run_merge_group_sends_pipelines_to_the_schedule(megatron_cpu):
     from megatron_slimpack.plan import Slice
     from megatron_slimpack.runtime.merge import run_merge_group
 
     replica = _merge_replica([[Slice(0, 0, 8)]], (0, 1))
     replica.stage_orders = replica.stage_orders * 2
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+    with pytest.raises(ValueError, match="slimpack_forward_backward"):
         run_merge_group(replica, model=None, token_source=None, group=None, group_rank=0, num_loss_tokens=7)
 
 
-def _schedule_worker(rank, world_size, port, path, seed):
-    """The same DP-Merge case through the drop-in schedule: merge groups, then the own plan, then
-    the data-parallel gradient reduction, all inside `slimpack_forward_backward`."""
+def _schedule_worker(rank, world_size, port, path, seed, pp):
+    """The DP-Merge case through the drop-in schedule: merge groups, then the own plan, then the
+    data-parallel gradient reduction, all inside `slimpack_forward_backward`; with pp > 1 each
+    rank holds one pipeline stage and runs the merge groups' stage orders on it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -297,32 +304,66 @@ def _schedule_worker(rank, world_size, port, path, seed):
     from megatron_slimpack.runtime import InMemoryTokenSource, compat, slimpack_forward_backward
     from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
+    from test_schedule import _global_name
 
     torch.set_num_threads(1)
     compat.apply()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
-    plan, documents = make_case(world_size, seed)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    plan, documents = make_case(world_size // pp, seed, pp)
     dp_group = parallel_state.get_data_parallel_group()
-    groups = merge_groups(plan, dist.get_process_group_ranks(dp_group))
+    groups = merge_groups(plan, dist.get_process_group_ranks(dp_group))  # every DP group's, on every rank
     saved = torch.load(path)
-    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
-    model.load_state_dict(saved["state"])
+    extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
+    model = build_gpt_model(_config(**extra), vocab_size=VOCAB, max_sequence_length=64, backend="torch",
+                            pre_process=stage == 0, post_process=stage == pp - 1)
+    model.load_state_dict({k: saved["state"][_global_name(k, stage, pp)] for k in model.state_dict()})
     result = slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
                                        dp_rank=parallel_state.get_data_parallel_rank(), dp_group=dp_group,
-                                       merge_process_groups=groups)
-    assert any(report.get("kind") == "merge" for report in result)
-    assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
+                                       merge_process_groups=groups, timeline=True)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    merged = [r for r in plan.replicas_of_rank(dp_rank) if r.is_merge_group]
+    expected_tasks = [t for r in plan.replicas_of_rank(dp_rank) for t in r.stage_orders[stage]]  # merges first
+    assert [(u["kind"], u["index"]) for u in result] == expected_tasks
+    assert sum(u.get("detail", "").startswith("merge group") for u in result) == sum(
+        len(r.stage_orders[stage]) for r in merged) > 0
+    if stage == pp - 1:
+        assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
+    else:
+        assert result.loss is None
+    if rank == 0:  # the gathered timeline names each task's replica plan, as the simulator does
+        from megatron_slimpack.simulator.dag import simulate
+        from megatron_slimpack.costmodel import CostModel
+        from megatron_slimpack.specs import get_hardware, get_model
+
+        measured = {(r.rank, r.stage, r.replica, r.kind, r.unit) for r in result.timeline.compute_records()}
+        report = simulate(plan, CostModel(get_model("tiny"), get_hardware("cpu")), detail=True)
+        assert measured == {(t.rank, t.stage, t.replica, t.kind, t.unit) for t in report.tasks if t.kind in "FB"}
     for name, p in model.named_parameters():
-        expected = saved["grads"][name]
+        expected = saved["grads"][_global_name(name, stage, pp)]
         error = ((p.grad - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-        assert error <= 1e-5, f"rank {rank}: {name} relative gradient error {error:.2e}"
+        assert error <= 1e-5, f"rank {rank} (stage {stage}): {name} relative gradient error {error:.2e}"
+
+
+def _run_schedule(tmp_path, *, dp, pp, seed, timeout_s):
+    plan, documents = make_case(dp, seed, pp)
+    path = tmp_path / "reference.pt"
+    _reference(plan, documents, path)
+    run_multiprocess(_schedule_worker, dp * pp, str(path), seed, pp, timeout_s=timeout_s)
 
 
 @pytest.mark.slow
 def test_dp2_merge_through_the_schedule(tmp_path, megatron_cpu):
-    plan, documents = make_case(2, 1)
-    path = tmp_path / "reference.pt"
-    _reference(plan, documents, path)
-    run_multiprocess(_schedule_worker, 2, str(path), 1, timeout_s=180)
+    _run_schedule(tmp_path, dp=2, pp=1, seed=1, timeout_s=180)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_merge_group_pipelined(tmp_path, megatron_cpu):
+    _run_schedule(tmp_path, dp=2, pp=2, seed=3, timeout_s=240)
+
+
+@pytest.mark.slow
+def test_dp4_pp2_merges_of_four_and_two_plus_independent_replicas(tmp_path, megatron_cpu):
+    _run_schedule(tmp_path, dp=4, pp=2, seed=4, timeout_s=420)

@@ -122,6 +122,49 @@ def test_validate_names_the_broken_rule(mutate, rule):
         small_plan(replica).validate()
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["shift", "drop", "duplicate", "move", "swap", "none"]))
+def test_fast_slice_check_agrees_with_the_per_slice_pass(seed, kind):
+    """validate()'s array pass must accept exactly the plans the per-slice pass accepts."""
+    import random
+
+    from megatron_slimpack.plan import _SliceTable, _check_slices
+
+    rng = random.Random(seed)
+    plan = make_plan([rng.randint(1, 30000) for _ in range(12)], dp=2, pp=1, context=30000,
+                     solver_time_limit_s=0.2)
+    packs = [(r, m) for r in plan.replicas for m in r.micropacks]
+    replica, pack = rng.choice(packs)
+    index = rng.randrange(len(pack.slices))
+    piece = pack.slices[index]
+    if kind == "shift" and piece.length > 1:
+        pack.slices[index] = Slice(piece.sample_id, piece.start + 1, piece.end)
+    elif kind == "drop" and len(pack.slices) > 1:
+        del pack.slices[index]
+    elif kind == "duplicate":
+        pack.slices.append(piece)
+    elif kind == "move":
+        other = plan.replicas[1 - plan.replicas.index(replica)]
+        if other.micropacks and len(pack.slices) > 1:
+            other.micropacks[0].slices.append(pack.slices.pop(index))
+    elif kind == "swap" and len(replica.micropacks) > 1:
+        replica.micropacks.reverse()
+    lengths = {s.sample_id: s.length for s in plan.samples}
+    try:
+        for i, r in enumerate(plan.replicas):
+            _check_slices(r, f"replica plan {i}", lengths, plan.max_micropack_tokens)
+        covered = {s for r in plan.replicas for s in r.sample_ids}
+        owners = [s for r in plan.replicas for s in r.sample_ids]
+        exact_ok = covered == set(lengths) and len(owners) == len(covered)
+    except PlanError:
+        exact_ok = False
+    table = _SliceTable(plan.replicas, lengths, plan.max_micropack_tokens)
+    assert (table.valid and table.one_replica_per_sample()) == exact_ok
+    if not exact_ok:
+        with pytest.raises(PlanError):
+            plan.validate()
+
+
 def test_token_cap_and_ranks_are_checked():
     plan = small_plan()
     plan.max_micropack_tokens = 5

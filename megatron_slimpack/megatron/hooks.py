@@ -180,7 +180,8 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
         result = slimpack_forward_backward(
             model=chunks, forward_only=forward_only, plan=planned.plan,
             token_source=planned.token_source(iterator.corpus), reduce_grads=finalize is None,
-            **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source")})
+            merge_process_groups=_merge_process_groups(planned.plan),
+            **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "merge_process_groups")})
     if finalize is not None and not forward_only:
         finalize(list(chunks), None)  # the loss is already per token of the global batch: no scaling
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -189,6 +190,26 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     device = next(chunks[0].parameters()).device
     share = float(result.num_loss_tokens) / dp  # Megatron sums [loss, tokens] over DP, then divides
     return [{"lm loss": torch.tensor([float(result.loss_sum or 0.0), share], device=device)}]
+
+
+_merge_groups_by_dp: dict = {}
+
+
+def _merge_process_groups(plan) -> Optional[dict]:
+    """DP-Merge process groups (every layout the planner can produce), created on the first step
+    whose plan has a merge group. Creating groups is collective over the world; every rank gets
+    the same plan, so every rank reaches this in the same step."""
+    if not any(r.is_merge_group for r in plan.replicas):
+        return None
+    if plan.parallel.dp not in _merge_groups_by_dp:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from ..runtime.merge import merge_groups
+
+        dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+        _merge_groups_by_dp[plan.parallel.dp] = merge_groups(plan, dp_ranks)
+    return _merge_groups_by_dp[plan.parallel.dp]
 
 
 # ---- seam 2: the train data iterator -------------------------------------------------------
@@ -302,11 +323,6 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               tp=args.tensor_model_parallel_size, recompute=recompute)
     config = slimpack_config_from_args(args)
-    if config.dp_merge and parallel.dp > 1:
-        # The pipeline schedule does not run DP-Merge groups yet (runtime/schedule.py refuses them).
-        print("slimpack: DP-Merge is not supported by the runtime schedule yet; planning without it "
-              "(--no-slimpack-dp-merge)", file=sys.stderr, flush=True)
-        config = config.with_(dp_merge=False)
     planner = new_planner(config.strategy)
 
     def plan_batch(batch):

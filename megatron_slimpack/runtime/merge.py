@@ -7,19 +7,22 @@ all-gathered in attention, dK/dV reduce-scattered), in exactly the plan's task o
 group's collectives line up. The loss is the sum over the member's tokens, scaled by
 1 / global loss tokens (one division for the whole global batch); the sum over members is the
 group's loss. Weight gradients need nothing extra: each member's `.grad` holds its tokens'
-share, and the data-parallel all-reduce the caller does after the step sums them together with
-every replica's own work.
+share, and the data-parallel all-reduce after the step sums them together with every replica's
+own work.
+
+With pipeline parallelism a merge group is pipelined like any replica plan: member i's stage s
+sends its share's activations to member i's stage s + 1 (the member's own pipeline group), and
+the attention layers of stage s gather K/V over the merge group of stage s's ranks. There is one
+data-parallel group per (pipeline stage, tensor rank), and `merge_groups` creates the layouts of
+every one of them, so each rank holds the groups of its own stage.
+
+The schedule does all of this (`runtime.schedule.slimpack_forward_backward`, any PP):
 
     groups = merge_groups(plan, dp_group_ranks)            # once, at start-up, on every rank
-    for replica in plan.replicas_of_rank(dp_rank):
-        if replica.is_merge_group:
-            run_merge_group(replica, model=model, token_source=source,
-                            group=groups[tuple(replica.dp_ranks)],
-                            group_rank=replica.dp_ranks.index(dp_rank),
-                            kv_store=kv_store, num_loss_tokens=global_loss_tokens(plan))
-        else:
-            ... the replica's own plan (executor / schedule) ...
-    ... DP all-reduce of gradients (the usual one) ...
+    slimpack_forward_backward(model=chunk, plan=plan, token_source=source, dp_rank=dp_rank,
+                              merge_process_groups=groups)  # merge groups, own plan, DP reduction
+
+`run_merge_group` is the one-stage building block for callers with their own loop (PP=1).
 """
 from __future__ import annotations
 
@@ -86,12 +89,18 @@ def merge_groups(plan: Plan | int, dp_group_ranks: Optional[Sequence[int]] = Non
     return groups
 
 
+def member_batches(replica: ReplicaPlan, token_source, kv_store: KVStore, group, group_rank: int, device) -> list:
+    """This member's share of every MicroPack of a merge group, as context-parallel batches."""
+    return [build_cp_batch(mp, token_source, kv_store, group=group, group_size=len(replica.dp_ranks),
+                           group_rank=group_rank, device=device) for mp in replica.micropacks]
+
+
 def run_merge_group(
     replica: ReplicaPlan, *, model, token_source, group, group_rank: Optional[int] = None,
     kv_store: Optional[KVStore] = None, num_loss_tokens: int, pp_group=None, forward_only: bool = False,
     dp_rank: Optional[int] = None,
 ) -> StepResult:
-    """Run a merge-group ReplicaPlan on this member (PP=1): its share of every MicroPack, in the
+    """Run a one-stage merge-group ReplicaPlan on this member: its share of every MicroPack, in the
     order of `stage_orders[0]`. Gradients accumulate into the parameters' `.grad` (no DP
     reduction here). Returns this member's share: `loss_sum` over its tokens, `loss` =
     loss_sum / num_loss_tokens (sum over members = the group's contribution to the global loss).
@@ -104,9 +113,10 @@ def run_merge_group(
         raise ValueError(f"run_merge_group runs merge groups; this replica plan has dp_ranks {replica.dp_ranks}")
     pp = len(replica.stage_orders)
     if pp != 1 or (pp_group is not None and dist.get_world_size(pp_group) > 1):
-        raise NotImplementedError(
-            f"DP-Merge with pipeline parallelism (pp={max(pp, dist.get_world_size(pp_group) if pp_group else 1)}) "
-            "is not implemented yet: merge groups run with pp=1 only")
+        raise ValueError(
+            f"run_merge_group runs one-stage merge groups; this one has pp={max(pp, dist.get_world_size(pp_group) if pp_group else 1)} "
+            "stages: run it through runtime.schedule.slimpack_forward_backward (merge_process_groups=...), which "
+            "pipelines merge groups like any replica plan")
     size = len(replica.dp_ranks)
     if group_rank is None:
         if dp_rank is None or dp_rank not in replica.dp_ranks:
@@ -121,9 +131,7 @@ def run_merge_group(
     elif size > 1:
         raise ValueError("run_merge_group: a merge group of several ranks needs its process group")
     store = kv_store if kv_store is not None else KVStore()
-    device = next(model.parameters()).device
-    batches = [build_cp_batch(mp, token_source, store, group=group, group_size=size, group_rank=group_rank,
-                              device=device) for mp in replica.micropacks]
+    batches = member_batches(replica, token_source, store, group, group_rank, next(model.parameters()).device)
     try:
         loss_sum, reports = run_stage_order(model, replica, batches, num_loss_tokens, forward_only)
         if not forward_only and store.sample_ids() & set(replica.sample_ids):

@@ -39,6 +39,13 @@ a plain module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over t
 (`reduce_grads=False` skips it). `config.deallocate_pipeline_outputs` frees a stage's outputs'
 data once sent (backward then goes through megatron's `custom_backward`).
 
+DP-Merge groups (design.md section 3): a rank first runs the merge groups it belongs to, each
+exactly like a replica plan on this stage (its stage order, p2p to the member's own neighbour
+stages) but on the member's share of every MicroPack, with K/V gathered over the stage's merge
+group (`merge_process_groups`, from `runtime.merge.merge_groups`); then its own replica plan.
+Per-unit reports and timeline records of merge-group tasks carry `detail` "merge group [ranks]"
+and the merge group's replica index, as the simulator's records do.
+
 Tensor parallelism without sequence parallelism works (each TP rank exchanges the full
 activation with its peer in the pipeline group); sequence parallelism is refused with a clear
 `ScheduleError`.
@@ -64,6 +71,7 @@ from ..plan import Plan, PlanError, ReplicaPlan
 from .attention import KVStore
 from .batch import TokenSource, build_batch
 from .executor import backward_step, forward_step, global_loss_tokens, split_into_leaves
+from .merge import member_batches
 
 
 class ScheduleError(RuntimeError):
@@ -238,6 +246,152 @@ class _Pending:
         self.items = []
 
 
+class _StageRunner:
+    """Runs replica plans' task lists on this pipeline stage: blocking receives, one
+    `forward_step`/`backward_step` per MicroPack, non-blocking sends. One runner per step; it
+    runs the rank's merge groups, then its own replica, so their sends share one `_Pending`."""
+
+    def __init__(self, *, inner, pp_group, pp_rank: int, pp_size: int, hidden: int, dtype, device,
+                 deallocate: bool, num_loss_tokens: int, forward_only: bool, store: KVStore, timeline,
+                 meter=None, memory_record=None):
+        self.inner, self.pp_group, self.pp_rank = inner, pp_group, pp_rank
+        self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
+        self.prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not self.first else None
+        self.next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not self.last else None
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+        self.deallocate = deallocate and not self.last
+        self.num_loss_tokens, self.forward_only, self.store = num_loss_tokens, forward_only, store
+        self.timeline, self.meter, self.memory_record = timeline, meter, memory_record
+        self.pending = _Pending(timeline)
+        self.live_bytes: dict[int, int] = {}
+
+    def _note_memory(self) -> None:
+        if self.memory_record is not None:
+            current = sum(self.live_bytes.values()) + self.store.nbytes()
+            self.memory_record.peak_activation_bytes = max(self.memory_record.peak_activation_bytes, current)
+
+    def _receive(self, tokens: int, source: int, unit: int, label: str) -> Tensor:
+        """Blocking receive of a [tokens, 1, hidden] activation or gradient (shape from the plan)."""
+        buffer = torch.empty(tokens, 1, self.hidden, dtype=self.dtype, device=self.device)
+        waited = self.timeline.now() if self.timeline else 0.0
+        dist.recv(buffer, src=source, group=self.pp_group)
+        if self.timeline:
+            self.timeline.record("RECV", unit, waited, self.timeline.now(), label)
+        return buffer
+
+    def _record(self, kind: str, unit: int, start: float, detail: str) -> None:
+        if self.timeline:
+            self.timeline.record(kind, unit, start, self.timeline.now(), detail)
+
+    def run(self, replica: ReplicaPlan, batches, *, replica_index: int, detail: str = "",
+            before_last_backward=None) -> tuple[float, list[dict]]:
+        """Run `replica.stage_orders[pp_rank]` on `batches` (one per MicroPack: whole, or this
+        member's share in a merge group). Returns (loss sum on the last stage, per-unit reports).
+        `before_last_backward` is called just before the order's last backward (DDP's grad sync)."""
+        order = replica.stage_orders[self.pp_rank]
+        last_backward = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
+        counts = [batch.num_tokens for batch in batches]
+        if self.timeline is not None:
+            self.timeline.replica = replica_index
+        inputs: dict[int, Tensor] = {}   # received leaves, per MicroPack (not on the first stage)
+        outputs: dict[int, Tensor] = {}  # forward outputs kept for backward
+        freed: set[int] = set()          # outputs whose data was deallocated after the send
+        reports, loss_sum = [], 0.0
+        with torch.set_grad_enabled(not self.forward_only):
+            for position, (kind, unit) in enumerate(order):
+                if kind == "B" and self.forward_only:
+                    continue
+                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+                sizes = [counts[mp] for mp in members]
+                began = time.perf_counter()
+                report = {"kind": kind, "index": unit, "micropacks": list(members), "tokens": sum(sizes),
+                          "attention_pairs": sum(replica.micropacks[mp].attention_pairs for mp in members)}
+                if detail:
+                    report["detail"] = detail
+                self.pending.poll()
+                if kind == "F":
+                    unit_loss = self._forward(unit, members, sizes, batches, inputs, outputs, freed, detail)
+                    if self.last:
+                        loss_sum += unit_loss
+                        report["loss_sum"] = unit_loss
+                else:
+                    if position == last_backward and before_last_backward is not None:
+                        before_last_backward()
+                    self._backward_unit(unit, members, sizes, inputs, outputs, freed, detail)
+                report["seconds"] = time.perf_counter() - began
+                reports.append(report)
+        if not self.forward_only and outputs:
+            raise RuntimeError(f"after the step {len(outputs)} MicroPack outputs remain: some backward did not run")
+        self.live_bytes.clear()
+        return loss_sum, reports
+
+    def _forward(self, unit, members, sizes, batches, inputs, outputs, freed, detail) -> float:
+        leaves = [None] * len(members)
+        if not self.first:
+            buffer = self._receive(sum(sizes), self.prev_rank, unit, f"F {self.pp_rank - 1}->{self.pp_rank}")
+            leaves = split_into_leaves(buffer, sizes)
+            if self.meter is not None:
+                self.meter.shared = {buffer.untyped_storage().data_ptr()}
+        task_start = self.timeline.now() if self.timeline else 0.0
+        sent, unit_loss = [], 0.0
+        for mp, leaf in zip(members, leaves):
+            if self.meter is not None:
+                with self.meter:
+                    output = forward_step(self.inner, batches[mp], input_tensor=leaf)
+                self.live_bytes[mp] = self.meter.bytes
+                if not detail:  # per-MicroPack figures of the rank's own replica (fidelity)
+                    self.memory_record.micropack_bytes[mp] = self.meter.bytes
+                self._note_memory()
+            else:
+                output = forward_step(self.inner, batches[mp], input_tensor=leaf)
+            if self.last:
+                unit_loss += float(output.detach())
+            else:
+                sent.append(output.detach())
+            if not self.forward_only:
+                outputs[mp] = output
+                if leaf is not None:
+                    inputs[mp] = leaf
+        if self.last:
+            self._record("F", unit, task_start, detail)
+            return unit_loss
+        activation = torch.cat(sent).to(self.dtype).contiguous()
+        del sent
+        if self.deallocate and not self.forward_only:
+            freed.update(mp for mp in members if _free_output(outputs[mp]))
+        self._record("F", unit, task_start, detail)
+        self.pending.add(dist.isend(activation, dst=self.next_rank, group=self.pp_group), activation, unit,
+                         f"F {self.pp_rank}->{self.pp_rank + 1}")
+        return 0.0
+
+    def _backward_unit(self, unit, members, sizes, inputs, outputs, freed, detail) -> None:
+        grads: list = [1.0 / self.num_loss_tokens] * len(members)
+        if not self.last:
+            buffer = self._receive(sum(sizes), self.next_rank, unit, f"B {self.pp_rank + 1}->{self.pp_rank}")
+            grads = list(buffer.split(sizes, dim=0))
+        task_start = self.timeline.now() if self.timeline else 0.0
+        upstream = []
+        for mp, grad, size in zip(members, grads, sizes):
+            leaf = inputs.pop(mp, None)
+            output = outputs.pop(mp)
+            if not isinstance(grad, Tensor):
+                grad = torch.tensor(grad, dtype=output.dtype, device=output.device)
+            input_grad = _backward(output, grad, leaf, mp in freed)
+            freed.discard(mp)
+            if not self.first:
+                if input_grad is None:
+                    input_grad = torch.zeros(size, 1, self.hidden, dtype=self.dtype, device=self.device)
+                upstream.append(input_grad)
+        for mp in members:
+            self.live_bytes.pop(mp, None)
+        self._note_memory()
+        self._record("B", unit, task_start, detail)
+        if not self.first:
+            gradient = torch.cat(upstream).to(self.dtype).contiguous()
+            self.pending.add(dist.isend(gradient, dst=self.prev_rank, group=self.pp_group), gradient, unit,
+                             f"B {self.pp_rank}->{self.pp_rank - 1}")
+
+
 def slimpack_forward_backward(
     *,
     forward_step_func=None,
@@ -269,8 +423,10 @@ def slimpack_forward_backward(
     default to megatron's parallel state when it is initialised, else to a single stage / no data
     parallelism. `timeline`: True or a `runtime.timing.Timeline` to record every task's start and
     end (gathered to the first rank of `check_group`; returned as `result.timeline`).
-    `merge_process_groups`: from `runtime.merge.merge_groups`, needed when the plan has DP-Merge groups
-    (each rank runs its merge groups first, then its own replica plan; PP=1 only for now).
+    `merge_process_groups`: from `runtime.merge.merge_groups` (this rank's DP group's layouts),
+    needed when the plan has DP-Merge groups: each rank runs its merge groups first, on its
+    pipeline stage with the stage's merge group for the context-parallel attention, then its own
+    replica plan.
     """
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
@@ -307,17 +463,18 @@ def slimpack_forward_backward(
             "average) gradients over data-parallel ranks")
 
     merged_replicas, replica = _pick_replicas(plan, replica_index, dp_rank)
-    if merged_replicas and pp_size > 1:
-        raise NotImplementedError("DP-Merge groups run with pipeline parallelism are not supported yet (PP=1 only)")
     if merged_replicas and merge_process_groups is None:
         raise ScheduleError("the plan has DP-Merge groups: create their process groups once at start-up with "
                             "megatron_slimpack.runtime.merge.merge_groups(plan_or_dp_size, dp_group_ranks) and pass "
                             "them as merge_process_groups=")
-    if len(replica.stage_orders) != pp_size:
-        raise PlanError(f"the plan has {len(replica.stage_orders)} stage orders but the pipeline group has {pp_size} stages")
+    for checked in merged_replicas + [replica]:
+        if len(checked.stage_orders) != pp_size:
+            raise PlanError(f"the plan has {len(checked.stage_orders)} stage orders but the pipeline group has "
+                            f"{pp_size} stages")
     if check_plan:
         check_same_plan(plan, check_group)
-        check_stage_orders(replica)
+        for checked in merged_replicas + [replica]:
+            check_stage_orders(checked)
 
     if timeline is True:
         from .timing import Timeline
@@ -326,19 +483,22 @@ def slimpack_forward_backward(
     elif timeline is False:
         timeline = None
     replica_rank = dp_rank if dp_rank is not None else (replica.dp_ranks[0] if replica.dp_ranks else 0)
-
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not first else None
-    next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not last else None
     param = next(model.parameters())
-    device = param.device
-    hidden = config.hidden_size
-    dtype = getattr(config, "pipeline_dtype", None) or param.dtype
-    deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not last
     num_loss_tokens = global_loss_tokens(plan)
     store = kv_store if kv_store is not None else KVStore()
-    batches = [build_batch(mp, token_source, store, device) for mp in replica.micropacks]
-    counts = [mp.num_tokens for mp in replica.micropacks]
+    meter = memory_record = None
+    if timeline is not None:
+        timeline.start(rank=replica_rank, stage=pp_rank, tp_rank=tp_rank)
+        if timeline.track_memory:
+            from .timing import SavedBytesMeter, StageMemory
+
+            meter = SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+            memory_record = StageMemory(replica_rank, pp_rank, tp_rank=tp_rank)
+    runner = _StageRunner(
+        inner=inner, pp_group=pp_group, pp_rank=pp_rank, pp_size=pp_size, hidden=config.hidden_size,
+        dtype=getattr(config, "pipeline_dtype", None) or param.dtype, device=param.device,
+        deallocate=bool(getattr(config, "deallocate_pipeline_outputs", False)), num_loss_tokens=num_loss_tokens,
+        forward_only=forward_only, store=store, timeline=timeline, meter=meter, memory_record=memory_record)
 
     # Megatron DDP protocol (as forward_backward_pipelining_without_interleaving): gradient sync is
     # disabled (no_sync) around every backward but this stage's last one; then grad_sync_func (if
@@ -346,8 +506,6 @@ def slimpack_forward_backward(
     no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
     grad_sync_func = getattr(config, "grad_sync_func", None)
     finalize_func = getattr(config, "finalize_model_grads_func", None)
-    order = replica.stage_orders[pp_rank]
-    last_backward = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
     no_sync_context = None
 
     def disable_grad_sync():
@@ -362,141 +520,33 @@ def slimpack_forward_backward(
             no_sync_context.__exit__(None, None, None)
             no_sync_context = None
 
-    meter = None
-    live_bytes: dict[int, int] = {}
-    memory_record = None
-    if timeline is not None:
-        timeline.start(rank=replica_rank, stage=pp_rank, tp_rank=tp_rank)
-        if timeline.track_memory:
-            from .timing import SavedBytesMeter, StageMemory
+    def before_last_backward():
+        if grad_sync_func is None or runner.first:
+            enable_grad_sync()
 
-            meter = SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
-            memory_record = StageMemory(replica_rank, pp_rank, tp_rank=tp_rank)
-
-    def note_memory():
-        if memory_record is not None:
-            current = sum(live_bytes.values()) + store.nbytes()
-            memory_record.peak_activation_bytes = max(memory_record.peak_activation_bytes, current)
-
-    def receive(tokens: int, source: int, unit: int, label: str) -> Tensor:
-        """Blocking receive of a [tokens, 1, hidden] activation or gradient (shape from the plan)."""
-        buffer = torch.empty(tokens, 1, hidden, dtype=dtype, device=device)
-        waited = timeline.now() if timeline else 0.0
-        dist.recv(buffer, src=source, group=pp_group)
-        if timeline:
-            timeline.record("RECV", unit, waited, timeline.now(), label)
-        return buffer
-
-    inputs: dict[int, Tensor] = {}   # received leaves, per MicroPack (not on the first stage)
-    outputs: dict[int, Tensor] = {}  # forward outputs kept for backward
-    freed: set[int] = set()          # outputs whose data was deallocated after the send
-    pending = _Pending(timeline)
     result = ScheduleResult()
     loss_sum = 0.0
+    position_of = {id(r): i for i, r in enumerate(plan.replicas)}
     if not forward_only:
         disable_grad_sync()
     try:
         # DP-Merge groups first (design.md section 3): members share each outlier's tokens.
         for merged in merged_replicas:
-            from .merge import run_merge_group
-
-            share = run_merge_group(merged, model=inner, token_source=token_source,
-                                    group=merge_process_groups[tuple(merged.dp_ranks)],
-                                    group_rank=merged.dp_ranks.index(dp_rank), kv_store=store,
-                                    num_loss_tokens=num_loss_tokens, forward_only=forward_only)
-            loss_sum += share.loss_sum
-            result.append({"kind": "merge", "dp_ranks": list(merged.dp_ranks), "loss_sum": share.loss_sum,
-                           "micropacks": len(merged.micropacks)})
-        with torch.set_grad_enabled(not forward_only):
-            for position, (kind, unit) in enumerate(order):
-                if kind == "B" and forward_only:
-                    continue
-                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
-                sizes = [counts[mp] for mp in members]
-                began = time.perf_counter()
-                report = {"kind": kind, "index": unit, "micropacks": list(members), "tokens": sum(sizes),
-                          "attention_pairs": sum(replica.micropacks[mp].attention_pairs for mp in members)}
-                pending.poll()
-                if kind == "F":
-                    leaves = [None] * len(members)
-                    if not first:
-                        buffer = receive(sum(sizes), prev_rank, unit, f"F {pp_rank - 1}->{pp_rank}")
-                        leaves = split_into_leaves(buffer, sizes)
-                        if meter is not None:
-                            meter.shared = {buffer.untyped_storage().data_ptr()}
-                    task_start = timeline.now() if timeline else 0.0
-                    sent, unit_loss = [], 0.0
-                    for mp, leaf in zip(members, leaves):
-                        if meter is not None:
-                            with meter:
-                                output = forward_step(inner, batches[mp], input_tensor=leaf)
-                            live_bytes[mp] = meter.bytes
-                            memory_record.micropack_bytes[mp] = meter.bytes
-                            note_memory()
-                        else:
-                            output = forward_step(inner, batches[mp], input_tensor=leaf)
-                        if last:
-                            unit_loss += float(output.detach())
-                        else:
-                            sent.append(output.detach())
-                        if not forward_only:
-                            outputs[mp] = output
-                            if leaf is not None:
-                                inputs[mp] = leaf
-                    if last:
-                        loss_sum += unit_loss
-                        report["loss_sum"] = unit_loss
-                    else:
-                        activation = torch.cat(sent).to(dtype).contiguous()
-                        del sent
-                        if deallocate and not forward_only:
-                            for mp in members:
-                                if _free_output(outputs[mp]):
-                                    freed.add(mp)
-                        if timeline:
-                            timeline.record("F", unit, task_start, timeline.now())
-                        pending.add(dist.isend(activation, dst=next_rank, group=pp_group), activation, unit,
-                                    f"F {pp_rank}->{pp_rank + 1}")
-                    if last and timeline:
-                        timeline.record("F", unit, task_start, timeline.now())
-                else:
-                    grads: list = [1.0 / num_loss_tokens] * len(members)
-                    if not last:
-                        buffer = receive(sum(sizes), next_rank, unit, f"B {pp_rank + 1}->{pp_rank}")
-                        grads = list(buffer.split(sizes, dim=0))
-                    if position == last_backward and (grad_sync_func is None or first):
-                        enable_grad_sync()
-                    task_start = timeline.now() if timeline else 0.0
-                    upstream = []
-                    for mp, grad, size in zip(members, grads, sizes):
-                        leaf = inputs.pop(mp, None)
-                        output = outputs.pop(mp)
-                        if not isinstance(grad, Tensor):
-                            grad = torch.tensor(grad, dtype=output.dtype, device=output.device)
-                        input_grad = _backward(output, grad, leaf, mp in freed)
-                        freed.discard(mp)
-                        if not first:
-                            if input_grad is None:
-                                input_grad = torch.zeros(size, 1, hidden, dtype=dtype, device=device)
-                            upstream.append(input_grad)
-                    for mp in members:
-                        live_bytes.pop(mp, None)
-                    note_memory()
-                    if not first:
-                        gradient = torch.cat(upstream).to(dtype).contiguous()
-                        if timeline:
-                            timeline.record("B", unit, task_start, timeline.now())
-                        pending.add(dist.isend(gradient, dst=prev_rank, group=pp_group), gradient, unit,
-                                    f"B {pp_rank}->{pp_rank - 1}")
-                    elif timeline:
-                        timeline.record("B", unit, task_start, timeline.now())
-                report["seconds"] = time.perf_counter() - began
-                result.append(report)
-        pending.wait_all()
+            batches = member_batches(merged, token_source, store, merge_process_groups[tuple(merged.dp_ranks)],
+                                     merged.dp_ranks.index(dp_rank), param.device)
+            share, reports = runner.run(merged, batches, replica_index=position_of[id(merged)],
+                                        detail=f"merge group {list(merged.dp_ranks)}")
+            loss_sum += share
+            result += reports
+        batches = [build_batch(mp, token_source, store, param.device) for mp in replica.micropacks]
+        own_loss, reports = runner.run(replica, batches, replica_index=position_of[id(replica)],
+                                       before_last_backward=before_last_backward)
+        loss_sum += own_loss
+        result += reports
+        runner.pending.wait_all()
         if not forward_only:
-            if outputs or len(store):
-                raise RuntimeError(f"after the step {len(outputs)} MicroPack outputs and {len(store)} KV entries remain: "
-                                   "some backward did not run")
+            if len(store):
+                raise RuntimeError(f"after the step {len(store)} KV entries remain: some backward did not run")
             reduce_start = timeline.now() if timeline else 0.0
             if no_sync_context is not None:
                 enable_grad_sync()
@@ -511,15 +561,16 @@ def slimpack_forward_backward(
                 else:
                     _reduce_grads(model, dp_group)
             if timeline and (finalize_func is not None or (reduce_grads and dp_size > 1)):
+                timeline.replica = -1  # as the simulator's DP record
                 timeline.record("DP", -1, reduce_start, timeline.now(), "gradient reduction")
     finally:
         if no_sync_context is not None:
             enable_grad_sync()
         if forward_only:
             store.clear()
-        pending.wait_all()
+        runner.pending.wait_all()
     result.num_loss_tokens = num_loss_tokens
-    if last:
+    if runner.last:
         result.loss_sum = loss_sum
         total = torch.tensor([loss_sum], dtype=torch.float64)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:

@@ -214,16 +214,47 @@ def stage_work(
     )
 
 
+@dataclass
+class UnitCandidate:
+    """One (packing, unit count) choice, segmented, with its per-stage work and a quick estimate
+    of its pipeline time (used to decide which candidates are worth a full replay)."""
+
+    micropacks: list[MicroPack]
+    forward_units: list[list[int]]
+    backward_units: list[list[int]]
+    work: StageWork
+    estimate_s: float
+
+    @classmethod
+    def of(cls, micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
+           cost: CostModel, parallel: ParallelConfig, budget_bytes: float) -> "UnitCandidate":
+        forward_units, backward_units = segment_units(micropacks, costs, units, symmetric)
+        work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
+        return cls(micropacks, forward_units, backward_units, work, pipeline_estimate(work))
+
+    def order(self, dp_ranks: list[int]) -> tuple[ReplicaPlan, float]:
+        """Stage orders and the makespan of their replay (no DP reduction)."""
+        orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work)
+        return ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks)), makespan
+
+
+def pipeline_estimate(work: StageWork) -> float:
+    """1F1B time without a replay: the busiest stage's work, plus the fill and drain of the other
+    stages, each paying its largest forward and backward unit (uneven units stall the pipe)."""
+    pp = len(work.forward_time)
+    busiest = max(sum(work.forward_time[s]) + sum(work.backward_time[s]) for s in range(pp))
+    fill = sum(max(work.forward_time[s]) + max(work.backward_time[s]) for s in range(pp - 1))
+    return busiest + fill
+
+
 def order_replica(
     micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
     cost: CostModel, parallel: ParallelConfig, dp_ranks: list[int], budget_bytes: float,
 ) -> tuple[ReplicaPlan, float]:
     """Segment packed MicroPacks into units and order the stages; returns the plan and the
     makespan of its replay (no DP reduction)."""
-    forward_units, backward_units = segment_units(micropacks, costs, units, symmetric)
-    work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
-    orders, makespan = build_stage_orders(forward_units, backward_units, work)
-    return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks)), makespan
+    candidate = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget_bytes)
+    return candidate.order(dp_ranks)
 
 
 def build_replica(
@@ -237,5 +268,6 @@ def build_replica(
 
 __all__ = [
     "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "order_replica", "MicroPackCosts",
+    "UnitCandidate", "pipeline_estimate",
     "causal_pairs",
 ]

@@ -17,7 +17,7 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError, ReplicaPlan, Sample
 from ..specs import ParallelConfig
 from .dp_phase import assign_to_replicas
-from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, order_replica, pack_micropacks
+from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
 from .work import WorkRates
 
 Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
@@ -191,23 +191,34 @@ def unit_candidates(pp: int, micropacks: int) -> list[int]:
     return sorted({min(k * pp, micropacks) for k in (2, 4, 8)} | {micropacks})
 
 
+REPLAYED_CANDIDATES = 3  # candidates with the best quick estimates get a full replay
+
+
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, sizes: list[int] | None = None,
 ) -> tuple[ReplicaPlan, float, dict]:
-    """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule."""
+    """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule.
+
+    Every candidate is segmented and given a quick pipeline estimate; the few best by estimate are
+    ordered and replayed, and the shortest replay wins."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
     budget = activation_budget(cost, parallel, config.context_length)
-    best: tuple[ReplicaPlan, float, dict] | None = None
     ordered = SortedSamples(samples, rates)
+    candidates: list[tuple[UnitCandidate, dict]] = []
     for size in sizes or slice_candidates(token_cap, config):
         micropacks = pack_micropacks(ordered, PackOptions(size, size, 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
         for units in unit_candidates(parallel.pp, len(micropacks)):
-            replica, makespan = order_replica(micropacks, costs, units, symmetric, cost, parallel, dp_ranks, budget)
-            if best is None or makespan < best[1]:
-                best = (replica, makespan, {"micropack_tokens": size, "units": units})
+            candidate = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget)
+            candidates.append((candidate, {"micropack_tokens": size, "units": units}))
+    candidates.sort(key=lambda entry: entry[0].estimate_s)
+    best: tuple[ReplicaPlan, float, dict] | None = None
+    for candidate, choice in candidates[:REPLAYED_CANDIDATES]:
+        replica, makespan = candidate.order(dp_ranks)
+        if best is None or makespan < best[1]:
+            best = (replica, makespan, choice)
     assert best is not None
     return best
 
