@@ -128,6 +128,8 @@ def test_fast_slice_check_agrees_with_the_per_slice_pass(seed, kind):
     """validate()'s array pass must accept exactly the plans the per-slice pass accepts."""
     import random
 
+    import numpy as np
+
     from megatron_slimpack.plan import _SliceTable, _check_slices
 
     rng = random.Random(seed)
@@ -158,7 +160,8 @@ def test_fast_slice_check_agrees_with_the_per_slice_pass(seed, kind):
         exact_ok = covered == set(lengths) and len(owners) == len(covered)
     except PlanError:
         exact_ok = False
-    table = _SliceTable(plan.replicas, lengths, plan.max_micropack_tokens)
+    table = _SliceTable(plan.replicas, np.array(list(lengths)), np.array(list(lengths.values())),
+                        plan.max_micropack_tokens)
     assert (table.valid and table.one_replica_per_sample()) == exact_ok
     if not exact_ok:
         with pytest.raises(PlanError):

@@ -205,4 +205,4 @@ def _pour_sand(costs, sand, replicas, targets) -> None:
     boundaries = np.cumsum(targets)[:-1]
     owner = np.searchsorted(boundaries, np.cumsum(costs[sand]) - costs[sand] / 2, side="right")
     for rank in range(len(replicas)):
-        replicas[rank].extend(int(i) for i in sand[owner == rank])
+        replicas[rank].extend(sand[owner == rank].tolist())

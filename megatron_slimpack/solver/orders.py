@@ -26,18 +26,42 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     if units == count:
         return [[i] for i in range(count)]
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    low, high = float(costs.max()), float(prefix[-1])
-    # The optimal bottleneck is a sum of a contiguous run: bisect to float precision, then cut.
-    for _ in range(60):
-        if high - low <= 1e-12 * max(high, 1.0):
-            break
-        middle = (low + high) / 2
-        if len(_greedy_bounds(prefix, middle, stop_after=units + 1)) - 1 <= units:
-            high = middle
+    # Greedy with limit L cuts groups of more than L - max each: L = mean + max always fits.
+    low = max(float(costs.max()), float(prefix[-1]) / units)
+    high = min(float(prefix[-1]), low + float(costs.max()))
+    # The optimal bottleneck is a sum of a contiguous run: narrow [low, high] to float precision
+    # with a 16-way search (the greedy check runs for 16 limits at once), then cut.
+    while high - low > 1e-12 * max(high, 1.0):
+        limits = np.linspace(low, high, SEARCH_WAYS + 2)[1:-1]
+        fits = _groups_needed(prefix, limits, stop_after=units + 1) <= units
+        if fits.any():
+            first = int(np.argmax(fits))
+            high = float(limits[first])
+            low = float(limits[first - 1]) if first > 0 else low
         else:
-            low = middle
+            low = float(limits[-1])
     bounds = _greedy_bounds(prefix, high)
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+SEARCH_WAYS = 16
+
+
+def _groups_needed(prefix: np.ndarray, limits: np.ndarray, stop_after: int) -> np.ndarray:
+    """Groups of the greedy segmentation under each limit (vectorised over limits); a count above
+    `stop_after` means more than `stop_after`."""
+    count = len(prefix) - 1
+    position = np.zeros(len(limits), dtype=np.int64)
+    groups = np.zeros(len(limits), dtype=np.int64)
+    reach = limits * (1 + 1e-12)
+    for _ in range(stop_after + 1):
+        active = position < count
+        if not active.any():
+            break
+        end = np.searchsorted(prefix, prefix[position] + reach, side="right") - 1
+        position = np.where(active, np.minimum(np.maximum(end, position + 1), count), position)
+        groups += active
+    return groups
 
 
 def _greedy_bounds(prefix: np.ndarray, limit: float, stop_after: int | None = None) -> list[int]:

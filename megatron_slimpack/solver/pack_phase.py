@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costmodel import CostModel
-from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence
+from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, micropack_figures, slice_table, whole_slices
 from ..specs import ParallelConfig
 from .orders import StageWork, build_stage_orders, segment
 from .work import WorkRates, causal_pairs
@@ -70,9 +70,11 @@ class SortedSamples:
     once and shared by every MicroPack size the planner tries."""
 
     def __init__(self, samples: list[Sample], rates: WorkRates):
-        self.samples = sorted(samples, key=lambda s: -s.length)
-        self.lengths = np.array([s.length for s in self.samples], dtype=float)
-        self.whole = [Slice(s.sample_id, 0, s.length) for s in self.samples]
+        lengths = np.fromiter((s.length for s in samples), dtype=float, count=len(samples))
+        order = np.argsort(-lengths, kind="stable")
+        self.samples = [samples[i] for i in order.tolist()]
+        self.lengths = lengths[order]
+        self.whole = whole_slices(self.samples)
         self.costs = rates.total(self.lengths, self.lengths * (self.lengths + 1) / 2)
 
     def split(self, slice_tokens: int) -> int:
@@ -90,29 +92,33 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
     target = max(slice_costs + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
 
-    # The smallest documents are the sand that tops up each slice's MicroPack to the target cost.
+    # The smallest documents are the sand that tops up each slice's MicroPack to the target cost:
+    # each takes the longest run of the smallest remaining documents that fits its room (costs are
+    # positive, so prefix sums from the small end find the run with one search).
+    small_first_cost = np.concatenate([[0.0], np.cumsum(short_cost[::-1])])
+    small_first_tokens = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:][::-1])])
     chain_packs: list[list[Slice]] = []
-    smallest = len(short) - 1
+    taken = 0  # documents taken from the small end
     for piece, piece_cost in zip(pieces, slice_costs):
-        pack, room, tokens = [piece], target - piece_cost, options.token_cap - piece.length
-        while smallest >= 0 and short_cost[smallest] <= room and short[smallest].length <= tokens:
-            pack.append(short[smallest])
-            room -= short_cost[smallest]
-            tokens -= short[smallest].length
-            smallest -= 1
-        chain_packs.append(pack)
+        fits_cost = np.searchsorted(small_first_cost, small_first_cost[taken] + (target - piece_cost), side="right") - 1
+        fits_tokens = np.searchsorted(small_first_tokens, small_first_tokens[taken] + (options.token_cap - piece.length),
+                                      side="right") - 1
+        until = max(taken, min(int(fits_cost), int(fits_tokens)))
+        chain_packs.append([piece] + [short[len(short) - 1 - k] for k in range(taken, until)])
+        taken = until
     # The rest, largest first, fill MicroPacks of their own (next fit: a pack closes when the next
     # document would pass the target cost or the token cap).
+    rest = len(short) - taken
+    cost_prefix = np.concatenate([[0.0], np.cumsum(short_cost[:rest])])
+    token_prefix = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:first_short + rest])])
     others: list[list[Slice]] = []
-    room = tokens = -1.0
-    for index in range(smallest + 1):
-        whole, cost = short[index], short_cost[index]
-        if cost > room or whole.length > tokens:
-            others.append([])
-            room, tokens = target, options.token_cap
-        others[-1].append(whole)
-        room -= cost
-        tokens -= whole.length
+    start = 0
+    while start < rest:
+        by_cost = np.searchsorted(cost_prefix, cost_prefix[start] + target, side="right") - 1
+        by_tokens = np.searchsorted(token_prefix, token_prefix[start] + options.token_cap, side="right") - 1
+        end = max(start + 1, min(int(by_cost), int(by_tokens)))
+        others.append(short[start:end])
+        start = end
     return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
 
 
@@ -150,14 +156,14 @@ class MicroPackCosts:
 
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
-        tokens = np.array([m.num_tokens for m in micropacks], dtype=float)
-        pairs = np.array([m.attention_pairs for m in micropacks], dtype=float)
+        table = slice_table(micropacks)
+        tokens, pairs = micropack_figures(micropacks, table)
         rows = {
             name: np.array([fn(tokens, pairs, parallel, last_stage=last) * np.ones_like(tokens) for last in (False, True)])
             for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time),
                              ("activation", cost.activation_bytes))
         }
-        return cls(rows["forward"], rows["backward"], rows["activation"], tokens, backward_sequence(micropacks))
+        return cls(rows["forward"], rows["backward"], rows["activation"], tokens, backward_sequence(micropacks, table))
 
 
 def segment_units(
@@ -181,35 +187,42 @@ def segment_units(
     return forward_units, [[order[p] for p in group] for group in backward_positions]
 
 
-def unit_sums(values: np.ndarray, units: list[list[int]]) -> np.ndarray:
-    """Sum of `values` over each unit's MicroPacks."""
-    flat = np.fromiter((mp for unit in units for mp in unit), dtype=np.int64)
-    starts = np.cumsum([0] + [len(unit) for unit in units[:-1]])
-    return np.add.reduceat(values[flat], starts)
+class UnitLayout:
+    """Units as contiguous runs of a MicroPack sequence (forward: 0..n-1; backward: the backward
+    sequence), so per-unit sums are one `reduceat` over the sequence."""
+
+    def __init__(self, units: list[list[int]], sequence: np.ndarray):
+        self.sequence = sequence
+        self.starts = np.cumsum([0] + [len(unit) for unit in units[:-1]])
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(values[self.sequence], self.starts)
 
 
 def stage_work(
     forward_units, backward_units, costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig, budget_bytes: float
 ) -> StageWork:
     pp = parallel.pp
+    forward = UnitLayout(forward_units, np.arange(len(costs.tokens)))
+    backward = UnitLayout(backward_units, np.asarray(costs.backward_order, dtype=np.int64))
 
-    def per_stage(values: np.ndarray, units) -> list[list[float]]:
-        middle, last = unit_sums(values[0], units).tolist(), unit_sums(values[1], units).tolist()
+    def per_stage(values: np.ndarray, units: UnitLayout) -> list[list[float]]:
+        middle, last = units.sums(values[0]).tolist(), units.sums(values[1]).tolist()
         return [last if stage == pp - 1 else middle for stage in range(pp)]
 
-    def transfer(units) -> list[float]:
-        tokens = unit_sums(costs.tokens, units)
+    def transfer(units: UnitLayout) -> list[float]:
+        tokens = units.sums(costs.tokens)
         return (cost.p2p_time(tokens, parallel) + np.zeros_like(tokens)).tolist()
 
-    forward_bytes = per_stage(costs.activation, forward_units)
+    forward_bytes = per_stage(costs.activation, forward)
     largest = [max(row) for row in forward_bytes]
     return StageWork(
-        forward_time=per_stage(costs.forward, forward_units),
-        backward_time=per_stage(costs.backward, backward_units),
-        forward_transfer=transfer(forward_units),
-        backward_transfer=transfer(backward_units),
+        forward_time=per_stage(costs.forward, forward),
+        backward_time=per_stage(costs.backward, backward),
+        forward_transfer=transfer(forward),
+        backward_transfer=transfer(backward),
         forward_bytes=forward_bytes,
-        backward_frees=per_stage(costs.activation, backward_units),
+        backward_frees=per_stage(costs.activation, backward),
         budget=[min((pp - stage) * largest[stage], budget_bytes) for stage in range(pp)],
     )
 
