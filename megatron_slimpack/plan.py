@@ -282,7 +282,7 @@ class Plan:
         lengths = dict(zip(ids.tolist(), sizes.tolist())) if not table.valid else {}
         for index, replica in enumerate(self.replicas):
             _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel.pp,
-                           slices_checked=table.valid)
+                           slices_checked=table.valid, table=table.of_replica(index))
         if table.valid and table.one_replica_per_sample():
             return self
         seen_in: dict[int, int] = {}
@@ -305,14 +305,16 @@ class _SliceTable:
     pass of `Plan.validate`: `valid` says whether every per-replica slice rule holds."""
 
     def __init__(self, replicas: list["ReplicaPlan"], ids: np.ndarray, lengths: np.ndarray, token_cap: int | None):
-        by_id = np.argsort(ids, kind="stable")
-        self.known, self.known_lengths = ids[by_id], lengths[by_id]
+        """`ids` sorted, unique; `lengths` in the same order."""
+        self.known, self.known_lengths = ids, lengths
         packs = [m for r in replicas for m in r.micropacks]
         counts, table = slice_table(packs)
         self.sample, self.start, self.end = table[:, 0], table[:, 1], table[:, 2]
         self.pack = np.repeat(np.arange(len(packs)), counts)
         self.replica = np.repeat(np.repeat(np.arange(len(replicas)), [len(r.micropacks) for r in replicas]), counts)
         self.counts = counts
+        self.pack_offsets = np.concatenate([[0], np.cumsum([len(r.micropacks) for r in replicas])]).astype(int)
+        self.row_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         self.valid = bool(len(packs) == 0 or counts.min() > 0) and self._slices_ok() and (
             token_cap is None or bool((self._tokens_per_pack() <= token_cap).all()))
 
@@ -343,18 +345,25 @@ class _SliceTable:
         return np.add.reduceat(self.end - self.start, np.cumsum(self.counts) - self.counts)
 
     def one_replica_per_sample(self) -> bool:
-        """Every known sample appears, in exactly one replica plan (given `valid`)."""
-        covered = np.unique(self.sample)
-        return len(covered) == len(self.known)
+        """Every known sample appears, in exactly one replica plan (given `valid`: then each
+        covered sample has exactly one slice starting at 0)."""
+        return int((self.start == 0).sum()) == len(self.known)
+
+    def of_replica(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `slice_table` of one replica plan's MicroPacks."""
+        packs = slice(self.pack_offsets[index], self.pack_offsets[index + 1])
+        rows = slice(self.row_offsets[packs.start], self.row_offsets[packs.stop])
+        return self.counts[packs], np.stack([self.sample[rows], self.start[rows], self.end[rows]], axis=1)
 
 
 def _check_samples(samples: Iterable[Sample], context_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sample ids, lengths) as arrays, after checking them (array pass; the per-sample pass
-    names the offending sample)."""
+    """(sample ids, lengths) as arrays sorted by id, after checking them (array pass; the
+    per-sample pass names the offending sample)."""
     samples = list(samples)
     table = np.fromiter(chain.from_iterable(samples), dtype=np.int64, count=2 * len(samples)).reshape(-1, 2)
-    ids, lengths = table[:, 0], table[:, 1]
-    if len(ids) and len(np.unique(ids)) == len(ids) and lengths.min() > 0 and lengths.max() <= context_length:
+    by_id = np.argsort(table[:, 0], kind="stable")
+    ids, lengths = table[by_id, 0], table[by_id, 1]
+    if len(ids) and (ids[1:] != ids[:-1]).all() and lengths.min() > 0 and lengths.max() <= context_length:
         return ids, lengths
     seen: set[int] = set()
     for sample in samples:
@@ -391,14 +400,15 @@ def _check_ranks(replicas: list[ReplicaPlan], dp: int) -> None:
 
 def _check_replica(
     replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, pp: int,
-    slices_checked: bool = False,
+    slices_checked: bool = False, table=None,
 ) -> None:
     where = f"replica plan {index}"
     if not slices_checked:
         _check_slices(replica, where, lengths, token_cap)
     count = len(replica.micropacks)
     _check_segmentation("forward-units", replica.forward_units, list(range(count)), where)
-    _check_segmentation("backward-units", replica.backward_units, replica.backward_sequence(), where)
+    _check_segmentation("backward-units", replica.backward_units,
+                        backward_sequence(replica.micropacks, table), where)
     _check_stage_orders(replica, where, pp)
 
 

@@ -160,8 +160,8 @@ def test_fast_slice_check_agrees_with_the_per_slice_pass(seed, kind):
         exact_ok = covered == set(lengths) and len(owners) == len(covered)
     except PlanError:
         exact_ok = False
-    table = _SliceTable(plan.replicas, np.array(list(lengths)), np.array(list(lengths.values())),
-                        plan.max_micropack_tokens)
+    ids = np.array(sorted(lengths))
+    table = _SliceTable(plan.replicas, ids, np.array([lengths[i] for i in ids.tolist()]), plan.max_micropack_tokens)
     assert (table.valid and table.one_replica_per_sample()) == exact_ok
     if not exact_ok:
         with pytest.raises(PlanError):

@@ -165,6 +165,12 @@ class MicroPackCosts:
         }
         return cls(rows["forward"], rows["backward"], rows["activation"], tokens, backward_sequence(micropacks, table))
 
+    def busiest_stage_s(self, pp: int) -> float:
+        """Forward plus backward seconds of the busiest stage: no schedule of these MicroPacks
+        on `pp` stages can be shorter."""
+        middle = float(self.forward[0].sum() + self.backward[0].sum()) if pp > 1 else 0.0
+        return max(middle, float(self.forward[1].sum() + self.backward[1].sum()))
+
 
 def segment_units(
     micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool

@@ -216,25 +216,28 @@ def plan_replica(
 ) -> tuple[ReplicaPlan, float, dict]:
     """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule.
 
-    Every candidate is segmented and given a quick pipeline estimate; the few best by estimate are
-    ordered and replayed, and the shortest replay wins."""
+    Per size: if even the busiest stage's total work (a lower bound for any unit count) is no
+    better than the best schedule so far, the size is skipped. Otherwise every unit count is
+    segmented and given a quick pipeline estimate; the few best by estimate are ordered and
+    replayed, and the shortest replay wins."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
     budget = activation_budget(cost, parallel, config.context_length)
     ordered = SortedSamples(samples, rates)
-    candidates: list[tuple[UnitCandidate, dict]] = []
+    best: tuple[ReplicaPlan, float, dict] | None = None
     for size in sizes or slice_candidates(token_cap, config):
         micropacks = pack_micropacks(ordered, PackOptions(size, size, 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
-        for units in unit_candidates(parallel.pp, len(micropacks)):
-            candidate = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget)
-            candidates.append((candidate, {"micropack_tokens": size, "units": units}))
-    candidates.sort(key=lambda entry: entry[0].estimate_s)
-    best: tuple[ReplicaPlan, float, dict] | None = None
-    for candidate, choice in candidates[:REPLAYED_CANDIDATES]:
-        replica, makespan = candidate.order(dp_ranks)
-        if best is None or makespan < best[1]:
-            best = (replica, makespan, choice)
+        if best is not None and costs.busiest_stage_s(parallel.pp) >= best[1]:
+            continue
+        candidates = [(UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget),
+                       {"micropack_tokens": size, "units": units})
+                      for units in unit_candidates(parallel.pp, len(micropacks))]
+        candidates.sort(key=lambda entry: entry[0].estimate_s)
+        for candidate, choice in candidates[:REPLAYED_CANDIDATES]:
+            replica, makespan = candidate.order(dp_ranks)
+            if best is None or makespan < best[1]:
+                best = (replica, makespan, choice)
     assert best is not None
     return best
 
