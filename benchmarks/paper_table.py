@@ -127,6 +127,10 @@ def main() -> None:
         return [v for v in values if text is None or cast(v) in [cast(t) for t in text.split(",")]]
 
     clusters = [c for c in bench["clusters"] if args.gpus is None or str(bench["cluster_gpus"][c][0]) in args.gpus.split(",")]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"Simulated paper grid ({args.steps} consecutive global batches per cell, analytic H100 cost model, "
+              "each strategy in its best memory-feasible layout).\n\n")
     cells = []
     for model in pick(bench["models"], args.models):
         for context in pick(bench["context_lengths"], args.contexts, int):
@@ -134,12 +138,9 @@ def main() -> None:
                 for dataset in pick(bench["datasets"], args.datasets):
                     print(f"[paper] {model} {context} {cluster} {dataset}", file=sys.stderr, flush=True)
                     cells.append(run_cell(bench, model, context, cluster, dataset, args.strategies, args.steps, args.seed))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"Simulated paper grid ({args.steps} consecutive global batches per cell, analytic H100 cost model, "
-              "each strategy in its best memory-feasible layout).\n\n")
-    out.write_text(header + markdown(cells))
-    out.with_suffix(".json").write_text(json.dumps(cells, indent=1))
+                    # Written after every cell: a long grid run keeps what it finished.
+                    out.write_text(header + markdown(cells))
+                    out.with_suffix(".json").write_text(json.dumps(cells, indent=1))
     plot(cells, out.with_name("paper_speedup.png"))
     print(header + markdown(cells))
 

@@ -342,20 +342,14 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
     return cost, fit
 
 
-def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cpu", grid: Optional[dict] = None,
-            repeats: int = 3, p2p: bool = True, threads: int = 1, progress: Callable[[str], None] | None = print,
-            seed: int = 0) -> ProfileResult:
-    """Time the model on this device over `grid` (keys tokens, slices, prefixes) and fit the cost
-    model. The chunk holds the layers one of `pp` pipeline stages runs (the coefficients are then
-    exact for that stage size; the cost model divides per layer)."""
+def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, threads: int, seed: int,
+                  progress: Callable[[str], None] | None) -> tuple[list[Point], list[dict]]:
+    """Chunk points over the grid, then the output layer + loss points."""
     import torch
 
     from .runtime.model import build_gpt_model
 
     torch.set_num_threads(threads)
-    spec = get_model(model) if isinstance(model, str) else model
-    layers = max(1, spec.num_layers // pp)
-    grid = dict(DEFAULT_GRID, **(grid or {}))
     ensure_megatron()
     torch.manual_seed(seed)
     mid = build_gpt_model(transformer_config(spec, num_layers=layers), vocab_size=spec.vocab_size,
@@ -371,10 +365,51 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
             progress(f"[{index + 1}/{len(shapes)}] T={point.tokens} slices={n} prefix={p}: "
                      f"F {point.forward_s * 1e3:.2f} ms, B {point.backward_s * 1e3:.2f} ms, saved {point.saved_bytes / 2**20:.1f} MiB")
     head_points = [measure_head(last, spec, t, repeats) for t in sorted(set(grid["tokens"]))]
+    return points, head_points
+
+
+def _grid_worker(rank, world_size, port, spec_dict, layers, grid, repeats, threads, seed, path):
+    """One of `concurrent` processes measuring the same grid at once; rank 0 keeps its figures."""
+    from .specs import model_from_dict
+
+    points, head_points = _measure_grid(model_from_dict(spec_dict), layers, grid, repeats, threads, seed, None)
+    if rank == 0:
+        Path(path).write_text(json.dumps({"points": [asdict(p) for p in points], "head_points": head_points}))
+
+
+def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cpu", grid: Optional[dict] = None,
+            repeats: int = 3, p2p: bool = True, threads: int = 1, progress: Callable[[str], None] | None = print,
+            seed: int = 0, concurrent: int = 1) -> ProfileResult:
+    """Time the model on this device over `grid` (keys tokens, slices, prefixes) and fit the cost
+    model. The chunk holds the layers one of `pp` pipeline stages runs (the coefficients are then
+    exact for that stage size; the cost model divides per layer).
+
+    `concurrent` > 1 measures in that many processes at once (each runs the whole grid; the first
+    one's figures are kept), so the profile sees the same contention for cores, caches and memory
+    bandwidth as a training run with that many processes on the machine."""
+    spec = get_model(model) if isinstance(model, str) else model
+    layers = max(1, spec.num_layers // pp)
+    grid = dict(DEFAULT_GRID, **(grid or {}))
+    if concurrent > 1:
+        import tempfile
+
+        from .runtime.processes import spawn
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "grid.json"
+            if progress:
+                progress(f"measuring the grid in {concurrent} concurrent processes")
+            spawn(_grid_worker, concurrent, (spec.to_dict(), layers, {k: list(v) for k, v in grid.items()}, repeats,
+                                             threads, seed, str(path)), timeout_s=3600)
+            data = json.loads(path.read_text())
+        points, head_points = [Point(**p) for p in data["points"]], data["head_points"]
+    else:
+        points, head_points = _measure_grid(spec, layers, grid, repeats, threads, seed, progress)
     p2p_points = measure_p2p() if p2p else []
     cost, fit = fit_profile(spec, layers, points, head_points, p2p_points, get_hardware(hardware))
     fit["grid"] = {k: list(v) for k, v in grid.items()}
     fit["threads"] = threads
+    fit["concurrent_processes"] = concurrent
     fit["p2p"] = fit.get("p2p", "not measured: the preset's link figures are used")
     result = ProfileResult(cost, points, head_points, p2p_points, fit)
     if progress:
@@ -392,7 +427,7 @@ def refit(path: str | Path, out: Optional[str | Path] = None) -> ProfileResult:
     hardware = replace(hardware_from_dict(data["hardware"]))
     cost, fit = fit_profile(spec, int(data["fit"]["layers_per_chunk"]), points, data["head_points"], data["p2p_points"],
                             get_hardware(hardware.name) if hardware.name in ("cpu",) else hardware)
-    for key in ("grid", "threads"):
+    for key in ("grid", "threads", "concurrent_processes"):
         if key in data["fit"]:
             fit[key] = data["fit"][key]
     result = ProfileResult(cost, points, data["head_points"], data["p2p_points"], fit)
@@ -430,7 +465,7 @@ def profile_main(args) -> int:
     grid = QUICK_GRID if getattr(args, "quick", False) else None
     result = profile(getattr(args, "model", "tiny"), pp=getattr(args, "pp", 2) or 2, grid=grid,
                      repeats=getattr(args, "repeats", 3) or 3, p2p=not getattr(args, "no_p2p", False),
-                     threads=getattr(args, "threads", 1) or 1)
+                     threads=getattr(args, "threads", 1) or 1, concurrent=getattr(args, "concurrent", 1) or 1)
     out = getattr(args, "out", None) or "profile.json"
     result.write(out)
     if getattr(args, "json", False):
@@ -445,6 +480,8 @@ def add_profile_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages the chunk is sized for")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--concurrent", type=int, default=1,
+                        help="measure in this many processes at once (as many as the training run will use)")
     parser.add_argument("--quick", action="store_true", help="a small grid (tests)")
     parser.add_argument("--no-p2p", action="store_true", help="skip the 2-process gloo p2p measurement")
     parser.add_argument("--out", default="profile.json")

@@ -61,3 +61,22 @@ def test_least_squares_recovers_coefficients():
     fit = least_squares([np.ones_like(t), t, a], y, ["c0", "per_token", "per_pair"])
     assert fit["coefficients"]["per_token"] == pytest.approx(2e-6, rel=1e-6)
     assert fit["mape"] < 1e-9
+
+
+@pytest.mark.slow
+def test_concurrent_profile_measures_in_several_processes(megatron_cpu, tmp_path):
+    """--concurrent 2: the grid runs in two processes at once; the first one's points are fitted."""
+    import json
+
+    from megatron_slimpack.costmodel import CostModel
+    from megatron_slimpack.profiler import profile
+
+    grid = dict(tokens=(64, 192), slices=(1,), prefixes=(0, 64))
+    result = profile(SPEC, pp=1, grid=grid, repeats=1, p2p=False, progress=None, concurrent=2)
+    path = result.write(tmp_path / "profile.json")
+    data = json.loads(path.read_text())
+    assert data["fit"]["concurrent_processes"] == 2
+    assert [(p["tokens"], p["prefix"]) for p in data["points"]] == [(64, 0), (64, 64), (192, 0), (192, 64)]
+    assert all(p["forward_s"] > 0 and p["backward_s"] > 0 for p in data["points"])
+    assert len(data["head_points"]) == 2
+    assert CostModel.from_profile(path).profiled_forward(128, 128 * 129 / 2) > 0
