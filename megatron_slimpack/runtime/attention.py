@@ -217,11 +217,13 @@ class SlicedAttentionMixin:
         out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu, cu, s, s)
         return out.view(b, s, -1).transpose(0, 1).contiguous()
 
-    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions):
-        """Local queries at arbitrary absolute positions against natural-order keys (DP-Merge)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot run context-parallel (DP-Merge) slices yet; use backend='torch' "
-            "(see context_parallel.py for what TE/flash would need)")
+    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions, runs=None):
+        """Local queries at arbitrary absolute positions against natural-order keys (DP-Merge):
+        runs of consecutive positions through this backend's bottom-right causal kernel."""
+        from .context_parallel import PositionRuns, runs_attention
+
+        runs = runs if runs is not None else PositionRuns.of(cu_q, cu_kv, q_positions)
+        return runs_attention(self._attend, q, k, v, runs)
 
     def _sliced(self, query: Tensor, key: Tensor, value: Tensor, params: SlicedSeqParams) -> Tensor:
         if params.cp is not None:  # a merged MicroPack: this member's token share
@@ -265,7 +267,8 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise NotImplementedError("sliced attention runs without context parallelism (DP-Merge is a later issue)")
+            raise NotImplementedError("sliced attention runs with context_parallel_size=1: SlimPack replaces Megatron's "
+                                      "context parallelism with slicing and DP-Merge groups (runtime/merge.py)")
         self.layer_number = max(1, layer_number)
         self.kernel = KERNELS[backend]
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
@@ -276,9 +279,10 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
         out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
         return out.reshape(out.shape[0], -1)
 
-    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions):
+    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions, runs=None):
         if self.kernel is not torch_kernel:
-            return super()._attend_positions(q, k, v, cu_q, cu_kv, q_positions)
+            return super()._attend_positions(q, k, v, cu_q, cu_kv, q_positions, runs)
+        # On CPU one masked call per slice (no key copies) beats the per-run calls.
         from .context_parallel import torch_position_kernel
 
         dropout = self.dropout_p if self.training else 0.0

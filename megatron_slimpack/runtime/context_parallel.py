@@ -52,25 +52,23 @@ Kernels: what is and isn't supported
   slice, local queries against [prefix + full slice] keys in natural order, with an explicit
   mask built from absolute positions (key position <= query position). Any permutation of the
   tokens works, not only the zigzag split.
-* Transformer Engine (not implemented): THD with cu_seqlens over the local queries and over the
-  gathered keys (prefix + full slice), causal by positions. TE's own THD context parallelism
-  (`cp_comm_type="all_gather"`) assumes exactly the 2k-chunk zigzag split above per sequence and
-  no KV prefix, so the prefix would have to be passed as extra keys through the
-  `padding_causal_bottom_right` path per chunk (each local chunk [a, b) of a slice attends the
-  contiguous keys [0, b): bottom-right aligned).
-* flash-attn (not implemented): `flash_attn_varlen_func(causal=True)` is bottom-right aligned and
-  needs each segment's keys contiguous and ending at the segment's last query. That holds per
-  zigzag chunk ([a, b) attends [0, b)), so the zigzag split works with one varlen call per
-  chunk half (front chunks, back chunks), each with its own cu_seqlens_k over the natural-order
-  keys; arbitrary permutations (and the round-robin dealing of short slices) do not, and would
-  need an explicit-mask kernel.
-Both GPU backends raise NotImplementedError here for now; use backend="torch".
+* Transformer Engine and flash-attn (any bottom-right causal varlen kernel, `PositionRuns`):
+  a member's local tokens of a slice form runs of consecutive positions (two per slice for the
+  zigzag split, single tokens for short slices dealt round-robin). Run [a, b) attends keys
+  [0, b) of the slice's natural-order (prefix + slice) keys, which is bottom-right causal for
+  b - a queries against b keys, so one varlen call over all runs, with each run's keys gathered
+  into its own key segment, computes the member's attention. The key copies cost memory
+  (about twice the slice's keys per member); the runs are built once per MicroPack and shared
+  by its layers. The same code runs with the torch kernel in the tests (CPU), which checks the
+  runs and the key gathering against the masked reference; the GPU kernels themselves are the
+  ones the non-merged path uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -128,6 +126,7 @@ class CPLayout:
     gather_index: Tensor  # natural pack order -> row of the padded, gathered buffer
     full_cu_seqlens: Tensor  # slices' full lengths, cumulative (natural pack order)
     local_positions: Tensor  # absolute position of each local token
+    runs: Optional["PositionRuns"] = None  # built on first use (GPU kernels)
 
     @property
     def padded(self) -> int:
@@ -255,6 +254,50 @@ def torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, scale, dropout_p):
     return torch.cat(outputs)
 
 
+# ---- any bottom-right causal varlen kernel, through position runs --------------------------
+@dataclass
+class PositionRuns:
+    """A member's local queries as maximal runs of consecutive positions, per segment: run
+    [a, b) of segment i attends keys [0, b) of that segment's (prefix + slice) keys, which is
+    exactly bottom-right causal for a run of b - a queries against b keys. The keys of each run
+    are gathered (`key_index`) so that one varlen call covers every run."""
+
+    cu_q: Tensor        # run boundaries over the local queries
+    cu_kv: Tensor       # run boundaries over the gathered keys
+    key_index: Tensor   # rows of the packed (prefix + slice) keys, run after run
+    max_q: int
+    max_kv: int
+
+    @classmethod
+    def of(cls, cu_q: Tensor, cu_kv: Tensor, q_positions: Tensor) -> "PositionRuns":
+        positions = q_positions.detach().cpu().numpy().astype(np.int64)
+        bounds_q = cu_q.detach().cpu().numpy().astype(np.int64)
+        key_starts = cu_kv.detach().cpu().numpy().astype(np.int64)[:-1]
+        segment = np.repeat(np.arange(len(bounds_q) - 1), np.diff(bounds_q))
+        opens = np.ones(len(positions), dtype=bool)
+        opens[1:] = (segment[1:] != segment[:-1]) | (positions[1:] != positions[:-1] + 1)
+        first = np.flatnonzero(opens)
+        last = np.concatenate([first[1:], [len(positions)]]) - 1
+        keys = positions[last] + 1 if len(positions) else np.zeros(0, dtype=np.int64)  # b of each run
+        run_key_start = key_starts[segment[first]] if len(positions) else keys
+        offsets = np.concatenate([[0], np.cumsum(keys)])
+        key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
+        device = q_positions.device
+        to = lambda a: torch.as_tensor(a, dtype=torch.int32, device=device)  # noqa: E731
+        return cls(to(np.concatenate([first, [len(positions)]])), to(offsets),
+                   torch.as_tensor(key_index, dtype=torch.long, device=device),
+                   int((last - first + 1).max(initial=0)), int(keys.max(initial=0)))
+
+
+def runs_attention(attend, q: Tensor, k: Tensor, v: Tensor, runs: PositionRuns) -> Tensor:
+    """Position-causal attention of local queries through `attend(q, k, v, cu_q, cu_kv, max_q,
+    max_kv)`, a bottom-right causal varlen kernel (TE THD, flash-attn varlen, the torch one)."""
+    if runs.max_q == 0:
+        return q.new_zeros((0, q.shape[1] * v.shape[-1]))
+    return attend(q, k.index_select(0, runs.key_index), v.index_select(0, runs.key_index),
+                  runs.cu_q, runs.cu_kv, runs.max_q, runs.max_kv)
+
+
 # ---- the CP path of the sliced core attention ----------------------------------------------
 def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
     """`SlicedAttentionMixin._sliced` for a member's share of a merged MicroPack.
@@ -287,5 +330,7 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
     cu_kv = params.cu_seqlens_attn_kv
     if cu_kv is None:
         raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with build_cp_batch)")
+    if layout.runs is None:  # the same for every layer of the MicroPack
+        layout.runs = PositionRuns.of(params.cu_seqlens_q, cu_kv, layout.local_positions)
     return module._attend_positions(query, torch.cat(keys), torch.cat(values), params.cu_seqlens_q, cu_kv,
-                                    layout.local_positions)
+                                    layout.local_positions, layout.runs)
