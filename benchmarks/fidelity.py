@@ -79,6 +79,23 @@ def main() -> int:
         + ", ".join(f"{e:.1f}" for e in errors)
         + (f" (median {statistics.median(errors):.1f}%)" if errors else ""),
         "",
+    ]
+    if "corrected_iteration_mape" in figures:
+        corrected = sorted(100 * e for e in figures["corrected_iteration_errors"])
+        drift = figures["drift"]
+        lines += [
+            "### Drift-corrected",
+            "",
+            f"The machine's speed is not the profile's (shared cores, other jobs): the same "
+            f"1024-token reference forward + backward, timed when profiling ({1e3 * cost.reference['seconds']:.0f} ms) "
+            f"and again right before each validation step on every rank, ran {min(drift):.2f}-{max(drift):.2f}x "
+            "as long before the steps. Scaling each simulated time by that step's drift leaves the cost model's own "
+            f"error: **iteration-time MAPE {100 * figures['corrected_iteration_mape']:.1f}%** "
+            f"(per step, %: {', '.join(f'{e:.1f}' for e in corrected)}), per-task MAPE "
+            f"{100 * figures['corrected_task_mape']:.1f}%.",
+            "",
+        ]
+    lines += [
         f"Machine load average during the run (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on "
         f"{os.cpu_count()} cores (other developers' jobs share them: the profile and the validation run see "
         "different contention, which dominates the time error).",

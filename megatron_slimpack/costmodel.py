@@ -89,6 +89,7 @@ class CostModel:
         head_backward: TimeCoefficients | None = None,
         activation: ActivationCoefficients | None = None,
         source: str = "analytic",
+        reference: dict | None = None,
     ):
         self.model = model
         self.hardware = hardware
@@ -98,6 +99,8 @@ class CostModel:
         self.profiled_backward = backward
         self.profiled_head_forward = head_forward
         self.profiled_head_backward = head_backward
+        # profiled models: {"tokens", "layers", "seconds"} of profiler.reference_seconds at profiling time
+        self.reference = reference
         self.activation = activation or analytic_activation(model, dtype_bytes, attention_backend)
         self.source = source
 
@@ -124,6 +127,7 @@ class CostModel:
                 head_backward=TimeCoefficients(**data["head_backward"]),
                 activation=ActivationCoefficients(**data["activation"]),
                 source=f"profile:{path}",
+                reference=data.get("reference"),
             )
         except FileNotFoundError:
             raise ValueError(f"cost-model profile {path} does not exist; create it with `slimpack profile`") from None
@@ -144,6 +148,7 @@ class CostModel:
             "head_forward": coefficients(self.profiled_head_forward),
             "head_backward": coefficients(self.profiled_head_backward),
             "activation": asdict(self.activation),
+            "reference": self.reference,
         }
 
     def describe(self) -> dict:

@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -80,9 +80,11 @@ class MeasuredStep:
     records: list[dict]
     memory: list[dict]
     loss: Optional[float] = None
+    reference_s: Optional[float] = None  # the profile's speed reference, timed just before this step
 
 
-def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json, text_dir, repeats, warmup, path, seed):
+def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json, text_dir, repeats, warmup, path, seed,
+                reference=None):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -108,6 +110,13 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     chunk = build_gpt_model(transformer_config(spec, num_layers=spec.num_layers, **extra), vocab_size=spec.vocab_size,
                             max_sequence_length=1 << 20, backend="torch", pre_process=stage == 0,
                             post_process=stage == pp - 1)
+    reference_chunk = None
+    if reference:  # the profile's speed reference, timed before every step on every rank
+        from .profiler import reference_seconds
+
+        reference_chunk = build_gpt_model(transformer_config(spec, num_layers=reference["layers"]),
+                                          vocab_size=spec.vocab_size, max_sequence_length=1 << 20, backend="torch",
+                                          pre_process=False, post_process=False)
     corpus = None
     if text_dir is not None:
         from .workload import GlobalBatch, TextCorpus
@@ -128,6 +137,12 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
         else:
             source = SyntheticTokens(plan.sample_lengths(), spec.vocab_size, seed)
         for repeat in range(warmup + repeats):
+            speed = None
+            if reference_chunk is not None:
+                dist.barrier()
+                speed = torch.tensor([reference_seconds(reference_chunk, spec, repeats=1)], dtype=torch.float64)
+                dist.all_reduce(speed)
+                speed = float(speed) / world_size
             chunk.zero_grad(set_to_none=True)
             timeline = Timeline(track_memory=True)
             slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, dp_rank=dp_rank,
@@ -135,7 +150,7 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
             if repeat >= warmup and rank == 0:
                 steps.append(MeasuredStep(index, repeat - warmup, timeline.iteration_time_s,
                                           [r.to_dict() for r in timeline.records],
-                                          [m.to_dict() for m in timeline.memory]).__dict__)
+                                          [m.to_dict() for m in timeline.memory], reference_s=speed).__dict__)
     if rank == 0:
         Path(path).write_text(json.dumps(steps))
     dist.barrier()
@@ -144,11 +159,12 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
 
 def measure_plans(plans: Sequence[Plan], spec: ModelSpec, *, batches: Optional[Sequence] = None,
                   text_dir: Optional[str] = "", repeats: int = 3, warmup: int = 1, seed: int = 0,
-                  timeout_s: float = 900.0) -> list[MeasuredStep]:
+                  timeout_s: float = 900.0, reference: Optional[dict] = None) -> list[MeasuredStep]:
     """Run every plan `warmup + repeats` times on pp*dp local processes (all plans must share one
     layout); returns the timed steps (rank 0's gathered view). `batches`: the `GlobalBatch`es the
     plans were made from (tokens from `TextCorpus(text_dir)`; text_dir "" = the default corpus,
-    None = synthetic tokens)."""
+    None = synthetic tokens). `reference`: a profile's speed reference (`CostModel.reference`), timed
+    on every rank before every step (`MeasuredStep.reference_s`, mean over ranks)."""
     layouts = {(p.parallel.pp, p.parallel.dp, p.parallel.tp) for p in plans}
     if len(layouts) != 1:
         raise ValueError(f"plans must share one layout, got {sorted(layouts)}")
@@ -162,7 +178,8 @@ def measure_plans(plans: Sequence[Plan], spec: ModelSpec, *, batches: Optional[S
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "steps.json")
         spawn(_run_worker, pp * dp, (spec.to_dict(), pp, [p.to_json() for p in plans], batch_data,
-                                     text_dir if batches is not None else None, repeats, warmup, path, seed),
+                                     text_dir if batches is not None else None, repeats, warmup, path, seed,
+                                     reference),
               timeout_s=timeout_s)
         return [MeasuredStep(**s) for s in json.loads(Path(path).read_text())]
 
@@ -183,12 +200,20 @@ class StepComparison:
     measured_peak_bytes: dict  # "rank/stage" -> bytes (max over repeats; deterministic anyway)
     simulated_peak_bytes: dict
     memory_mape: float
+    drift: list[float] = field(default_factory=list)  # per repeat: reference now / at profiling (1 = same speed)
+    corrected_task_mape: Optional[float] = None
     gantt: Optional[str] = None
     trace: Optional[str] = None
 
     @property
     def iteration_mape(self) -> float:
         return _mape(self.measured_iteration_s, [self.simulated_iteration_s] * len(self.measured_iteration_s))
+
+    @property
+    def corrected_iteration_errors(self) -> list[float]:
+        """|simulated x drift - measured| / measured per repeat: the error left once the machine's
+        speed change since profiling (measured by the reference) is taken out."""
+        return [abs(self.simulated_iteration_s * d - m) / m for d, m in zip(self.drift, self.measured_iteration_s)]
 
     @property
     def median_iteration_s(self) -> float:
@@ -208,13 +233,17 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *, out_d
         report = simulate(plan, cost)
         static = cost.static_memory_bytes(plan.parallel)
         simulated_tasks = {(t.rank, t.stage, t.replica, t.kind, t.unit): t.end - t.start for t in report.tasks if t.kind in ("F", "B")}
-        measured_t, predicted_t = [], []
-        for step in mine:
+        reference = getattr(cost, "reference", None)
+        drift = ([s.reference_s / reference["seconds"] for s in mine]
+                 if reference and all(s.reference_s for s in mine) else [])
+        measured_t, predicted_t, step_drift = [], [], []
+        for position, step in enumerate(mine):
             for r in step.records:
                 key = (r["rank"], r["stage"], r["replica"], r["kind"], r["unit"])
                 if r["kind"] in ("F", "B") and key in simulated_tasks:
                     measured_t.append(r["end"] - r["start"])
                     predicted_t.append(simulated_tasks[key])
+                    step_drift.append(drift[position] if drift else 1.0)
         measured_peak: dict[str, float] = {}
         for step in mine:
             for m in step.memory:
@@ -228,6 +257,8 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *, out_d
             index, plan.strategy, [s.iteration_time_s for s in mine], report.iteration_time_s,
             _mape(measured_t, predicted_t), measured_peak, simulated_peak,
             _mape([measured_peak[k] for k in keys], [simulated_peak.get(k, 0.0) for k in keys]),
+            drift=drift,
+            corrected_task_mape=_mape(measured_t, [p * d for p, d in zip(predicted_t, step_drift)]) if drift else None,
         )
         if out_dir is not None and mine:
             out_dir = Path(out_dir)
@@ -245,20 +276,27 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *, out_d
 
 
 def summary_table(comparisons: Sequence[StepComparison]) -> str:
-    lines = ["| plan | strategy | measured iter (s, median) | min-max | simulated (s) | iter err | task MAPE | peak act. meas (MiB) | sim (MiB) | mem MAPE |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| plan | strategy | measured iter (s, median) | min-max | simulated (s) | iter err | task MAPE "
+             "| speed drift | iter err, drift-corrected | task MAPE, drift-corrected "
+             "| peak act. meas (MiB) | sim (MiB) | mem MAPE |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in comparisons:
         meas = max(c.measured_peak_bytes.values(), default=0) / 2**20
         sim = max(c.simulated_peak_bytes.values(), default=0) / 2**20
+        if c.drift:
+            corrected = (f"{statistics.mean(c.drift):.2f}x | {100 * statistics.mean(c.corrected_iteration_errors):.1f}% | "
+                         f"{100 * c.corrected_task_mape:.1f}%")
+        else:
+            corrected = "- | - | -"
         lines.append(f"| {c.plan_index} | {c.strategy} | {c.median_iteration_s:.3f} | {min(c.measured_iteration_s):.3f}-"
                      f"{max(c.measured_iteration_s):.3f} | {c.simulated_iteration_s:.3f} | {100 * c.iteration_mape:.1f}% | "
-                     f"{100 * c.task_mape:.1f}% | {meas:.1f} | {sim:.1f} | {100 * c.memory_mape:.1f}% |")
+                     f"{100 * c.task_mape:.1f}% | {corrected} | {meas:.1f} | {sim:.1f} | {100 * c.memory_mape:.1f}% |")
     return "\n".join(lines) + "\n"
 
 
 def overall(comparisons: Sequence[StepComparison]) -> dict:
     iteration = [abs(c.simulated_iteration_s - m) / m for c in comparisons for m in c.measured_iteration_s]
-    return {
+    result = {
         "iteration_mape": float(np.mean(iteration)) if iteration else float("nan"),
         "iteration_mape_of_medians": _mape([c.median_iteration_s for c in comparisons],
                                            [c.simulated_iteration_s for c in comparisons]),
@@ -266,6 +304,13 @@ def overall(comparisons: Sequence[StepComparison]) -> dict:
         "memory_mape": float(np.mean([c.memory_mape for c in comparisons])),
         "iteration_errors": iteration,
     }
+    corrected = [e for c in comparisons for e in c.corrected_iteration_errors]
+    if corrected and len(corrected) == len(iteration):
+        result["corrected_iteration_mape"] = float(np.mean(corrected))
+        result["corrected_iteration_errors"] = corrected
+        result["corrected_task_mape"] = float(np.mean([c.corrected_task_mape for c in comparisons]))
+        result["drift"] = [d for c in comparisons for d in c.drift]
+    return result
 
 
 # ---- plans from real text --------------------------------------------------------------------
@@ -299,7 +344,7 @@ def validate(cost, *, plans: int = 2, pp: int = 2, dp: int = 1, strategies: Sequ
     if progress:
         progress(f"running {len(planned)} plans x {warmup + repeats} steps on {pp * dp} processes")
     steps = measure_plans([p for _, _, p in planned], cost.model, batches=[b for _, b, _ in planned],
-                          repeats=repeats, warmup=warmup)
+                          repeats=repeats, warmup=warmup, reference=getattr(cost, "reference", None))
     comparisons = compare([p for _, _, p in planned], steps, cost, out_dir=out_dir)
     return comparisons, overall(comparisons)
 

@@ -37,6 +37,17 @@ import numpy as np
 from .costmodel import ActivationCoefficients, CostModel, TimeCoefficients
 from .specs import HardwareSpec, ModelSpec, get_hardware, get_model
 
+REFERENCE_TOKENS = 1024  # the speed reference: one 1024-token document, forward + backward
+
+
+def reference_seconds(chunk, spec: ModelSpec, repeats: int = 3) -> float:
+    """Forward + backward seconds of the reference shape on `chunk`: measured with the profile and
+    again right before each validation step, so `slimpack validate` can tell the machine's speed
+    drift (other jobs, clocks) from the cost model's own error."""
+    point = measure_chunk(chunk, spec, REFERENCE_TOKENS, 1, 0, repeats)
+    return point.forward_s + point.backward_s
+
+
 DEFAULT_GRID = dict(tokens=(128, 512, 1024, 2048), slices=(1, 4), prefixes=(0, 1024))
 QUICK_GRID = dict(tokens=(64, 256, 512), slices=(1, 2), prefixes=(0, 256))
 
@@ -343,8 +354,11 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
 
 
 def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, threads: int, seed: int,
-                  progress: Callable[[str], None] | None) -> tuple[list[Point], list[dict]]:
-    """Chunk points over the grid, then the output layer + loss points."""
+                  progress: Callable[[str], None] | None, before_each: Callable[[], None] = lambda: None
+                  ) -> tuple[list[Point], list[dict], dict]:
+    """Chunk points over the grid, the output layer + loss points, and the speed reference.
+    `before_each` runs before every measurement (concurrent profiling: a barrier, so that all
+    processes measure the same shape at the same time)."""
     import torch
 
     from .runtime.model import build_gpt_model
@@ -359,22 +373,34 @@ def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, thread
     points = []
     shapes = [(t, n, p) for t in grid["tokens"] for n in grid["slices"] for p in grid["prefixes"] if t // n >= 1]
     for index, (t, n, p) in enumerate(shapes):
+        before_each()
         point = measure_chunk(mid, spec, t, n, p, repeats)
         points.append(point)
         if progress:
             progress(f"[{index + 1}/{len(shapes)}] T={point.tokens} slices={n} prefix={p}: "
                      f"F {point.forward_s * 1e3:.2f} ms, B {point.backward_s * 1e3:.2f} ms, saved {point.saved_bytes / 2**20:.1f} MiB")
-    head_points = [measure_head(last, spec, t, repeats) for t in sorted(set(grid["tokens"]))]
-    return points, head_points
+    head_points = []
+    for t in sorted(set(grid["tokens"])):
+        before_each()
+        head_points.append(measure_head(last, spec, t, repeats))
+    before_each()
+    reference = {"tokens": REFERENCE_TOKENS, "layers": layers, "seconds": reference_seconds(mid, spec, repeats)}
+    return points, head_points, reference
 
 
 def _grid_worker(rank, world_size, port, spec_dict, layers, grid, repeats, threads, seed, path):
-    """One of `concurrent` processes measuring the same grid at once; rank 0 keeps its figures."""
+    """One of `concurrent` processes measuring the same grid at once (a barrier before every
+    shape); rank 0 keeps its figures."""
+    import torch.distributed as dist
+
     from .specs import model_from_dict
 
-    points, head_points = _measure_grid(model_from_dict(spec_dict), layers, grid, repeats, threads, seed, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    points, head_points, reference = _measure_grid(model_from_dict(spec_dict), layers, grid, repeats, threads, seed,
+                                                   None, before_each=dist.barrier)
     if rank == 0:
-        Path(path).write_text(json.dumps({"points": [asdict(p) for p in points], "head_points": head_points}))
+        Path(path).write_text(json.dumps({"points": [asdict(p) for p in points], "head_points": head_points,
+                                          "reference": reference}))
 
 
 def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cpu", grid: Optional[dict] = None,
@@ -402,14 +428,15 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
             spawn(_grid_worker, concurrent, (spec.to_dict(), layers, {k: list(v) for k, v in grid.items()}, repeats,
                                              threads, seed, str(path)), timeout_s=3600)
             data = json.loads(path.read_text())
-        points, head_points = [Point(**p) for p in data["points"]], data["head_points"]
+        points, head_points, reference = [Point(**p) for p in data["points"]], data["head_points"], data["reference"]
     else:
-        points, head_points = _measure_grid(spec, layers, grid, repeats, threads, seed, progress)
+        points, head_points, reference = _measure_grid(spec, layers, grid, repeats, threads, seed, progress)
     p2p_points = measure_p2p() if p2p else []
     cost, fit = fit_profile(spec, layers, points, head_points, p2p_points, get_hardware(hardware))
     fit["grid"] = {k: list(v) for k, v in grid.items()}
     fit["threads"] = threads
     fit["concurrent_processes"] = concurrent
+    cost.reference = reference
     fit["p2p"] = fit.get("p2p", "not measured: the preset's link figures are used")
     result = ProfileResult(cost, points, head_points, p2p_points, fit)
     if progress:
@@ -430,6 +457,7 @@ def refit(path: str | Path, out: Optional[str | Path] = None) -> ProfileResult:
     for key in ("grid", "threads", "concurrent_processes"):
         if key in data["fit"]:
             fit[key] = data["fit"][key]
+    cost.reference = data.get("reference")
     result = ProfileResult(cost, points, data["head_points"], data["p2p_points"], fit)
     result.write(out or path)
     return result

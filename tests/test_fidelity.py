@@ -27,3 +27,30 @@ def test_validate_one_small_plan(tmp_path):
     assert figures["memory_mape"] < 0.5  # the analytic torch-backend itemisation is close already
     assert (tmp_path / "step0_slimpack_gantt.png").stat().st_size > 0
     assert "slimpack" in summary_table(comparisons)
+
+
+@pytest.mark.slow
+def test_speed_reference_gives_drift_corrected_errors():
+    """With a profile's speed reference, every step is preceded by the reference timing and the
+    comparison reports drift-corrected errors; a simulated time scaled by the drift is what they use."""
+    import dataclasses
+
+    from megatron_slimpack.costmodel import CostModel
+    from megatron_slimpack.fidelity import StepComparison, compare, measure_plans, overall, summary_table, text_plans
+
+    cost = CostModel.analytic(SPEC, "cpu", dtype_bytes=4, attention_backend="torch")
+    cost.reference = {"tokens": 1024, "layers": 1, "seconds": 0.05}
+    planned = text_plans(cost, strategies=["slimpack"], pp=2, context_length=256, global_batch_size=2, steps=1, seed=3)
+    plans = [p for _, _, p in planned]
+    steps = measure_plans(plans, SPEC, batches=[b for _, b, _ in planned], repeats=2, warmup=0, timeout_s=240,
+                          reference=cost.reference)
+    assert all(s.reference_s and s.reference_s > 0 for s in steps)
+    (comparison,) = compare(plans, steps, cost)
+    assert comparison.drift == [s.reference_s / 0.05 for s in steps]
+    figures = overall([comparison])
+    assert len(figures["corrected_iteration_errors"]) == 2 and figures["corrected_task_mape"] >= 0
+    assert "x |" in summary_table([comparison])
+    # the correction is the simulated time times the drift: a drift making them equal gives 0 error
+    exact = dataclasses.replace(comparison, drift=[m / comparison.simulated_iteration_s
+                                                   for m in comparison.measured_iteration_s])
+    assert max(StepComparison.corrected_iteration_errors.fget(exact)) < 1e-12
