@@ -458,3 +458,36 @@ def test_seams_exist_in_a_real_megatron_lm_checkout():
     assert set(TRAINING_SEAMS) <= names
     builders = ast.parse((Path(root) / "gpt_builders.py").read_text())
     assert "GPTModel" in {a.asname or a.name for n in ast.walk(builders) if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def _merge_groups_worker(rank, world_size, port):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_slimpack.megatron import hooks
+    from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
+    from megatron_slimpack.specs import ParallelConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)  # dp=2 per stage
+
+    def plan(merged: bool) -> Plan:
+        def replica(ranks, sample_id):
+            return ReplicaPlan([MicroPack([Slice(sample_id, 0, 4)])], [[0]], [[0]], [[("F", 0), ("B", 0)]] * 2, ranks)
+        replicas = ([replica([0, 1], 2)] if merged else []) + [replica([0], 0), replica([1], 1)]
+        samples = [Sample(i, 4) for i in range(3 if merged else 2)]
+        return Plan(replicas, samples, ParallelConfig(dp=2, pp=2), 8, "test")
+
+    assert hooks._merge_process_groups(plan(False)) is None  # no merge group: nothing created
+    groups = hooks._merge_process_groups(plan(True))
+    assert hooks._merge_process_groups(plan(True)) is groups  # created once, then reused
+    dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    assert list(groups) == [(0, 1)] and dist.get_process_group_ranks(groups[(0, 1)]) == dp_ranks
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_hook_creates_merge_groups_once_per_stage():
+    run_multiprocess(_merge_groups_worker, 4, timeout_s=120)
