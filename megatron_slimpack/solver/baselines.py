@@ -582,12 +582,16 @@ def slice_sequence(sequence: list[Piece], slice_tokens: int, rates: WorkRates) -
     for piece in sequence:
         starts.append(offset)
         offset += piece.sample.length
+    first = 0  # bounds and pieces are both in sequence order: one sweep over each
     for begin, end in bounds:
-        pieces = []
-        for piece, start in zip(sequence, starts):
-            low, high = max(begin, start), min(end, start + piece.sample.length)
-            if low < high:
-                pieces.append(Slice(piece.sample.sample_id, low - start, high - start))
+        while starts[first] + sequence[first].sample.length <= begin:
+            first += 1
+        pieces, index = [], first
+        while index < len(sequence) and starts[index] < end:
+            start, sample = starts[index], sequence[index].sample
+            low, high = max(begin, start), min(end, start + sample.length)
+            pieces.append(Slice(sample.sample_id, low - start, high - start))
+            index += 1
         micropacks.append(MicroPack(pieces))
     return micropacks
 
