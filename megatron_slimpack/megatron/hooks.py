@@ -159,8 +159,10 @@ def _get_forward_backward_func(*args, **kwargs):
 
 def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool = False, **kwargs):
     """Megatron's forward_backward_func signature on top of the SlimPack schedule: takes the next
-    planned batch from the planner iterator, runs this rank's stage of its replica plan, and
-    returns Megatron's per-token loss records ({'lm loss': [loss_sum, tokens]}) on the last stage."""
+    planned batch from the planner iterator, runs this rank's stage of its replica plan (and of
+    the DP-Merge groups it belongs to, whose process groups are created on the first step that
+    has one), and returns Megatron's per-token loss records ({'lm loss': [loss_sum, tokens]}) on
+    the last stage."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
