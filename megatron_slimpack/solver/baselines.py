@@ -28,6 +28,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence
@@ -387,29 +389,35 @@ def _pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBat
                   capacity: int) -> list[PendingDocument]:
     """Heaviest document first into the cheapest micro-batch with token room; returns the
     documents that fit nowhere (in their given order)."""
-    costs = {id(d): rates.document(d.length) for d in documents}
-    heap = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
-    heapq.heapify(heap)
-    left: list[PendingDocument] = []
-    for document in sorted(documents, key=lambda d: -costs[id(d)]):
-        skipped, placed = [], False
-        while heap:
-            load, position = heapq.heappop(heap)
+    lengths = np.array([d.length for d in documents], dtype=float)
+    costs = rates.total(lengths, lengths * (lengths + 1) / 2).tolist() if len(documents) else []
+    by_cost = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
+    heapq.heapify(by_cost)
+    # The fullest micro-batch's room tells at once whether a document fits anywhere (entries go
+    # stale as micro-batches fill; a stale one is dropped when it surfaces).
+    by_tokens = [(mb.tokens, position) for position, mb in enumerate(micro_batches)]
+    heapq.heapify(by_tokens)
+    left: list[int] = []
+    for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
+        document = documents[index]
+        while by_tokens and by_tokens[0][0] != micro_batches[by_tokens[0][1]].tokens:
+            heapq.heappop(by_tokens)
+        if not by_tokens or document.length > capacity - by_tokens[0][0]:
+            left.append(index)  # no micro-batch has room
+            continue
+        skipped = []
+        while True:  # the cheapest micro-batch with room (one exists)
+            load, position = heapq.heappop(by_cost)
             micro_batch = micro_batches[position]
             if micro_batch.tokens + document.length <= capacity:
-                micro_batch.add(document, costs[id(document)])
-                heapq.heappush(heap, (micro_batch.cost, position))
-                placed = True
+                micro_batch.add(document, costs[index])
+                heapq.heappush(by_cost, (micro_batch.cost, position))
+                heapq.heappush(by_tokens, (micro_batch.tokens, position))
                 break
             skipped.append((load, position))
-            if len(skipped) == 1 and document.length > capacity - min(mb.tokens for mb in micro_batches):
-                break  # no micro-batch has room: do not scan them all
         for item in skipped:
-            heapq.heappush(heap, item)
-        if not placed:
-            left.append(document)
-    order = {id(d): i for i, d in enumerate(documents)}
-    return sorted(left, key=lambda d: order[id(d)])
+            heapq.heappush(by_cost, item)
+    return [documents[i] for i in sorted(left)]
 
 
 def _deal_by_cost(micro_batches: list[MicroBatch], dp: int, per_replica: int) -> list[list[MicroBatch]]:
