@@ -56,7 +56,8 @@ def main() -> int:
         "# Simulator fidelity on this machine (2 shared CPU cores, PP=2 over gloo, model "
         f"`{cost.model.name}`, fp32, torch attention)",
         "",
-        "Profile: `slimpack profile` grid " + json.dumps(fit.get("grid")) + f" (1 thread), fitted by least squares; "
+        "Profile: `slimpack profile` grid " + json.dumps(fit.get("grid"))
+        + f" (1 thread per process, {fit.get('concurrent_processes', 1)} processes measuring at once), fitted by least squares; "
         f"validation: {args.plans} global batches of real text lengths (context {args.context_length}, "
         f"{args.global_batch_size} contexts each, sampler seed 100, not the profiling shapes), planned by "
         f"{', '.join(strategies)}, each run 1 + {args.repeats} times (first discarded).",
@@ -97,8 +98,7 @@ def main() -> int:
         ]
     lines += [
         f"Machine load average during the run (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on "
-        f"{os.cpu_count()} cores (other developers' jobs share them: the profile and the validation run see "
-        "different contention, which dominates the time error).",
+        f"{os.cpu_count()} shared cores.",
         "",
         "Targets: iteration time <= 10%, peak memory <= 5%. Gantt charts (measured top, simulated bottom, one time "
         "axis) and Chrome traces per plan: `benchmarks/results/fidelity/`.",
