@@ -316,7 +316,7 @@ class _SliceTable:
         self.pack_offsets = np.concatenate([[0], np.cumsum([len(r.micropacks) for r in replicas])]).astype(int)
         self.row_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
         self.valid = bool(len(packs) == 0 or counts.min() > 0) and self._slices_ok() and (
-            token_cap is None or bool((self._tokens_per_pack() <= token_cap).all()))
+            token_cap is None or bool((micropack_figures(packs, (counts, table))[0] <= token_cap).all()))
 
     def _slices_ok(self) -> bool:
         if len(self.sample) == 0:
@@ -338,11 +338,6 @@ class _SliceTable:
         distinct_pack = first | (pack != np.roll(pack, 1))
         return bool((follows & distinct_pack & (end > start) & (end <= length)).all()
                     and (end[last] == length[last]).all())
-
-    def _tokens_per_pack(self) -> np.ndarray:
-        if len(self.sample) == 0:
-            return np.zeros(0, dtype=np.int64)
-        return np.add.reduceat(self.end - self.start, np.cumsum(self.counts) - self.counts)
 
     def one_replica_per_sample(self) -> bool:
         """Every known sample appears, in exactly one replica plan (given `valid`: then each
