@@ -64,13 +64,13 @@ def _groups_needed(prefix: np.ndarray, limits: np.ndarray, stop_after: int) -> n
     return groups
 
 
-def _greedy_bounds(prefix: np.ndarray, limit: float, stop_after: int | None = None) -> list[int]:
+def _greedy_bounds(prefix: np.ndarray, limit: float) -> list[int]:
     """Cut points of the greedy segmentation: each group takes as many positions as fit `limit`
-    (at least one), found by binary search on the prefix sums; gives up after `stop_after` groups."""
+    (at least one), found by binary search on the prefix sums."""
     count = len(prefix) - 1
     bounds = [0]
     tolerance = limit * 1e-12
-    while bounds[-1] < count and (stop_after is None or len(bounds) <= stop_after):
+    while bounds[-1] < count:
         start = bounds[-1]
         end = int(np.searchsorted(prefix, prefix[start] + limit + tolerance, side="right")) - 1
         bounds.append(min(max(end, start + 1), count))
