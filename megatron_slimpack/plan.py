@@ -100,6 +100,23 @@ def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarr
     return np.add.reduceat(length, starts), np.add.reduceat(pairs, starts)
 
 
+def continued_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:
+    """Tokens of every MicroPack in slices that a later slice of their sample continues (their
+    K/V stay cached until that slice's backward)."""
+    counts, table = table if table is not None else slice_table(micropacks)
+    result = np.zeros(len(micropacks))
+    if len(table) == 0:
+        return result
+    later = table[table[:, 1] > 0]
+    if len(later) == 0:
+        return result
+    span = int(table[:, 2].max()) + 1  # (sample, position) as one integer key
+    continued = np.isin(table[:, 0].astype(np.int64) * span + table[:, 2], later[:, 0].astype(np.int64) * span + later[:, 1])
+    pack_of = np.repeat(np.arange(len(micropacks)), counts)
+    np.add.at(result, pack_of[continued], (table[continued, 2] - table[continued, 1]).astype(float))
+    return result
+
+
 def chains(micropacks: list[MicroPack], table=None) -> list[list[int]]:
     """MicroPacks linked by sharing a sample, each chain in forward order, chains ordered by
     their first MicroPack (`table`: their `slice_table`, if already at hand)."""

@@ -19,7 +19,8 @@ Search, cheapest checks first:
    layout whose bound is already above the best screened time is not planned (branch and
    bound; stateful strategies, whose step may hold other documents than the batch, are screened
    without the bound). Recompute modes cascade: selective is tried only where none does not
-   fit, full only where selective does not, since recompute only adds time.
+   fit, full only where selective does not, since recompute only adds time (not for strategies
+   that size their work to memory, `SIZES_TO_MEMORY`: more memory can buy larger MicroPacks).
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
@@ -86,6 +87,11 @@ MINIMUM_IN_FLIGHT: dict[str, str] = {
     "slimpack-nomerge": "document",
     "megatron-hybrid-cp": "none",
 }
+
+# Strategies whose plan grows into the memory left (the MicroPack size, the units in flight and
+# the DP-Merge groups follow the activation budget): a heavier recompute mode frees memory they
+# turn into larger MicroPacks, so it can be faster, and the recompute cascade does not apply.
+SIZES_TO_MEMORY = {"slimpack", "slimpack-sym", "slimpack-nomerge"}
 
 # Strategies that cut documents at sequence boundaries: their attention pairs can be fewer than
 # the documents' (a document in two pieces has at least half of its pairs).
@@ -458,7 +464,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     feasible: list[_Run] = []
     for run in ordered:
         shape = _shape(run.parallel)
-        if recompute_cascade and shape in fitted:
+        if recompute_cascade and strategy not in SIZES_TO_MEMORY and shape in fitted:
             rejected.append(Rejection(run.parallel, "recompute-cascade",
                                       "not evaluated: a lighter recompute mode fits this layout, and recompute "
                                       "only adds time"))
@@ -490,7 +496,7 @@ def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> s
 
 
 __all__ = [
-    "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "Rejection", "LayoutEvaluation", "LayoutResult",
+    "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "SIZES_TO_MEMORY", "Rejection", "LayoutEvaluation", "LayoutResult",
     "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "iteration_lower_bound", "cheap_rejection",
     "best_layout",
 ]

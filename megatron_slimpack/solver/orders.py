@@ -141,6 +141,23 @@ def build_stage_orders(
     return orders, replay(orders, work)
 
 
+def peak_in_flight(orders: list[list[tuple[str, int]]], work: StageWork) -> list[float]:
+    """Most activation bytes each stage holds while running its order: a forward unit's
+    MicroPacks stay until the backward unit that frees them has run (a long document's chain
+    keeps every slice), so large units or a long warm-up can exceed memory."""
+    peaks = []
+    for stage, order in enumerate(orders):
+        level = peak = 0.0
+        for kind, unit in order:
+            if kind == "F":
+                level += work.forward_bytes[stage][unit]
+                peak = max(peak, level)
+            else:
+                level -= work.backward_frees[stage][unit]
+        peaks.append(peak)
+    return peaks
+
+
 def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
     """Makespan of running `orders` with blocking receives and non-blocking sends."""
     pp = len(orders)

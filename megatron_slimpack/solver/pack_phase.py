@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costmodel import CostModel
-from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, micropack_figures, slice_table, whole_slices
+from ..plan import (MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, continued_tokens, micropack_figures,
+                    slice_table, whole_slices)
 from ..specs import ParallelConfig
-from .orders import StageWork, build_stage_orders, segment
+from .orders import StageWork, build_stage_orders, peak_in_flight, segment
 from .work import WorkRates, causal_pairs
 
 
@@ -150,9 +151,10 @@ class MicroPackCosts:
 
     forward: np.ndarray  # [2, n]: row 0 middle stages, row 1 last stage
     backward: np.ndarray
-    activation: np.ndarray
+    held: np.ndarray  # bytes held from forward to backward: activations and the KV of continued slices
     tokens: np.ndarray
     backward_order: list[int]
+    largest_recompute_bytes: float  # the transient a backward with recompute adds, at most
 
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
@@ -163,7 +165,10 @@ class MicroPackCosts:
             for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time),
                              ("activation", cost.activation_bytes))
         }
-        return cls(rows["forward"], rows["backward"], rows["activation"], tokens, backward_sequence(micropacks, table))
+        held = rows["activation"] + cost.kv_cache_bytes(continued_tokens(micropacks, table), parallel)
+        recompute = cost.recompute_peak_bytes(tokens, pairs, parallel) * np.ones_like(tokens)
+        return cls(rows["forward"], rows["backward"], held, tokens, backward_sequence(micropacks, table),
+                   float(recompute.max(initial=0.0)))
 
     def busiest_stage_s(self, pp: int) -> float:
         """Forward plus backward seconds of the busiest stage: no schedule of these MicroPacks
@@ -220,7 +225,7 @@ def stage_work(
         tokens = units.sums(costs.tokens)
         return (cost.p2p_time(tokens, parallel) + np.zeros_like(tokens)).tolist()
 
-    forward_bytes = per_stage(costs.activation, forward)
+    forward_bytes = per_stage(costs.held, forward)
     largest = [max(row) for row in forward_bytes]
     return StageWork(
         forward_time=per_stage(costs.forward, forward),
@@ -228,7 +233,7 @@ def stage_work(
         forward_transfer=transfer(forward),
         backward_transfer=transfer(backward),
         forward_bytes=forward_bytes,
-        backward_frees=per_stage(costs.activation, backward),
+        backward_frees=per_stage(costs.held, backward),
         budget=[min((pp - stage) * largest[stage], budget_bytes) for stage in range(pp)],
     )
 
@@ -251,10 +256,18 @@ class UnitCandidate:
         work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
         return cls(micropacks, forward_units, backward_units, work, pipeline_estimate(work))
 
-    def order(self, dp_ranks: list[int]) -> tuple[ReplicaPlan, float]:
-        """Stage orders and the makespan of their replay (no DP reduction)."""
+    def order(self, dp_ranks: list[int]) -> "OrderedCandidate":
+        """Stage orders, the makespan of their replay (no DP reduction) and their peak memory."""
         orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work)
-        return ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks)), makespan
+        replica = ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks))
+        return OrderedCandidate(replica, makespan, max(peak_in_flight(orders, self.work)))
+
+
+@dataclass
+class OrderedCandidate:
+    replica: ReplicaPlan
+    makespan_s: float
+    peak_activation_bytes: float  # the most any stage holds at once (activations only)
 
 
 def pipeline_estimate(work: StageWork) -> float:
@@ -272,8 +285,8 @@ def order_replica(
 ) -> tuple[ReplicaPlan, float]:
     """Segment packed MicroPacks into units and order the stages; returns the plan and the
     makespan of its replay (no DP reduction)."""
-    candidate = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget_bytes)
-    return candidate.order(dp_ranks)
+    ordered = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget_bytes).order(dp_ranks)
+    return ordered.replica, ordered.makespan_s
 
 
 def build_replica(
@@ -287,6 +300,6 @@ def build_replica(
 
 __all__ = [
     "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "order_replica", "MicroPackCosts",
-    "UnitCandidate", "pipeline_estimate",
+    "UnitCandidate", "OrderedCandidate", "pipeline_estimate",
     "causal_pairs",
 ]

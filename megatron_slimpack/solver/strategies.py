@@ -112,9 +112,10 @@ def check_plan_input(lengths, context_length: int) -> list[int]:
 
 # ---- SlimPack -------------------------------------------------------------------------------
 
-def activation_budget(cost: CostModel, parallel: ParallelConfig, context_length: int) -> float:
-    """Activation bytes a stage may hold: memory minus weights/optimizer and one document's KV."""
-    return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel) - cost.kv_cache_bytes(context_length, parallel)
+def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:
+    """Bytes a stage may hold in flight (activations and KV caches): memory minus weights,
+    gradients and optimizer state."""
+    return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
 
 MIN_MICROPACK_TOKENS = 1024
@@ -213,18 +214,23 @@ REPLAYED_CANDIDATES = 3  # candidates with the best quick estimates get a full r
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, sizes: list[int] | None = None,
+    budget: float | None = None,
 ) -> tuple[ReplicaPlan, float, dict]:
-    """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule.
+    """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule
+    that fits the activation `budget` (default: `activation_budget` of `parallel`).
 
     Per size: if even the busiest stage's total work (a lower bound for any unit count) is no
     better than the best schedule so far, the size is skipped. Otherwise every unit count is
-    segmented and given a quick pipeline estimate; the few best by estimate are ordered and
-    replayed, and the shortest replay wins."""
+    segmented and given a quick pipeline estimate; the few best by estimate that fit memory are
+    ordered and replayed, and the shortest replay wins. Large units hold many MicroPacks in flight
+    (1F1B keeps pp - s forward units per stage), so few units can be fast on paper and not fit."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
-    budget = activation_budget(cost, parallel, config.context_length)
+    if budget is None:
+        budget = activation_budget(cost, parallel)
     ordered = SortedSamples(samples, rates)
     best: tuple[ReplicaPlan, float, dict] | None = None
+    leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
     for size in sizes or slice_candidates(token_cap, config):
         micropacks = pack_micropacks(ordered, PackOptions(size, size, 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
@@ -234,11 +240,28 @@ def plan_replica(
                        {"micropack_tokens": size, "units": units})
                       for units in unit_candidates(parallel.pp, len(micropacks))]
         candidates.sort(key=lambda entry: entry[0].estimate_s)
-        for candidate, choice in candidates[:REPLAYED_CANDIDATES]:
-            replica, makespan = candidate.order(dp_ranks)
-            if best is None or makespan < best[1]:
-                best = (replica, makespan, choice)
-    assert best is not None
+        replayed = 0
+        for candidate, choice in candidates:
+            if replayed == REPLAYED_CANDIDATES:
+                break
+            result = candidate.order(dp_ranks)
+            peak = result.peak_activation_bytes + costs.largest_recompute_bytes
+            if leanest is None or peak < leanest[0]:
+                leanest = (peak, size)
+            if peak > budget:
+                continue
+            replayed += 1
+            if best is None or result.makespan_s < best[1]:
+                best = (result.replica, result.makespan_s, choice)
+    if best is None:
+        assert leanest is not None
+        raise PlanError(
+            f"memory: replica {dp_ranks} holds at least {format_bytes(leanest[0])} of activations and KV cache on a "
+            f"pipeline stage "
+            f"(its leanest candidate: MicroPacks of {leanest[1]} tokens) with {parallel.describe()}, but "
+            f"{format_bytes(max(budget, 0.0))} is left after weights, gradients and optimizer state on "
+            f"{cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
+            f"a smaller MicroPack size (max_micropack_tokens) or a shorter context")
     return best
 
 
@@ -275,7 +298,9 @@ def plan_slimpack(
     for group in assignment.merge_groups:
         merged = parallel.with_(cp=parallel.cp * len(group.dp_ranks))
         members = [samples[i] for i in group.sample_indices]
-        replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric)
+        budget = activation_budget(cost, parallel)  # the device's own static memory, not the merged view's
+        replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric,
+                                                 budget=budget)
         replicas.append(replica)
         predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": float(makespan), **choice})
     # Replicas hold statistically alike batches: the MicroPack size is searched on the heaviest
@@ -288,8 +313,15 @@ def plan_slimpack(
         # A rank may get no documents of its own (fewer heavy documents than ranks): it then idles
         # until the gradient reduction, which the simulator shows as DP imbalance.
         members = [samples[i] for i in assignment.replica_samples[rank]]
-        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric,
-                                                 sizes=chosen_sizes)
+        try:
+            replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank],
+                                                     symmetric, sizes=chosen_sizes)
+        except PlanError:
+            if chosen_sizes is None:
+                raise
+            # The heaviest replica's size does not fit this one (a longer chain): search them all.
+            replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank],
+                                                     symmetric)
         if members and chosen_sizes is None:
             chosen_sizes = [choice["micropack_tokens"]]
         own[rank] = replica
