@@ -71,7 +71,7 @@ def exact_fixed_plan(plan, lengths: list[int], cost, parallel):
     """Megatron's fixed-length packing with exact attention: the `megatron-fixed` plan's
     sequences, with each piece mapped back to its document of the batch (a piece of a document
     that crosses a cut becomes a continuation slice with its KV prefix), 1F1B per sequence."""
-    from .plan import MicroPack, Plan, Sample, Slice
+    from .plan import MicroPack, Plan, Slice, samples_of
     from .solver.baselines import schedule_1f1b
 
     pieces = plan.metadata["pieces"]  # sample id -> [document, offset]
@@ -85,7 +85,7 @@ def exact_fixed_plan(plan, lengths: list[int], cost, parallel):
                 slices.append(Slice(int(document), int(offset), int(offset) + piece.length))
             micropacks.append(MicroPack(slices))
         replicas.append(schedule_1f1b(micropacks, cost, parallel, replica.dp_ranks))
-    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    samples = samples_of(lengths)
     metadata = {k: v for k, v in plan.metadata.items() if k != "pieces"}
     return Plan(replicas, samples, parallel, plan.context_length, "megatron-fixed", plan.max_micropack_tokens,
                 metadata).validate()

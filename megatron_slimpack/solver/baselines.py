@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence
+from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
 from ..specs import ParallelConfig
 from .orders import build_stage_orders
 from .pack_phase import MicroPackCosts, PackOptions, cut_document, stage_work
@@ -186,7 +186,7 @@ def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, conf
     masking. Bins are sorted by token count, largest first (stable), and dealt round-robin to
     data-parallel ranks (bin i to rank i % dp); each rank runs classic 1F1B.
     """
-    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    samples = samples_of(lengths)
     bins = best_fit_decreasing(lengths, config.context_length)
     bins.sort(key=lambda members: -sum(lengths[i] for i in members))
     micropacks = [whole_documents([samples[i] for i in members]) for members in bins]
@@ -222,7 +222,7 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
     sequence j goes to rank j (a last, partial group leaves the last ranks one micro-batch
     short). Each rank runs classic 1F1B.
     """
-    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    samples = samples_of(lengths)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     sequences = pack_in_order(order, lengths, config.context_length)
     groups = [sequences[start:start + parallel.dp] for start in range(0, len(sequences), parallel.dp)]
@@ -550,7 +550,7 @@ def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: 
 
 
 def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens) -> Plan:
-    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    samples = samples_of(lengths)
     merges: list[ReplicaPlan] = []
     own: list[list[MicroPack]] = [[] for _ in range(parallel.dp)]
     scheduled: list[int] = []

@@ -29,9 +29,8 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     # Greedy with limit L cuts groups of more than L - max each: L = mean + max always fits.
     low = max(float(costs.max()), float(prefix[-1]) / units)
     high = min(float(prefix[-1]), low + float(costs.max()))
-    # The optimal bottleneck is a sum of a contiguous run: narrow [low, high] to float precision
-    # with a 16-way search (the greedy check runs for 16 limits at once), then cut.
-    while high - low > 1e-12 * max(high, 1.0):
+    # Narrow [low, high] with a 16-way search (the greedy check runs for 16 limits at once) ...
+    while high - low > BRACKET_TOLERANCE * max(high, 1.0):
         limits = np.linspace(low, high, SEARCH_WAYS + 2)[1:-1]
         fits = _groups_needed(prefix, limits, stop_after=units + 1) <= units
         if fits.any():
@@ -40,10 +39,19 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
             low = float(limits[first - 1]) if first > 0 else low
         else:
             low = float(limits[-1])
+    # ... then finish exactly: the optimal bottleneck is the sum of a contiguous run, so step down
+    # through the bottlenecks the greedy reaches until a limit just below one no longer fits.
     bounds = _greedy_bounds(prefix, high)
+    while True:
+        bottleneck = float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
+        below = bottleneck * (1 - 3e-12)  # past the 1e-12 tolerance of the greedy checks
+        if below <= low or _groups_needed(prefix, np.array([below]), stop_after=units + 1)[0] > units:
+            break
+        bounds = _greedy_bounds(prefix, below)
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
+BRACKET_TOLERANCE = 1e-6
 SEARCH_WAYS = 16
 
 
@@ -64,7 +72,7 @@ def _groups_needed(prefix: np.ndarray, limits: np.ndarray, stop_after: int) -> n
     return groups
 
 
-def _greedy_bounds(prefix: np.ndarray, limit: float) -> list[int]:
+def _greedy_bounds(prefix: np.ndarray, limit: float) -> np.ndarray:
     """Cut points of the greedy segmentation: each group takes as many positions as fit `limit`
     (at least one), found by binary search on the prefix sums."""
     count = len(prefix) - 1
@@ -74,7 +82,7 @@ def _greedy_bounds(prefix: np.ndarray, limit: float) -> list[int]:
         start = bounds[-1]
         end = int(np.searchsorted(prefix, prefix[start] + limit + tolerance, side="right")) - 1
         bounds.append(min(max(end, start + 1), count))
-    return bounds
+    return np.array(bounds)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import Plan, PlanError, ReplicaPlan, Sample
+from ..plan import Plan, PlanError, ReplicaPlan, Sample, samples_of
 from ..specs import ParallelConfig
 from .dp_phase import assign_to_replicas
 from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
@@ -285,7 +285,7 @@ def plan_slimpack(
     token_cap = auto_token_cap(cost, parallel, config)
     group_sizes = merge_group_sizes(lengths, cost, parallel, token_cap, use_merge)
     rates = WorkRates.from_cost(cost, parallel, token_cap)
-    samples = [Sample(i, n) for i, n in enumerate(lengths)]
+    samples = samples_of(lengths)
     as_array = np.asarray(lengths, dtype=float)
     document_costs = rates.total(as_array, as_array * (as_array + 1) / 2)
     assignment = assign_to_replicas(
