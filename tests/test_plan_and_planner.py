@@ -335,3 +335,17 @@ def test_continued_tokens_count_slices_with_a_later_slice():
     micropacks = [MicroPack([Slice(0, 0, 5), Slice(1, 0, 3)]), MicroPack([Slice(0, 5, 9), Slice(2, 0, 4)]),
                   MicroPack([Slice(0, 9, 12)])]
     assert continued_tokens(micropacks).tolist() == [5.0, 4.0, 0.0]
+
+
+def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
+    """A document within the token cap is one MicroPack like any other (no KV cache): if the cap
+    fits memory, so does it. Only longer ones, whose slices are all in flight, may need a group."""
+    from megatron_slimpack.solver.strategies import auto_token_cap, merge_group_sizes
+
+    parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
+    config = ms.SlimPackConfig(context_length=65536)
+    cap = auto_token_cap(COST, parallel, config)
+    assert cap < 65536  # the case is only interesting when the cap is memory-bound
+    sizes = merge_group_sizes([cap, cap - 1, cap // 2, 65536], COST, parallel, cap, dp_merge=True)
+    assert sizes.tolist()[:3] == [1, 1, 1]
+    assert sizes[3] > 1

@@ -148,17 +148,18 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
 def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig, token_cap: int | None = None) -> float:
     """Per-device memory of one document whose slices are all in flight, as its backward needs.
 
-    Without `token_cap` this is a lower bound (the document alone). With it, the document's
-    MicroPacks count as filled to the cap (short documents top them up) and stage 0 also holds the
-    pp - 1 other MicroPacks that 1F1B keeps in flight."""
+    Without `token_cap` this is a lower bound (the document alone, in one MicroPack). With it, the
+    document's MicroPacks count as filled to the cap (short documents top them up), a document
+    longer than the cap also holds the KV cache of its sliced prefix, and stage 0 also holds the
+    pp - 1 other MicroPacks that 1F1B keeps in flight. A document within the cap is one MicroPack
+    like any other: it has no KV cache and needs no more than the cap itself."""
     pairs = length * (length + 1) / 2
-    in_flight = length
-    others = 0.0
+    in_flight, kv, others = length, 0.0, 0.0
     if token_cap:
         in_flight = -(-length // token_cap) * token_cap
+        kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
         others = (parallel.pp - 1) * cost.activation_bytes(token_cap, token_cap * token_cap / 2, parallel)
-    return (cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True)
-            + cost.kv_cache_bytes(length, parallel) + others)
+    return cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True) + kv + others
 
 
 def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int,
