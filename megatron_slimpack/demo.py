@@ -190,6 +190,9 @@ def _train(rank: int, world_size: int, port: int, options: DemoOptions) -> dict 
     warnings.filterwarnings("ignore")
     import torch
 
+    from .runtime.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()
     torch.set_num_threads(1)
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -338,8 +338,11 @@ class _SliceTable:
         self.counts = counts
         self.pack_offsets = np.concatenate([[0], np.cumsum([len(r.micropacks) for r in replicas])]).astype(int)
         self.row_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        # The cap is per device: each member of a k-replica merge group holds 1/k of its MicroPacks.
+        caps = None if token_cap is None else np.repeat(
+            [token_cap * len(r.dp_ranks) for r in replicas], [len(r.micropacks) for r in replicas])
         self.valid = bool(len(packs) == 0 or counts.min() > 0) and self._slices_ok() and (
-            token_cap is None or bool((micropack_figures(packs, (counts, table))[0] <= token_cap).all()))
+            caps is None or bool((micropack_figures(packs, (counts, table))[0] <= caps).all()))
 
     def _slices_ok(self) -> bool:
         if len(self.sample) == 0:
@@ -422,7 +425,7 @@ def _check_replica(
 ) -> None:
     where = f"replica plan {index}"
     if not slices_checked:
-        _check_slices(replica, where, lengths, token_cap)
+        _check_slices(replica, where, lengths, None if token_cap is None else token_cap * len(replica.dp_ranks))
     count = len(replica.micropacks)
     _check_segmentation("forward-units", replica.forward_units, list(range(count)), where)
     _check_segmentation("backward-units", replica.backward_units,
@@ -437,7 +440,8 @@ def _check_slices(replica: ReplicaPlan, where: str, lengths: dict[int, int], tok
             raise PlanError(f"empty-micropack: {where} MicroPack {mp_index} has no slices")
         if token_cap is not None and micropack.num_tokens > token_cap:
             raise PlanError(
-                f"token-cap: {where} MicroPack {mp_index} has {micropack.num_tokens} tokens > cap {token_cap}"
+                f"token-cap: {where} MicroPack {mp_index} has {micropack.num_tokens} tokens > cap {token_cap} "
+                f"(the plan's max_micropack_tokens per device, times the replicas of a merge group)"
             )
         in_this_pack: set[int] = set()
         for piece in micropack.slices:

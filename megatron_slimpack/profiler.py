@@ -361,8 +361,10 @@ def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, thread
     processes measure the same shape at the same time)."""
     import torch
 
+    from .runtime.host_memory import keep_freed_host_memory
     from .runtime.model import build_gpt_model
 
+    keep_freed_host_memory()  # as in the training processes, so the profile sees the same allocator
     torch.set_num_threads(threads)
     ensure_megatron()
     torch.manual_seed(seed)

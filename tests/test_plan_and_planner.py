@@ -179,6 +179,19 @@ def test_token_cap_and_ranks_are_checked():
         plan.validate()
 
 
+def test_token_cap_is_per_device_so_a_merge_group_holds_its_size_times_the_cap():
+    def plan_with_merged_pack(tokens: int) -> Plan:
+        merged = ReplicaPlan([MicroPack([Slice(0, 0, tokens)])], [[0]], [[0]], [[("F", 0), ("B", 0)]], [0, 1])
+        own = [ReplicaPlan([MicroPack([Slice(rank + 1, 0, 3)])], [[0]], [[0]], [[("F", 0), ("B", 0)]], [rank])
+               for rank in (0, 1)]
+        return Plan([merged, *own], [Sample(0, tokens), Sample(1, 3), Sample(2, 3)], ParallelConfig(dp=2),
+                    context_length=32, strategy="hand", max_micropack_tokens=8)
+
+    plan_with_merged_pack(16).validate()  # two members hold 8 tokens each
+    with pytest.raises(PlanError, match="token-cap: replica plan 0 MicroPack 0 has 17 tokens > cap 16"):
+        plan_with_merged_pack(17).validate()
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lengths, message", [

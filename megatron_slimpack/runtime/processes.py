@@ -23,6 +23,9 @@ def free_port() -> int:
 def _run(rank, world_size, port, fn, args, errors):
     try:
         os.environ["SLIMPACK_RANK"] = str(rank)
+        from .host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()  # CPU workers: no page-fault storm per MicroPack
         fn(rank, world_size, port, *args)
     except BaseException:  # report to the parent instead of dying silently
         errors.put((rank, traceback.format_exc()))

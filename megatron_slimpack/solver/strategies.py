@@ -171,7 +171,8 @@ def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelCon
     largest_group = parallel.dp if dp_merge else 1
 
     def need(length: int, size: int) -> float:
-        return document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size), token_cap)
+        # A merge group's MicroPacks hold `size` x the cap: each member keeps the cap's share.
+        return document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size), token_cap * size)
 
     for index in np.argsort(lengths)[::-1]:
         length = int(lengths[index])
@@ -272,7 +273,7 @@ def merged_cost_function(lengths: list[int], cost: CostModel, parallel: Parallel
 
     def merged_cost(index: int, size: int) -> float:
         if size not in rates_by_size:
-            rates_by_size[size] = WorkRates.from_cost(cost, parallel.with_(cp=parallel.cp * size), token_cap)
+            rates_by_size[size] = WorkRates.from_cost(cost, parallel.with_(cp=parallel.cp * size), token_cap * size)
         return rates_by_size[size].document(lengths[index])
 
     return merged_cost
@@ -300,8 +301,10 @@ def plan_slimpack(
         merged = parallel.with_(cp=parallel.cp * len(group.dp_ranks))
         members = [samples[i] for i in group.sample_indices]
         budget = activation_budget(cost, parallel)  # the device's own static memory, not the merged view's
-        replica, makespan, choice = plan_replica(members, cost, merged, config, rates, token_cap, group.dp_ranks, symmetric,
-                                                 budget=budget)
+        size = len(group.dp_ranks)  # each member holds 1/size of a merged MicroPack: the cap scales
+        merged_rates = WorkRates.from_cost(cost, merged, token_cap * size)
+        replica, makespan, choice = plan_replica(members, cost, merged, config, merged_rates, token_cap * size,
+                                                 group.dp_ranks, symmetric, budget=budget)
         replicas.append(replica)
         predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": float(makespan), **choice})
     # Replicas hold statistically alike batches: the MicroPack size is searched on the heaviest
