@@ -56,19 +56,20 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     Fused GPU path (TE / flash-attn): norm inputs and rstd (2h + 2), the QKV output (h + 2kv), the
     attention output (h, also the out-projection input), the MLP input after norm (h), the fc1
     output (2f for SwiGLU) and the SwiGLU output (f); the kernel keeps no score matrix.
-    Torch reference path (measured with saved_tensors_hooks on megatron-core 0.16.1's local spec):
-    each torch RMSNorm keeps x, x*rstd and rstd (4h + 2); the inputs of linear_qkv, linear_proj and
-    linear_fc1 (3h); a scaled q inside SDPA (h); K and V expanded to all heads (2h); RoPE cos/sin
-    for q and k (4d); SwiGLU keeps 2f + 2f + f. Per KV-prefix token, the expanded K/V (2h); per
-    (query, key) pair, the softmax probabilities of every head over the slice's full rectangle,
-    about twice the causal pairs.
+    Torch reference path (4-D SDPA, which reaches torch's fused CPU flash kernel; measured with
+    saved_tensors_hooks on megatron-core 0.16.1's local spec): the first torch RMSNorm keeps x, rstd
+    and its output, the input of linear_qkv (3h + 1); RoPE cos/sin for q and k (4d); SDPA keeps the
+    rotated q (h), k (kv), the QKV output storage that v views (h + 2kv), its output (h) and the
+    log-sum-exp per head; linear_proj's input, the second norm and linear_fc1's input (4h + 1); fc1's
+    output and SwiGLU's (fc1 + 3f). A slice with a KV prefix also keeps the concatenated K and V
+    (2kv per key) and the bottom-right mask as floats (4 bytes per query x key); the mask is not
+    itemised here (the profile's fit absorbs it).
     """
     h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
     if attention_backend == "torch":
-        per_token = 4 * h + 2 + 3 * h + h + 2 * h + 4 * d + fc1 + 2 * f + f
-        return ActivationCoefficients(per_token * dtype_bytes, 2 * model.num_attention_heads * dtype_bytes,
-                                      2 * h * dtype_bytes, (3 * h + 1) * dtype_bytes)
+        per_token = (3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1) + fc1 + 3 * f
+        return ActivationCoefficients(per_token * dtype_bytes, 0.0, 2 * kv * dtype_bytes, (3 * h + 1) * dtype_bytes)
     per_token = (2 * h + 2) + (h + 2 * kv) + h + h + fc1 + f
     return ActivationCoefficients(per_token * dtype_bytes, 0.0, 0.0, (2 * h + 1) * dtype_bytes)
 

@@ -1,15 +1,15 @@
 """Activation bytes saved for backward by the runtime (torch backend, fp32, tp=1) vs the cost model.
 
-Measured itemisation (megatron-core 0.16.1 local spec, torch RMSNorm fallback, SwiGLU, torch math
-SDPA), elements per layer:
-  per token:  10h + 4d + 2 + 5f
-    input/pre-MLP RMSNorm: x, x*rstd (2h each) + rstd (1 each); inputs of linear_qkv, linear_proj,
-    linear_fc1 (h each); q (h, scaled copy in SDPA); K and V expanded to all heads for GQA (2h);
-    RoPE cos and sin for q and k (4d, d = head dim); SwiGLU: fc1 output (2f), two f-sized
-    intermediates (2f), fc2 input (f)
-  per prefix token (K/V of earlier slices read from the store): 2h (expanded K and V)
-  per (query, key) entry of each slice's [len x (start + len)] rectangle: heads (softmax
-    probabilities; the math kernel keeps the masked upper triangle too)
+Measured itemisation (megatron-core 0.16.1 local spec, torch RMSNorm fallback, SwiGLU, torch's
+fused CPU flash SDPA), elements per layer:
+  per token:  10h + 3kv + 4d + H + 2 + 5f
+    input RMSNorm x, rstd, output and linear_qkv's input (3h + 1); RoPE cos and sin for q and k
+    (4d, d = head dim); SDPA: rotated q (h), rotated k (kv), the QKV output that v views (h + 2kv),
+    its output (h) and log-sum-exp (H heads); linear_proj's input, pre-MLP RMSNorm, linear_fc1's
+    input (4h + 1); SwiGLU: fc1 output (2f), two f-sized intermediates (2f), fc2 input (f)
+  a MicroPack with a KV prefix concatenates K and V per segment: 2kv per key (prefix or own)
+    instead of the rotated k and the QKV output (h + 3kv per token), plus the bottom-right mask as
+    floats, len x (start + len) per prefixed slice
 Once per model (last stage), per token: final norm 2h+1, output-layer input h, cross-entropy
 vocab (fp32), 8+1+4 bytes of labels/masks and 8 bytes of token ids.
 """
@@ -24,13 +24,15 @@ H, HEADS, GROUPS, FFN, VOCAB, LAYERS = 64, 4, 2, 96, 64, 2
 
 
 def itemised_bytes(micropacks) -> int:
-    d, f = H // HEADS, FFN
+    d, f, kv = H // HEADS, FFN, H // HEADS * GROUPS
     total = 0
     for mp in micropacks:
         tokens = mp.num_tokens
         prefix = sum(s.start for s in mp.slices)
-        rectangle = sum(s.length * s.end for s in mp.slices)
-        per_layer = tokens * (10 * H + 4 * d + 2 + 5 * f) + prefix * 2 * H + rectangle * HEADS
+        per_layer = tokens * (10 * H + 3 * kv + 4 * d + HEADS + 2 + 5 * f)
+        if prefix:
+            masks = sum(s.length * s.end for s in mp.slices if s.start > 0)
+            per_layer += 2 * kv * (prefix + tokens) - tokens * (H + 3 * kv) + masks
         total += 4 * LAYERS * per_layer + tokens * (4 * (3 * H + 1 + VOCAB) + 8 + 1 + 4 + 8)
     return total
 

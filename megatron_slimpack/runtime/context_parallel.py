@@ -71,10 +71,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..plan import MicroPack
+from .attention import segment_attention
 
 
 # ---- token split ---------------------------------------------------------------------------
@@ -241,14 +241,10 @@ def torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, scale, dropout_p):
     for i in range(len(bounds_q) - 1):
         if bounds_q[i + 1] == bounds_q[i]:
             continue  # this member holds no token of this slice
-        qs = q[bounds_q[i]:bounds_q[i + 1]].transpose(0, 1)
-        ks = k[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)
-        vs = v[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)
-        key_positions = torch.arange(ks.shape[1], device=q.device)
+        ks, vs = k[bounds_kv[i]:bounds_kv[i + 1]], v[bounds_kv[i]:bounds_kv[i + 1]]
+        key_positions = torch.arange(ks.shape[0], device=q.device)
         mask = key_positions[None, :] <= q_positions[bounds_q[i]:bounds_q[i + 1], None]
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=ks.shape[0] != qs.shape[0])
-        outputs.append(out.transpose(0, 1))
+        outputs.append(segment_attention(q[bounds_q[i]:bounds_q[i + 1]], ks, vs, mask, scale, dropout_p))
     if not outputs:
         return q.new_zeros((0, q.shape[1], v.shape[-1]))
     return torch.cat(outputs)
