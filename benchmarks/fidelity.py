@@ -2,7 +2,7 @@
 steps (PP=2, gloo, real text lengths, plans from a separate seed) and compare measured with
 simulated iteration time, per-task time and per-stage peak activation memory.
 
-    .venv/bin/python benchmarks/fidelity.py [--plans 3] [--repeats 3] [--reprofile]
+    .venv/bin/python benchmarks/fidelity.py [--plans 3] [--repeats 3] [--reprofile [--concurrent 2]]
 
 Writes benchmarks/results/fidelity.md and per-step overlaid Gantt charts (measured vs
 simulated) under benchmarks/results/fidelity/.
@@ -28,6 +28,8 @@ def main() -> int:
     parser.add_argument("--strategy", action="append")
     parser.add_argument("--profile", default=str(ROOT / "benchmarks/results/profile_cpu_tiny.json"))
     parser.add_argument("--reprofile", action="store_true")
+    parser.add_argument("--concurrent", type=int, default=2,
+                        help="processes profiling at once when re-profiling (2: the validation's PP=2 contention)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/fidelity.md"))
     args = parser.parse_args()
 
@@ -39,7 +41,7 @@ def main() -> int:
     from megatron_slimpack.profiler import describe_fit, profile
 
     if args.reprofile or not Path(args.profile).exists():
-        profile(args.model, pp=2).write(args.profile)
+        profile(args.model, pp=2, concurrent=args.concurrent).write(args.profile)
     import json
 
     fit = json.loads(Path(args.profile).read_text())["fit"]

@@ -106,6 +106,13 @@ def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarr
     return np.add.reduceat(length, starts), np.add.reduceat(pairs, starts)
 
 
+def prefix_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:
+    """KV-prefix tokens every MicroPack's slices read (the earlier slices of their samples)."""
+    counts, table = table if table is not None else slice_table(micropacks)
+    pack_of = np.repeat(np.arange(len(micropacks)), counts)
+    return np.bincount(pack_of, weights=table[:, 1].astype(float), minlength=len(micropacks))
+
+
 def continued_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:
     """Tokens of every MicroPack in slices that a later slice of their sample continues (their
     K/V stay cached until that slice's backward)."""
