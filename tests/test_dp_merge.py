@@ -47,12 +47,13 @@ def test_every_member_gets_tokens():
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_position_runs_through_a_varlen_kernel_match_the_masked_reference(k):
-    """The TE / flash-attn path of merged attention (runs of consecutive positions, keys gathered
-    per run, one bottom-right causal varlen call) gives the masked reference's outputs and
-    gradients, for every member, with prefixes and short slices dealt round-robin."""
+    """Merged attention as every backend runs it (runs of consecutive positions, keys gathered per
+    run, one bottom-right causal varlen call; here with the torch kernel) gives the masked
+    reference's outputs and gradients, for every member, with prefixes and short slices dealt
+    round-robin."""
     from megatron_slimpack.plan import MicroPack, Slice
-    from megatron_slimpack.runtime.attention import SlicedAttentionMixin, SlicedDotProductAttention
-    from megatron_slimpack.runtime.context_parallel import build_layout
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.context_parallel import build_layout, torch_position_kernel
     from megatron_slimpack.runtime.model import tiny_config
 
     heads, groups, dim = 4, 2, 8
@@ -70,7 +71,11 @@ def test_position_runs_through_a_varlen_kernel_match_the_masked_reference(k):
         q = torch.randn(int(cu_q[-1]), heads, dim, generator=gen)
         weight = torch.randn(int(cu_q[-1]), heads * dim, generator=gen)
         results = []
-        for method in (attention._attend_positions, lambda *a: SlicedAttentionMixin._attend_positions(attention, *a)):
+        def reference(q, k, v, cu_q, cu_kv, positions):
+            out = torch_position_kernel(q, k, v, cu_q, cu_kv, positions, attention.softmax_scale, 0.0)
+            return out.reshape(out.shape[0], -1)
+
+        for method in (reference, attention._attend_positions):
             leaves = [t.clone().requires_grad_() for t in (q, keys, values)]
             out = method(*leaves, cu_q, cu_kv, layout.local_positions)
             (out * weight).sum().backward()

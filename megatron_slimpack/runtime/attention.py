@@ -288,16 +288,6 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
         out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
         return out.reshape(out.shape[0], -1)
 
-    def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions, runs=None):
-        if self.kernel is not torch_kernel:
-            return super()._attend_positions(q, k, v, cu_q, cu_kv, q_positions, runs)
-        # On CPU one masked call per slice (no key copies) beats the per-run calls.
-        from .context_parallel import torch_position_kernel
-
-        dropout = self.dropout_p if self.training else 0.0
-        out = torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, self.softmax_scale, dropout)
-        return out.reshape(out.shape[0], -1)
-
 
 # Transformer Engine fused attention (THD, padding_causal_bottom_right): only where TE imports.
 try:  # pragma: no cover - needs TE and a GPU

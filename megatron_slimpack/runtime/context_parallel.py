@@ -48,20 +48,16 @@ reduce-scatter per layer in backward, layers in reverse order by autograd's data
 
 Kernels: what is and isn't supported
 ------------------------------------
-* torch reference (CPU and tests; implemented here): one `scaled_dot_product_attention` per
-  slice, local queries against [prefix + full slice] keys in natural order, with an explicit
-  mask built from absolute positions (key position <= query position). Any permutation of the
-  tokens works, not only the zigzag split.
-* Transformer Engine and flash-attn (any bottom-right causal varlen kernel, `PositionRuns`):
-  a member's local tokens of a slice form runs of consecutive positions (two per slice for the
-  zigzag split, single tokens for short slices dealt round-robin). Run [a, b) attends keys
-  [0, b) of the slice's natural-order (prefix + slice) keys, which is bottom-right causal for
-  b - a queries against b keys, so one varlen call over all runs, with each run's keys gathered
-  into its own key segment, computes the member's attention. The key copies cost memory
-  (about twice the slice's keys per member); the runs are built once per MicroPack and shared
-  by its layers. The same code runs with the torch kernel in the tests (CPU), which checks the
-  runs and the key gathering against the masked reference; the GPU kernels themselves are the
-  ones the non-merged path uses.
+* Every backend (Transformer Engine, flash-attn, the torch kernel on CPU) goes through
+  `PositionRuns`: a member's local tokens of a slice form runs of consecutive positions (two per
+  slice for the zigzag split, single tokens for short slices dealt round-robin). Run [a, b)
+  attends keys [0, b) of the slice's natural-order (prefix + slice) keys, which is bottom-right
+  causal for b - a queries against b keys, so one varlen call over all runs, with each run's keys
+  gathered into its own key segment, computes the member's attention. The key copies cost memory
+  (about twice the slice's keys per member); the runs are built once per MicroPack and shared by
+  its layers. `torch_position_kernel` (one masked call per slice, any permutation of the tokens)
+  is the reference the tests check the runs and the key gathering against; the GPU kernels
+  themselves are the ones the non-merged path uses.
 """
 from __future__ import annotations
 
@@ -234,8 +230,10 @@ def gather_full(local: Tensor, layout: CPLayout) -> Tensor:
 
 # ---- the torch kernel with position masks --------------------------------------------------
 def torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, scale, dropout_p):
-    """Packed local queries [Tq, H, D] against per-segment keys [prefix + full slice] (natural
-    order, key j at position j): query at position p sees keys 0..p."""
+    """Reference: packed local queries [Tq, H, D] against per-segment keys [prefix + full slice]
+    (natural order, key j at position j): query at position p sees keys 0..p. (Not the runtime's
+    path: an explicit mask keeps the CPU kernel from skipping masked blocks, so it computes every
+    member's full query x key rectangle.)"""
     bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
     outputs = []
     for i in range(len(bounds_q) - 1):
