@@ -258,6 +258,13 @@ class UnitCandidate:
         work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
         return cls(micropacks, forward_units, backward_units, work, pipeline_estimate(work))
 
+    @property
+    def warmup_bytes(self) -> float:
+        """A lower bound of its peak memory: 1F1B runs at least pp forward units on stage 0 before
+        the first backward frees anything."""
+        first = self.work.forward_bytes[0]
+        return float(sum(first[:len(self.work.forward_bytes)]))
+
     def order(self, dp_ranks: list[int]) -> "OrderedCandidate":
         """Stage orders, the makespan of their replay (no DP reduction) and their peak memory."""
         orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work)

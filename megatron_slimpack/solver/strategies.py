@@ -246,6 +246,8 @@ def plan_replica(
         for candidate, choice in candidates:
             if replayed == REPLAYED_CANDIDATES:
                 break
+            if candidate.warmup_bytes + costs.largest_recompute_bytes > budget and leanest is not None:
+                continue  # its stage 0 cannot fit even before the first backward: not worth ordering
             result = candidate.order(dp_ranks)
             peak = result.peak_activation_bytes + costs.largest_recompute_bytes
             if leanest is None or peak < leanest[0]:
