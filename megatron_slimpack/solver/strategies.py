@@ -269,6 +269,21 @@ def plan_replica(
     return best
 
 
+def _plan_with_reused_size(members, cost, parallel, config, rates, token_cap, rank, symmetric, chosen_sizes):
+    """`plan_replica` with the heaviest replica's MicroPack size. Where it does not fit (a longer
+    chain than the heaviest's), the next smaller sizes are tried one at a time: a smaller size
+    only costs more per token, so the largest that fits is kept."""
+    if chosen_sizes is None:
+        return plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric)
+    sizes = chosen_sizes + [size for size in slice_candidates(token_cap, config) if size < chosen_sizes[0]]
+    for index, size in enumerate(sizes):
+        try:
+            return plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric, sizes=[size])
+        except PlanError:
+            if index == len(sizes) - 1:
+                raise
+
+
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
     """Per-rank seconds of document i run by k replicas with context parallelism k."""
     rates_by_size: dict[int, WorkRates] = {}
@@ -319,15 +334,8 @@ def plan_slimpack(
         # A rank may get no documents of its own (fewer heavy documents than ranks): it then idles
         # until the gradient reduction, which the simulator shows as DP imbalance.
         members = [samples[i] for i in assignment.replica_samples[rank]]
-        try:
-            replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank],
-                                                     symmetric, sizes=chosen_sizes)
-        except PlanError:
-            if chosen_sizes is None:
-                raise
-            # The heaviest replica's size does not fit this one (a longer chain): search them all.
-            replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank],
-                                                     symmetric)
+        replica, makespan, choice = _plan_with_reused_size(members, cost, parallel, config, rates, token_cap, rank,
+                                                           symmetric, chosen_sizes)
         if members and chosen_sizes is None:
             chosen_sizes = [choice["micropack_tokens"]]
         own[rank] = replica
