@@ -338,7 +338,7 @@ def test_replica_that_cannot_fit_memory_names_the_need_and_the_knobs():
     samples = [Sample(i, 8192) for i in range(8)]
     config = ms.SlimPackConfig(context_length=65536)
     rates = WorkRates.from_cost(COST, parallel, 8192)
-    with pytest.raises(PlanError, match=r"memory: replica \[0\] holds at least .* activation recompute"):
+    with pytest.raises(PlanError, match=r"memory: replica \[0\] does not fit: .* activation recompute"):
         plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, budget=1e6)
 
 

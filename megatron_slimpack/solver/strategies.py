@@ -260,10 +260,10 @@ def plan_replica(
     if best is None:
         assert leanest is not None
         raise PlanError(
-            f"memory: replica {dp_ranks} holds at least {format_bytes(leanest[0])} of activations and KV cache on a "
-            f"pipeline stage "
-            f"(its leanest candidate: MicroPacks of {leanest[1]} tokens) with {parallel.describe()}, but "
-            f"{format_bytes(max(budget, 0.0))} is left after weights, gradients and optimizer state on "
+            f"memory: replica {dp_ranks} does not fit: its leanest schedule holds {format_bytes(leanest[0])} of "
+            f"activations and KV cache on a pipeline stage (MicroPacks of {leanest[1]} tokens) with "
+            f"{parallel.describe()}, but only {format_bytes(max(budget, 0.0))} is left after weights, gradients and "
+            f"optimizer state on "
             f"{cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
             f"a smaller MicroPack size (max_micropack_tokens) or a shorter context")
     return best
