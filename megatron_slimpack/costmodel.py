@@ -48,6 +48,7 @@ class ActivationCoefficients:
     per_pair: float
     per_prefix_token: float = 0.0
     per_model_token: float = 0.0
+    per_masked_entry: float = 0.0  # per (query, key) entry of a slice with a KV prefix (an explicit mask)
 
 
 def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: str) -> ActivationCoefficients:
@@ -62,14 +63,15 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     rotated q (h), k (kv), the QKV output storage that v views (h + 2kv), its output (h) and the
     log-sum-exp per head; linear_proj's input, the second norm and linear_fc1's input (4h + 1); fc1's
     output and SwiGLU's (fc1 + 3f). A slice with a KV prefix also keeps the concatenated K and V
-    (2kv per key) and the bottom-right mask as floats (4 bytes per query x key); the mask is not
-    itemised here (the profile's fit absorbs it).
+    (2kv per key) and its bottom-right mask in the compute dtype, per query x key entry
+    (`per_masked_entry`, not split by tensor parallelism).
     """
     h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
     if attention_backend == "torch":
         per_token = (3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1) + fc1 + 3 * f
-        return ActivationCoefficients(per_token * dtype_bytes, 0.0, 2 * kv * dtype_bytes, (3 * h + 1) * dtype_bytes)
+        return ActivationCoefficients(per_token * dtype_bytes, 0.0, 2 * kv * dtype_bytes, (3 * h + 1) * dtype_bytes,
+                                      per_masked_entry=dtype_bytes)
     per_token = (2 * h + 2) + (h + 2 * kv) + h + h + fc1 + f
     return ActivationCoefficients(per_token * dtype_bytes, 0.0, 0.0, (2 * h + 1) * dtype_bytes)
 
@@ -291,10 +293,12 @@ class CostModel:
         return params * (self.dtype_bytes + 4.0) + optimizer
 
     def activation_bytes(
-        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False, prefix_tokens: float = 0.0
+        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False, prefix_tokens: float = 0.0,
+        masked_entries: float = 0.0,
     ) -> float:
         """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward.
-        `prefix_tokens`: KV-prefix tokens its slices read (matters only where the kernel copies them)."""
+        `prefix_tokens`: KV-prefix tokens its slices read; `masked_entries`: query x key entries of
+        its slices that read a prefix (both matter only where the kernel copies keys or keeps a mask)."""
         layers = self.layers_per_stage(parallel)
         shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
         if parallel.recompute == "full":
@@ -305,6 +309,7 @@ class CostModel:
                 per_token -= 2 * self.model.ffn_hidden_size * self.dtype_bytes  # fc1 output recomputed
             per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp
                          + self.activation.per_prefix_token * prefix_tokens) / shards
+            per_layer = per_layer + self.activation.per_masked_entry * masked_entries / parallel.cp
         total = layers * per_layer
         if last_stage:
             total += self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards

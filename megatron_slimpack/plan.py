@@ -106,11 +106,15 @@ def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarr
     return np.add.reduceat(length, starts), np.add.reduceat(pairs, starts)
 
 
-def prefix_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:
-    """KV-prefix tokens every MicroPack's slices read (the earlier slices of their samples)."""
+def prefix_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per MicroPack: the KV-prefix tokens its slices read (the earlier slices of their samples),
+    and the query x key entries of its slices that read a prefix (length x end each)."""
     counts, table = table if table is not None else slice_table(micropacks)
     pack_of = np.repeat(np.arange(len(micropacks)), counts)
-    return np.bincount(pack_of, weights=table[:, 1].astype(float), minlength=len(micropacks))
+    start, end = table[:, 1].astype(float), table[:, 2].astype(float)
+    masked = (end - start) * end * (start > 0)
+    return (np.bincount(pack_of, weights=start, minlength=len(micropacks)),
+            np.bincount(pack_of, weights=masked, minlength=len(micropacks)))
 
 
 def continued_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:

@@ -63,6 +63,12 @@ class Point:
     backward_s: float
     saved_bytes: int
 
+    @property
+    def masked_entries(self) -> int:
+        """Query x key entries of the slices that read a prefix (the torch kernel's mask)."""
+        length = self.tokens // self.slices
+        return self.slices * length * (self.prefix + length) if self.prefix else 0
+
 
 @dataclass
 class ProfileResult:
@@ -310,29 +316,30 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
         c = result["coefficients"]
         coefficients[f"head_{name}"] = TimeCoefficients(c["c0"], c["per_token"], 0.0)
     saved = np.array([p.saved_bytes for p in points], dtype=float)
-    # The torch kernel keeps each slice's full [len x (prefix + len)] score rectangle, about 2x the
-    # causal pairs without a prefix. The simulator charges activations by (T, A) only, so
-    # per_token and per_pair are fitted on the prefix-free shapes (what most MicroPacks are) and
-    # per_prefix_token on what the prefix shapes add beyond them.
+    masked = np.array([p.masked_entries for p in points], dtype=float)
+    # Prefix-free shapes (what most MicroPacks are) fix per_token and per_pair; what a KV prefix adds
+    # beyond them is fitted on the prefix shapes: the copied keys (per prefix token) and the torch
+    # kernel's explicit bottom-right mask (per query x key entry of a prefixed slice).
     plain = prefix == 0
-    if plain.sum() >= 2 and (~plain).any():
+    if plain.sum() >= 2 and (~plain).sum() >= 2:
         result = least_squares([tokens[plain], pairs[plain]], saved[plain], ["per_token", "per_pair"])
         base = result["coefficients"]["per_token"] * tokens + result["coefficients"]["per_pair"] * pairs
-        extra = least_squares([prefix[~plain]], saved[~plain] - base[~plain], ["per_prefix_token"])
-        result["coefficients"]["per_prefix_token"] = extra["coefficients"]["per_prefix_token"]
-        result["stderr"]["per_prefix_token"] = extra["stderr"]["per_prefix_token"]
-        result["relative_stderr"]["per_prefix_token"] = extra["relative_stderr"]["per_prefix_token"]
-        prediction = base + result["coefficients"]["per_prefix_token"] * prefix
+        extra = least_squares([prefix[~plain], masked[~plain]], saved[~plain] - base[~plain],
+                              ["per_prefix_token", "per_masked_entry"])
+        for key in ("coefficients", "stderr", "relative_stderr"):
+            result[key].update(extra[key])
+        prediction = base + extra["coefficients"]["per_prefix_token"] * prefix + extra["coefficients"]["per_masked_entry"] * masked
         relative = (prediction - saved) / saved
         result["residuals"], result["mape"] = relative.tolist(), float(np.mean(np.abs(relative)))
     else:
-        result = least_squares([tokens, pairs, prefix], saved, ["per_token", "per_pair", "per_prefix_token"])
+        result = least_squares([tokens, pairs, prefix, masked], saved,
+                               ["per_token", "per_pair", "per_prefix_token", "per_masked_entry"])
     fit["activation"] = result
     a = result["coefficients"]
     head_bytes = np.array([h["saved_bytes"] for h in head_points], dtype=float)
     per_model = float(np.median(head_bytes / head_tokens)) - 4.0 * spec.vocab_size
     activation = ActivationCoefficients(a["per_token"] / layers, a["per_pair"] / layers, a["per_prefix_token"] / layers,
-                                        max(0.0, per_model))
+                                        max(0.0, per_model), a["per_masked_entry"] / layers)
     fit["activation_head_bytes_per_token"] = float(np.median(head_bytes / head_tokens))
     if p2p_points:
         sizes = np.array([r["bytes"] for r in p2p_points], dtype=float)
@@ -483,7 +490,8 @@ def predict_point(cost: CostModel, point: Point, layers: int) -> tuple[float, fl
     f, b = cost.profiled_forward, cost.profiled_backward
     a = cost.activation
     return (layers * f(point.tokens, point.pairs), layers * b(point.tokens, point.pairs),
-            layers * (a.per_token * point.tokens + a.per_pair * point.pairs + a.per_prefix_token * point.prefix_tokens))
+            layers * (a.per_token * point.tokens + a.per_pair * point.pairs + a.per_prefix_token * point.prefix_tokens
+                      + a.per_masked_entry * point.masked_entries))
 
 
 def profile_main(args) -> int:

@@ -47,7 +47,7 @@ class FixedCost:
     def static_memory_bytes(self, parallel):
         return 100.0
 
-    def activation_bytes(self, tokens, pairs, parallel, last_stage=False, prefix_tokens=0.0):
+    def activation_bytes(self, tokens, pairs, parallel, last_stage=False, prefix_tokens=0.0, masked_entries=0.0):
         return 1.0
 
     def kv_cache_bytes(self, tokens, parallel):

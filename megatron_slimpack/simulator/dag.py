@@ -198,6 +198,7 @@ class _ReplicaCosts:
     pairs: np.ndarray
     kv_tokens: np.ndarray  # tokens of the MicroPack's slices whose sample has later slices
     prefix_tokens: np.ndarray  # KV-prefix tokens its slices read (earlier slices of their samples)
+    masked_entries: np.ndarray  # query x key entries of its slices that read a prefix
     num_forward: int
     num_backward: int
     forward_unit_of: np.ndarray  # MicroPack -> forward unit
@@ -212,20 +213,20 @@ class _ReplicaCosts:
 
 
 def _micropack_sizes(replica: ReplicaPlan, lengths: dict[int, int], slice_figures: list) -> tuple:
-    """(tokens, pairs, KV-cached tokens, KV-prefix tokens) per MicroPack; appends (tokens, pairs)
-    of each slice."""
+    """(tokens, pairs, KV-cached tokens, KV-prefix tokens, masked entries) per MicroPack; appends
+    (tokens, pairs) of each slice."""
     rows = [(index, piece.start, piece.end, piece.end < lengths.get(piece.sample_id, piece.end))
             for index, micropack in enumerate(replica.micropacks) for piece in micropack.slices]
     count = len(replica.micropacks)
     if not rows:
-        return np.zeros(count), np.zeros(count), np.zeros(count), np.zeros(count)
+        return tuple(np.zeros(count) for _ in range(5))
     index, begin, end, cached = np.array(rows, dtype=np.int64).T
     tokens = end - begin
     pairs = tokens * begin + tokens * (tokens + 1) // 2
     slice_figures.append(np.stack([tokens, pairs], axis=1).astype(float))
     def per_mp(values):
         return np.bincount(index, weights=values.astype(float), minlength=count)
-    return per_mp(tokens), per_mp(pairs), per_mp(tokens * cached), per_mp(begin)
+    return per_mp(tokens), per_mp(pairs), per_mp(tokens * cached), per_mp(begin), per_mp(tokens * end * (begin > 0))
 
 
 def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, slice_figures) -> _ReplicaCosts:
@@ -236,7 +237,7 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, 
     forward_unit_of = _unit_index(replica.forward_units, count, f"{where} forward units")
     backward_unit_of = _unit_index(replica.backward_units, count, f"{where} backward units")
     effective = parallel.with_(cp=parallel.cp * group) if group > 1 else parallel
-    tokens, pairs, kv_tokens, prefix_tokens = _micropack_sizes(replica, lengths, slice_figures)
+    tokens, pairs, kv_tokens, prefix_tokens, masked_entries = _micropack_sizes(replica, lengths, slice_figures)
 
     def per_mp(method, last: bool, backward: bool) -> np.ndarray:
         seconds = _per_item(lambda t, a: method(t, a, effective, last_stage=last), tokens, pairs,
@@ -262,7 +263,7 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, 
     np.maximum.at(needs, backward_unit_of, forward_unit_of)
     return _ReplicaCosts(
         index=index, replica=replica, ranks=list(replica.dp_ranks), parallel=effective,
-        tokens=tokens, pairs=pairs, kv_tokens=kv_tokens, prefix_tokens=prefix_tokens,
+        tokens=tokens, pairs=pairs, kv_tokens=kv_tokens, prefix_tokens=prefix_tokens, masked_entries=masked_entries,
         num_forward=num_forward, num_backward=num_backward,
         forward_unit_of=forward_unit_of, backward_unit_of=backward_unit_of,
         forward_mp=forward_mp, backward_mp=backward_mp,
@@ -654,9 +655,9 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
         np.maximum.at(recompute_unit, rc.backward_unit_of, recompute)
         held, offsets = {}, {}
         for last in {stage == pp - 1 for stage in range(pp)}:
-            activation = _per_item(lambda t, a, prefix: cost.activation_bytes(t, a, effective, last_stage=last,
-                                                                              prefix_tokens=prefix),
-                                   tokens, pairs, rc.prefix_tokens)
+            activation = _per_item(lambda t, a, prefix, masked: cost.activation_bytes(
+                t, a, effective, last_stage=last, prefix_tokens=prefix, masked_entries=masked),
+                tokens, pairs, rc.prefix_tokens, rc.masked_entries)
             held[last] = activation + kv
             offsets[last] = _offsets_in_unit(rc.forward_mp[last], rc.replica.forward_units, rc.forward_unit_of)
         for stage in range(pp):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..costmodel import CostModel
 from ..plan import (MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, continued_tokens, micropack_figures,
-                    prefix_tokens, slice_table, whole_slices)
+                    prefix_figures, slice_table, whole_slices)
 from ..specs import ParallelConfig
 from .orders import StageWork, build_stage_orders, peak_in_flight, segment
 from .work import WorkRates, causal_pairs
@@ -164,9 +164,10 @@ class MicroPackCosts:
             name: np.array([fn(tokens, pairs, parallel, last_stage=last) * np.ones_like(tokens) for last in (False, True)])
             for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time))
         }
-        prefix = prefix_tokens(micropacks, table)
-        activation = np.array([cost.activation_bytes(tokens, pairs, parallel, last_stage=last, prefix_tokens=prefix)
-                               * np.ones_like(tokens) for last in (False, True)])
+        prefix, masked = prefix_figures(micropacks, table)
+        activation = np.array([cost.activation_bytes(tokens, pairs, parallel, last_stage=last, prefix_tokens=prefix,
+                                                     masked_entries=masked) * np.ones_like(tokens)
+                               for last in (False, True)])
         held = activation + cost.kv_cache_bytes(continued_tokens(micropacks, table), parallel)
         recompute = cost.recompute_peak_bytes(tokens, pairs, parallel) * np.ones_like(tokens)
         return cls(rows["forward"], rows["backward"], held, tokens, backward_sequence(micropacks, table),
