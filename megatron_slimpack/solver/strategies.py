@@ -234,6 +234,8 @@ def plan_replica(
     best: tuple[ReplicaPlan, float, dict] | None = None
     leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
     for size in sizes or slice_candidates(token_cap, config):
+        if best is not None and packing_bound_s(ordered, size, cost, parallel) >= best[1]:
+            continue  # even perfectly full MicroPacks of this size cannot beat the best schedule
         micropacks = pack_micropacks(ordered, PackOptions(size, size, 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
         if best is not None and costs.busiest_stage_s(parallel.pp) >= best[1]:
@@ -267,6 +269,22 @@ def plan_replica(
             f"{cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
             f"a smaller MicroPack size (max_micropack_tokens) or a shorter context")
     return best
+
+
+def packing_bound_s(ordered: SortedSamples, size: int, cost: CostModel, parallel: ParallelConfig) -> float:
+    """A lower bound, before packing, of the busiest stage's work with MicroPacks of at most
+    `size` tokens: all tokens in full MicroPacks. Slicing keeps a document's attention pairs, and
+    per token a MicroPack costs no less when it is smaller (efficiency grows with its tokens, the
+    per-MicroPack overhead is paid at least total/size times). Not a bound under context
+    parallelism (ring-attention exposure is not monotone in size): 0 there."""
+    tokens = float(ordered.lengths.sum())
+    if parallel.cp > 1 or tokens == 0:
+        return 0.0
+    count = tokens / size
+    pairs = float((ordered.lengths * (ordered.lengths + 1) / 2).sum()) / count
+    stages = (True, False) if parallel.pp > 1 else (True,)
+    return max(count * (cost.forward_time(size, pairs, parallel, last_stage=last)
+                        + cost.backward_time(size, pairs, parallel, last_stage=last)) for last in stages)
 
 
 def _plan_with_reused_size(members, cost, parallel, config, rates, token_cap, rank, symmetric, chosen_sizes):
