@@ -231,7 +231,7 @@ class Plan:
     parallel: ParallelConfig
     context_length: int
     strategy: str
-    max_micropack_tokens: int | None = None
+    max_micropack_tokens: int | None = None  # per device: a k-replica merge group's MicroPacks hold up to k x this
     metadata: dict = field(default_factory=dict)
 
     FORMAT_VERSION = 1
