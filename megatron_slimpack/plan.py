@@ -106,32 +106,34 @@ def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarr
     return np.add.reduceat(length, starts), np.add.reduceat(pairs, starts)
 
 
-def prefix_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarray, np.ndarray]:
-    """Per MicroPack: the KV-prefix tokens its slices read (the earlier slices of their samples),
-    and the query x key entries of its slices that read a prefix (length x end each)."""
-    counts, table = table if table is not None else slice_table(micropacks)
-    pack_of = np.repeat(np.arange(len(micropacks)), counts)
-    start, end = table[:, 1].astype(float), table[:, 2].astype(float)
-    masked = (end - start) * end * (start > 0)
-    return (np.bincount(pack_of, weights=start, minlength=len(micropacks)),
-            np.bincount(pack_of, weights=masked, minlength=len(micropacks)))
+class PackFigures(NamedTuple):
+    """Per-MicroPack figures the cost model charges (float arrays, one entry per MicroPack)."""
+
+    tokens: np.ndarray
+    pairs: np.ndarray  # attention pairs, KV prefixes included
+    continued: np.ndarray  # tokens in slices a later slice of their sample continues (K/V kept)
+    prefix: np.ndarray  # KV-prefix tokens its slices read (the earlier slices of their samples)
+    masked: np.ndarray  # query x key entries (length x end) of its slices that read a prefix
 
 
-def continued_tokens(micropacks: list[MicroPack], table=None) -> np.ndarray:
-    """Tokens of every MicroPack in slices that a later slice of their sample continues (their
-    K/V stay cached until that slice's backward)."""
+def pack_figures(micropacks: list[MicroPack], table=None) -> PackFigures:
+    """`PackFigures` of every MicroPack (`table`: their `slice_table`, if already at hand)."""
     counts, table = table if table is not None else slice_table(micropacks)
-    result = np.zeros(len(micropacks))
-    if len(table) == 0:
-        return result
-    later = table[table[:, 1] > 0]
-    if len(later) == 0:
-        return result
-    span = int(table[:, 2].max()) + 1  # (sample, position) as one integer key
-    continued = np.isin(table[:, 0].astype(np.int64) * span + table[:, 2], later[:, 0].astype(np.int64) * span + later[:, 1])
+    tokens, pairs = micropack_figures(micropacks, (counts, table))
     pack_of = np.repeat(np.arange(len(micropacks)), counts)
-    np.add.at(result, pack_of[continued], (table[continued, 2] - table[continued, 1]).astype(float))
-    return result
+    sample, start, end = table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+    continued = np.zeros(len(table), dtype=bool)
+    later = start > 0
+    if later.any():
+        span = int(end.max()) + 1  # (sample, position) as one integer key
+        continued = np.isin(sample * span + end, sample[later] * span + start[later])
+    length = (end - start).astype(float)
+
+    def per_pack(values: np.ndarray) -> np.ndarray:
+        return np.bincount(pack_of, weights=values, minlength=len(micropacks))
+
+    return PackFigures(tokens, pairs, per_pack(length * continued), per_pack(start.astype(float)),
+                       per_pack(length * end * later))
 
 
 def chains(micropacks: list[MicroPack], table=None) -> list[list[int]]:

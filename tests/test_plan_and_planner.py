@@ -342,12 +342,17 @@ def test_replica_that_cannot_fit_memory_names_the_need_and_the_knobs():
         plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, budget=1e6)
 
 
-def test_continued_tokens_count_slices_with_a_later_slice():
-    from megatron_slimpack.plan import continued_tokens
+def test_pack_figures_count_continued_prefix_and_masked_entries():
+    from megatron_slimpack.plan import pack_figures
 
     micropacks = [MicroPack([Slice(0, 0, 5), Slice(1, 0, 3)]), MicroPack([Slice(0, 5, 9), Slice(2, 0, 4)]),
                   MicroPack([Slice(0, 9, 12)])]
-    assert continued_tokens(micropacks).tolist() == [5.0, 4.0, 0.0]
+    figures = pack_figures(micropacks)
+    assert figures.tokens.tolist() == [8.0, 8.0, 3.0]
+    assert figures.pairs.tolist() == [15 + 6, 4 * 5 + 10 + 10, 3 * 9 + 6]
+    assert figures.continued.tolist() == [5.0, 4.0, 0.0]
+    assert figures.prefix.tolist() == [0.0, 5.0, 9.0]
+    assert figures.masked.tolist() == [0.0, 4 * 9, 3 * 12]
 
 
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..plan import Plan, ReplicaPlan
+from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table
 from ..specs import ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
 
@@ -212,24 +212,15 @@ class _ReplicaCosts:
     needs_forward: list[int]  # backward unit -> last forward unit it needs
 
 
-def _micropack_sizes(replica: ReplicaPlan, lengths: dict[int, int], slice_figures: list) -> tuple:
-    """(tokens, pairs, KV-cached tokens, KV-prefix tokens, masked entries) per MicroPack; appends
-    (tokens, pairs) of each slice."""
-    rows = [(index, piece.start, piece.end, piece.end < lengths.get(piece.sample_id, piece.end))
-            for index, micropack in enumerate(replica.micropacks) for piece in micropack.slices]
-    count = len(replica.micropacks)
-    if not rows:
-        return tuple(np.zeros(count) for _ in range(5))
-    index, begin, end, cached = np.array(rows, dtype=np.int64).T
-    tokens = end - begin
-    pairs = tokens * begin + tokens * (tokens + 1) // 2
-    slice_figures.append(np.stack([tokens, pairs], axis=1).astype(float))
-    def per_mp(values):
-        return np.bincount(index, weights=values.astype(float), minlength=count)
-    return per_mp(tokens), per_mp(pairs), per_mp(tokens * cached), per_mp(begin), per_mp(tokens * end * (begin > 0))
+def _micropack_sizes(replica: ReplicaPlan, slice_figures: list) -> PackFigures:
+    """`PackFigures` of the replica's MicroPacks; appends (tokens, pairs) of each slice."""
+    counts, table = slice_table(replica.micropacks)
+    length = (table[:, 2] - table[:, 1]).astype(float)
+    slice_figures.append(np.stack([length, length * table[:, 1] + length * (length + 1) / 2], axis=1))
+    return pack_figures(replica.micropacks, (counts, table))
 
 
-def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, slice_figures) -> _ReplicaCosts:
+def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_figures) -> _ReplicaCosts:
     parallel = plan.parallel
     group = len(replica.dp_ranks)
     where = f"replica plan {index}"
@@ -237,7 +228,8 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, 
     forward_unit_of = _unit_index(replica.forward_units, count, f"{where} forward units")
     backward_unit_of = _unit_index(replica.backward_units, count, f"{where} backward units")
     effective = parallel.with_(cp=parallel.cp * group) if group > 1 else parallel
-    tokens, pairs, kv_tokens, prefix_tokens, masked_entries = _micropack_sizes(replica, lengths, slice_figures)
+    figures = _micropack_sizes(replica, slice_figures)
+    tokens, pairs = figures.tokens, figures.pairs
 
     def per_mp(method, last: bool, backward: bool) -> np.ndarray:
         seconds = _per_item(lambda t, a: method(t, a, effective, last_stage=last), tokens, pairs,
@@ -263,7 +255,8 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, lengths, 
     np.maximum.at(needs, backward_unit_of, forward_unit_of)
     return _ReplicaCosts(
         index=index, replica=replica, ranks=list(replica.dp_ranks), parallel=effective,
-        tokens=tokens, pairs=pairs, kv_tokens=kv_tokens, prefix_tokens=prefix_tokens, masked_entries=masked_entries,
+        tokens=tokens, pairs=pairs, kv_tokens=figures.continued, prefix_tokens=figures.prefix,
+        masked_entries=figures.masked,
         num_forward=num_forward, num_backward=num_backward,
         forward_unit_of=forward_unit_of, backward_unit_of=backward_unit_of,
         forward_mp=forward_mp, backward_mp=backward_mp,
@@ -296,9 +289,8 @@ class _Graph:
         self.plan = plan
         self.pp = pp = plan.parallel.pp
         self.dp = plan.parallel.dp
-        lengths = plan.sample_lengths()
         self.slice_figures: list[np.ndarray] = []  # per replica: (tokens, attention pairs) of each slice
-        self.replicas = [_replica_costs(i, r, plan, cost, lengths, self.slice_figures)
+        self.replicas = [_replica_costs(i, r, plan, cost, self.slice_figures)
                          for i, r in enumerate(plan.replicas)]
         self.offset: list[int] = []
         self.replica_of: list[int] = []

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..costmodel import CostModel
-from ..plan import (MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, continued_tokens, micropack_figures,
-                    prefix_figures, slice_table, whole_slices)
+from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, pack_figures, slice_table, whole_slices
 from ..specs import ParallelConfig
 from .orders import StageWork, build_stage_orders, peak_in_flight, segment
 from .work import WorkRates, causal_pairs
@@ -159,18 +158,17 @@ class MicroPackCosts:
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
         table = slice_table(micropacks)
-        tokens, pairs = micropack_figures(micropacks, table)
-        rows = {
-            name: np.array([fn(tokens, pairs, parallel, last_stage=last) * np.ones_like(tokens) for last in (False, True)])
-            for name, fn in (("forward", cost.forward_time), ("backward", cost.backward_time))
-        }
-        prefix, masked = prefix_figures(micropacks, table)
-        activation = np.array([cost.activation_bytes(tokens, pairs, parallel, last_stage=last, prefix_tokens=prefix,
-                                                     masked_entries=masked) * np.ones_like(tokens)
-                               for last in (False, True)])
-        held = activation + cost.kv_cache_bytes(continued_tokens(micropacks, table), parallel)
+        figures = pack_figures(micropacks, table)
+        tokens, pairs = figures.tokens, figures.pairs
+
+        def rows(fn, **extra) -> np.ndarray:  # [middle stage, last stage] x MicroPacks
+            return np.array([fn(tokens, pairs, parallel, last_stage=last, **extra) * np.ones_like(tokens)
+                             for last in (False, True)])
+
+        activation = rows(cost.activation_bytes, prefix_tokens=figures.prefix, masked_entries=figures.masked)
+        held = activation + cost.kv_cache_bytes(figures.continued, parallel)
         recompute = cost.recompute_peak_bytes(tokens, pairs, parallel) * np.ones_like(tokens)
-        return cls(rows["forward"], rows["backward"], held, tokens, backward_sequence(micropacks, table),
+        return cls(rows(cost.forward_time), rows(cost.backward_time), held, tokens, backward_sequence(micropacks, table),
                    float(recompute.max(initial=0.0)))
 
     def busiest_stage_s(self, pp: int) -> float:
