@@ -583,8 +583,7 @@ def slice_sequence(sequence: list[Piece], slice_tokens: int, rates: WorkRates) -
     """Cut a packed sequence into uniform slices of at most `slice_tokens` tokens (SlimPipe);
     a slice holds the parts of the pieces it overlaps, each attending to its piece's prefix."""
     total = sum(piece.sample.length for piece in sequence)
-    options = PackOptions(token_cap=slice_tokens, slice_tokens=slice_tokens, units=1, symmetric=True,
-                          cost_balanced_slices=False)
+    options = PackOptions(token_cap=slice_tokens, slice_tokens=slice_tokens, cost_balanced_slices=False)
     bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates)]
     micropacks, offset, starts = [], 0, []
     for piece in sequence:

@@ -28,8 +28,6 @@ from .work import WorkRates, causal_pairs
 class PackOptions:
     token_cap: int  # most tokens in one MicroPack
     slice_tokens: int  # documents longer than this are sliced
-    units: int  # target number of forward (and backward) units
-    symmetric: bool = False
     cost_balanced_slices: bool = True
 
 
@@ -287,27 +285,8 @@ def pipeline_estimate(work: StageWork) -> float:
     return busiest + fill
 
 
-def order_replica(
-    micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
-    cost: CostModel, parallel: ParallelConfig, dp_ranks: list[int], budget_bytes: float,
-) -> tuple[ReplicaPlan, float]:
-    """Segment packed MicroPacks into units and order the stages; returns the plan and the
-    makespan of its replay (no DP reduction)."""
-    ordered = UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget_bytes).order(dp_ranks)
-    return ordered.replica, ordered.makespan_s
-
-
-def build_replica(
-    samples: list[Sample], options: PackOptions, cost: CostModel, parallel: ParallelConfig,
-    rates: WorkRates, dp_ranks: list[int], budget_bytes: float,
-) -> tuple[ReplicaPlan, float]:
-    micropacks = pack_micropacks(samples, options, rates)
-    costs = MicroPackCosts.of(micropacks, cost, parallel)
-    return order_replica(micropacks, costs, options.units, options.symmetric, cost, parallel, dp_ranks, budget_bytes)
-
-
 __all__ = [
-    "PackOptions", "cut_document", "pack_micropacks", "segment_units", "build_replica", "order_replica", "MicroPackCosts",
+    "PackOptions", "cut_document", "pack_micropacks", "segment_units", "MicroPackCosts",
     "UnitCandidate", "OrderedCandidate", "pipeline_estimate",
     "causal_pairs",
 ]
