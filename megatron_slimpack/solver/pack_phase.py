@@ -273,7 +273,7 @@ class UnitCandidate:
 class OrderedCandidate:
     replica: ReplicaPlan
     makespan_s: float
-    peak_activation_bytes: float  # the most any stage holds at once (activations only)
+    peak_activation_bytes: float  # the most any stage holds at once (activations and KV of continued slices)
 
 
 def pipeline_estimate(work: StageWork) -> float:

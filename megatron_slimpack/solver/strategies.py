@@ -216,10 +216,11 @@ REPLAYED_CANDIDATES = 3  # candidates with the best quick estimates get a full r
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, sizes: list[int] | None = None,
-    budget: float | None = None,
+    budget: float | None = None, first_fit: bool = False,
 ) -> tuple[ReplicaPlan, float, dict]:
     """Try MicroPack sizes (default: all candidates) and unit counts; keep the shortest schedule
-    that fits the activation `budget` (default: `activation_budget` of `parallel`).
+    that fits the activation `budget` (default: `activation_budget` of `parallel`). With
+    `first_fit`, the first size (in the given order) that fits ends the search.
 
     Per size: if even the busiest stage's total work (a lower bound for any unit count) is no
     better than the best schedule so far, the size is skipped. Otherwise every unit count is
@@ -259,6 +260,8 @@ def plan_replica(
             replayed += 1
             if best is None or result.makespan_s < best[1]:
                 best = (result.replica, result.makespan_s, choice)
+        if first_fit and best is not None:
+            break
     if best is None:
         assert leanest is not None
         raise PlanError(
@@ -285,21 +288,6 @@ def packing_bound_s(ordered: SortedSamples, size: int, cost: CostModel, parallel
     stages = (True, False) if parallel.pp > 1 else (True,)
     return max(count * (cost.forward_time(size, pairs, parallel, last_stage=last)
                         + cost.backward_time(size, pairs, parallel, last_stage=last)) for last in stages)
-
-
-def _plan_with_reused_size(members, cost, parallel, config, rates, token_cap, rank, symmetric, chosen_sizes):
-    """`plan_replica` with the heaviest replica's MicroPack size. Where it does not fit (a longer
-    chain than the heaviest's), the next smaller sizes are tried one at a time: a smaller size
-    only costs more per token, so the largest that fits is kept."""
-    if chosen_sizes is None:
-        return plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric)
-    sizes = chosen_sizes + [size for size in slice_candidates(token_cap, config) if size < chosen_sizes[0]]
-    for index, size in enumerate(sizes):
-        try:
-            return plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric, sizes=[size])
-        except PlanError:
-            if index == len(sizes) - 1:
-                raise
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
@@ -332,10 +320,10 @@ def plan_slimpack(
     )
     replicas: list[ReplicaPlan] = []
     predicted: list[dict] = []
+    budget = activation_budget(cost, parallel)  # a merge member's static memory is its own, not the merged view's
     for group in assignment.merge_groups:
         merged = parallel.with_(cp=parallel.cp * len(group.dp_ranks))
         members = [samples[i] for i in group.sample_indices]
-        budget = activation_budget(cost, parallel)  # the device's own static memory, not the merged view's
         size = len(group.dp_ranks)  # each member holds 1/size of a merged MicroPack: the cap scales
         merged_rates = WorkRates.from_cost(cost, merged, token_cap * size)
         replica, makespan, choice = plan_replica(members, cost, merged, config, merged_rates, token_cap * size,
@@ -352,10 +340,12 @@ def plan_slimpack(
         # A rank may get no documents of its own (fewer heavy documents than ranks): it then idles
         # until the gradient reduction, which the simulator shows as DP imbalance.
         members = [samples[i] for i in assignment.replica_samples[rank]]
-        replica, makespan, choice = _plan_with_reused_size(members, cost, parallel, config, rates, token_cap, rank,
-                                                           symmetric, chosen_sizes)
+        # After the heaviest: its size, or where that does not fit (a longer chain) the largest
+        # smaller one that does (a smaller size only costs more per token).
+        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric,
+                                                 sizes=chosen_sizes, first_fit=chosen_sizes is not None)
         if members and chosen_sizes is None:
-            chosen_sizes = [choice["micropack_tokens"]]
+            chosen_sizes = [size for size in slice_candidates(token_cap, config) if size <= choice["micropack_tokens"]]
         own[rank] = replica
         predicted.append({"dp_ranks": [rank], "makespan_s": float(makespan), **choice})
     replicas += [own[rank] for rank in range(parallel.dp)]
