@@ -300,11 +300,10 @@ class WlbLlmPlanner(StepPlanner):
         """Documents delayed so far and not yet scheduled."""
         return [d for queue in self.queues for d in queue] + list(self.carried)
 
-    def level_of(self, length: int, context_length: int) -> int | None:
-        for level, fraction in enumerate(self.LEVEL_FRACTIONS):
-            if length > context_length * fraction:
-                return level
-        return None
+    def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
+        """Each length's delay queue (None: packed at once), the thresholds computed once."""
+        thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.LEVEL_FRACTIONS)]
+        return [next((level for level, threshold in thresholds if length > threshold), None) for length in lengths]
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
@@ -313,9 +312,8 @@ class WlbLlmPlanner(StepPlanner):
         per_replica = max(1, math.ceil(sum(lengths) / (context * parallel.dp)))
         micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
         fresh: list[PendingDocument] = []
-        for index, length in enumerate(lengths):
+        for index, (length, level) in enumerate(zip(lengths, self._levels(lengths, context))):
             document = PendingDocument(self.step, index, length)
-            level = self.level_of(length, context)
             (fresh if level is None else self.queues[level]).append(document)
         released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
         carried, self.carried = self.carried, []

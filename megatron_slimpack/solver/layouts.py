@@ -264,16 +264,23 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
     return need
 
 
-def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig) -> float:
+def attention_pairs_bound(strategy: str, lengths: list[int]) -> float:
+    """Fewest attention pairs any plan of the strategy computes for these documents."""
+    if strategy in SPLITS_DOCUMENTS:  # a document cut in two keeps at least its halves' pairs
+        return float(sum(causal_pairs(n // 2) + causal_pairs(n - n // 2) for n in lengths))
+    return float(sum(causal_pairs(n) for n in lengths))
+
+
+def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+                          pairs: float | None = None) -> float:
     """Seconds no plan of this batch can beat on this layout: the last stage's forward and
     backward compute of all tokens as one perfectly efficient pack, spread over the dp ranks
     (efficiency grows with pack size and communication is linear in tokens, so any real split
-    costs at least as much; bubbles, p2p and the gradient reduction are left out)."""
+    costs at least as much; bubbles, p2p and the gradient reduction are left out). `pairs`:
+    `attention_pairs_bound(strategy, lengths)`, when the caller has it already."""
     tokens = float(sum(lengths))
-    if strategy in SPLITS_DOCUMENTS:  # a document cut in two keeps at least its halves' pairs
-        pairs = float(sum(causal_pairs(n // 2) + causal_pairs(n - n // 2) for n in lengths))
-    else:
-        pairs = float(sum(causal_pairs(n) for n in lengths))
+    if pairs is None:
+        pairs = attention_pairs_bound(strategy, lengths)
     total = (cost.forward_time(tokens, pairs, parallel, last_stage=True)
              + cost.backward_time(tokens, pairs, parallel, last_stage=True))
     return total / parallel.dp
@@ -455,7 +462,8 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
     # documents or bring back earlier ones, so it is screened without the bound.
     bounded = type(new_planner(strategy)) is StepPlanner
-    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel) for run in runs}
+    pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
+    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
     # Bound order; recompute only adds time, so within a shape the lighter modes come first.
     ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute]))
@@ -497,6 +505,6 @@ def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> s
 
 __all__ = [
     "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "SIZES_TO_MEMORY", "Rejection", "LayoutEvaluation", "LayoutResult",
-    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "iteration_lower_bound", "cheap_rejection",
+    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "iteration_lower_bound", "cheap_rejection",
     "best_layout",
 ]
