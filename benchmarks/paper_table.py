@@ -2,18 +2,22 @@
 `slimpack compare` machinery — each strategy in its best memory-feasible layout for the cell's
 GPUs, the same cost model and simulator — over consecutive global batches.
 
-Writes benchmarks/results/paper_table.md (mean iteration time, spread over the batches, speedup
-over megatron-fixed, chosen layout) and benchmarks/results/paper_speedup.png.
+Cells are merged into benchmarks/results/paper_table.json (a cell run again replaces its old
+figures; each cell records the commit it ran at), which is rendered to paper_table.md (mean
+iteration time, spread over the batches, speedup over megatron-fixed, chosen layout) and
+paper_speedup.png after every finished cell, so a long grid run keeps what it finished.
 
-    python benchmarks/paper_table.py                       # the whole grid (hours on 2 cores)
+    python benchmarks/paper_table.py --jobs 2              # the whole grid (many hours on 2 cores)
     python benchmarks/paper_table.py --models llama-7b --contexts 262144 --gpus 128 \
-        --datasets wikipedia --steps 10 --strategies megatron-fixed,wlb-llm,slimpack
+        --datasets wikipedia --steps 10 --strategies megatron-fixed,slimpipe,wlb-llm,slimpack
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,42 +75,105 @@ def run_cell(bench: dict, model: str, context: int, cluster: str, dataset: str, 
     return cell
 
 
+def cell_key(cell: dict) -> tuple:
+    return cell["model"], cell["context"], cell["gpus"], cell["dataset"]
+
+
+def merge_cells(old: list[dict], new: list[dict], order: list[tuple]) -> list[dict]:
+    """Old cells with the new ones replacing those of the same key, in the config's grid order
+    (keys outside it last)."""
+    merged = {cell_key(cell): cell for cell in old}
+    merged.update({cell_key(cell): cell for cell in new})
+    rank = {key: index for index, key in enumerate(order)}
+    return sorted(merged.values(), key=lambda cell: (rank.get(cell_key(cell), len(rank)), cell_key(cell)))
+
+
+def header(cells: list[dict], grid_size: int) -> str:
+    steps = sorted({cell["steps"] for cell in cells})
+    gpus = sorted({cell["gpus"] for cell in cells})
+    return (f"Simulated paper grid: {len(cells)} of the config's {grid_size} cells, {'/'.join(map(str, steps))} "
+            f"consecutive global batches per cell on {'/'.join(map(str, gpus))} H100s (analytic H100 cost model), "
+            "each strategy in its best memory-feasible layout found by the same search, same simulator; the "
+            "commit each cell ran at is in the last column (`python benchmarks/paper_table.py --cells "
+            "model/context/gpus/dataset,... --steps 10 --strategies megatron-fixed,slimpipe,wlb-llm,slimpack`).\n\n"
+            "Mean iteration time = simulated time of all the cell's plans divided by its batches; for wlb-llm this "
+            "includes the final flush of the documents it still delays, which the min-max spread over the batch "
+            "plans does not (so its mean can lie above its max).\n\n")
+
+
 def markdown(cells: list[dict]) -> str:
     lines = ["| model | context | GPUs | dataset | strategy | layout | iteration s (mean) | spread (min-max) "
-             "| speedup vs megatron-fixed | bubble | / lower bound | peak GiB |",
-             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| speedup vs megatron-fixed | bubble | / lower bound | peak GiB | commit |",
+             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for cell in cells:
+        where = f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']}"
         for name, f in cell["strategies"].items():
             speedup = f"{f['speedup']:.2f}x" if f["speedup"] else "-"
             lines.append(
-                f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | {name} "
-                f"| {f['layout']} | {f['mean_s']:.2f} | {f['min_s']:.2f}-{f['max_s']:.2f} | {speedup} "
-                f"| {100 * f['bubble']:.1f}% | {f['mean_s'] / f['lower_bound_s']:.3f} | {f['peak_gib']:.1f} |")
+                f"{where} | {name} | {f['layout']} | {f['mean_s']:.2f} | {f['min_s']:.2f}-{f['max_s']:.2f} "
+                f"| {speedup} | {100 * f['bubble']:.1f}% | {f['mean_s'] / f['lower_bound_s']:.3f} "
+                f"| {f['peak_gib']:.1f} | {cell.get('commit') or '-'} |")
         for name, reason in cell["failures"].items():
-            lines.append(f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | {name} "
-                         f"| no feasible layout: {reason} | | | | | | |")
+            lines.append(f"{where} | {name} | no feasible layout: {reason} | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
 def plot(cells: list[dict], path: Path) -> None:
+    """One bar chart per model: each strategy's speedup over megatron-fixed in every cell run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{c['model']}\n{c['context'] // 1024}K/{c['gpus']}\n{c['dataset']}" for c in cells]
+    models = list(dict.fromkeys(c["model"] for c in cells))
     names = sorted({n for c in cells for n in c["strategies"]})
     width = 0.8 / max(len(names), 1)
-    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
-    for i, name in enumerate(names):
-        values = [c["strategies"].get(name, {}).get("speedup") or 0 for c in cells]
-        axis.bar([x + i * width for x in range(len(cells))], values, width, label=name)
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cells))], labels, fontsize=7)
-    axis.set_ylabel("simulated speedup over megatron-fixed")
-    axis.legend(fontsize=7)
+    widest = max(sum(c["model"] == m for c in cells) for m in models)
+    figure, axes = plt.subplots(len(models), 1, figsize=(max(6, 1.1 * widest + 2), 3.2 * len(models)), squeeze=False)
+    for axis, model in zip(axes[:, 0], models):
+        mine = [c for c in cells if c["model"] == model]
+        for i, name in enumerate(names):
+            values = [c["strategies"].get(name, {}).get("speedup") or 0 for c in mine]
+            axis.bar([x + i * width for x in range(len(mine))], values, width, label=name)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        labels = [f"{c['context'] // 1024}K/{c['gpus']}\n{c['dataset']}" for c in mine]
+        axis.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(mine))], labels, fontsize=7)
+        axis.set_xlim(-0.5, widest - 0.2)  # the same bar width in every row
+        axis.set_title(model, fontsize=9)
+        axis.set_ylabel("speedup over\nmegatron-fixed", fontsize=8)
+    axes[0, 0].legend(fontsize=7, ncol=len(names))
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def current_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _parse_cell(text: str, bench: dict) -> tuple[str, int, str, str]:
+    """'llama-7b/262144/128/wikipedia' -> (model, context, cluster name, dataset)."""
+    try:
+        model, context, gpus, dataset = text.strip().split("/")
+        cluster = next(c for c in bench["clusters"] if bench["cluster_gpus"][c][0] == int(gpus))
+        context = int(context)
+    except (ValueError, StopIteration):
+        raise SystemExit(f"--cells: cannot read {text!r}; write model/context/gpus/dataset with a GPU count of one "
+                         f"of the config's clusters, e.g. llama-7b/262144/128/wikipedia") from None
+    if model not in bench["models"] or context not in bench["context_lengths"] or dataset not in bench["datasets"]:
+        raise SystemExit(f"--cells: {text!r} is not in the config's grid (models {bench['models']}, contexts "
+                         f"{bench['context_lengths']}, datasets {bench['datasets']})")
+    return model, context, cluster, dataset
+
+
+def _run_cell_job(job: tuple) -> dict:
+    bench, model, context, cluster, dataset, strategies, steps, seed = job
+    print(f"[paper] {model} {context} {cluster} {dataset}", file=sys.stderr, flush=True)
+    return run_cell(bench, model, context, cluster, dataset, strategies, steps, seed)
 
 
 def main() -> None:
@@ -116,9 +183,13 @@ def main() -> None:
     parser.add_argument("--contexts", help="comma-separated subset of context lengths")
     parser.add_argument("--gpus", help="comma-separated subset of GPU counts")
     parser.add_argument("--datasets", help="comma-separated subset of datasets")
+    parser.add_argument("--cells", help="explicit cells, run in this order: model/context/gpus/dataset,... "
+                        "(instead of the cross product of the subsets above)")
     parser.add_argument("--strategies", default="all")
     parser.add_argument("--steps", type=int, default=10, help="consecutive global batches per cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
+    parser.add_argument("--fresh", action="store_true", help="start a new table instead of merging into --out")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "paper_table.md"))
     args = parser.parse_args()
     bench = load_config(Path(args.config))
@@ -127,22 +198,30 @@ def main() -> None:
         return [v for v in values if text is None or cast(v) in [cast(t) for t in text.split(",")]]
 
     clusters = [c for c in bench["clusters"] if args.gpus is None or str(bench["cluster_gpus"][c][0]) in args.gpus.split(",")]
+    order = [(m, c, bench["cluster_gpus"][k][0], d) for m in bench["models"] for c in bench["context_lengths"]
+             for k in bench["clusters"] for d in bench["datasets"]]
+    cells_wanted = [(model, context, cluster, dataset)
+                    for model in pick(bench["models"], args.models)
+                    for context in pick(bench["context_lengths"], args.contexts, int)
+                    for cluster in clusters
+                    for dataset in pick(bench["datasets"], args.datasets)]
+    if args.cells:
+        cells_wanted = [_parse_cell(text, bench) for text in args.cells.split(",")]
+    jobs = [(bench, *cell, args.strategies, args.steps, args.seed) for cell in cells_wanted]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"Simulated paper grid ({args.steps} consecutive global batches per cell, analytic H100 cost model, "
-              "each strategy in its best memory-feasible layout).\n\n")
-    cells = []
-    for model in pick(bench["models"], args.models):
-        for context in pick(bench["context_lengths"], args.contexts, int):
-            for cluster in clusters:
-                for dataset in pick(bench["datasets"], args.datasets):
-                    print(f"[paper] {model} {context} {cluster} {dataset}", file=sys.stderr, flush=True)
-                    cells.append(run_cell(bench, model, context, cluster, dataset, args.strategies, args.steps, args.seed))
-                    # Written after every cell: a long grid run keeps what it finished.
-                    out.write_text(header + markdown(cells))
-                    out.with_suffix(".json").write_text(json.dumps(cells, indent=1))
-    plot(cells, out.with_name("paper_speedup.png"))
-    print(header + markdown(cells))
+    saved = out.with_suffix(".json")
+    cells = [] if args.fresh or not saved.exists() else json.loads(saved.read_text())
+    commit = current_commit()
+    with multiprocessing.Pool(max(1, min(args.jobs, len(jobs)))) as pool:
+        for cell in pool.imap_unordered(_run_cell_job, jobs):
+            cell["commit"] = commit
+            cells = merge_cells(cells, [cell], order)
+            # Written after every cell: a long grid run keeps what it finished.
+            out.write_text(header(cells, len(order)) + markdown(cells))
+            saved.write_text(json.dumps(cells, indent=1))
+            plot(cells, out.with_name("paper_speedup.png"))
+    print(header(cells, len(order)) + markdown(cells))
 
 
 if __name__ == "__main__":
