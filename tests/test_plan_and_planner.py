@@ -249,7 +249,17 @@ def test_cp_sat_timeout_falls_back_to_lpt_and_says_so(monkeypatch):
     costs = np.random.default_rng(2).lognormal(0, 1.0, size=400)
     result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1e-6, dp_merge=False)
     assert "fallback" in result.solver and "LPT" in result.solver["fallback"]
+    assert result.solver["source"] == "hint"
     assert sorted(i for r in result.replica_samples for i in r) == list(range(400))
+
+
+def test_sand_with_long_documents_at_its_head_still_balances():
+    # More long documents than CP-SAT decides individually: the sand starts with whole long
+    # documents, and only the short ones at its end can close each replica's gap.
+    costs = np.array([10.0] * (dp_phase.MAX_MODEL_ITEMS + 45) + [0.1] * 1000)
+    result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=0.5, dp_merge=False)
+    assert result.solver["imbalance"] < 1.001, result.solver
+    assert sorted(i for r in result.replica_samples for i in r) == list(range(len(costs)))
 
 
 def test_outlier_goes_to_a_merge_group():

@@ -3,7 +3,9 @@
 Minimise the maximum replica load with OR-Tools CP-SAT. Only the heaviest documents are real
 decisions; the long tail of short ones is "sand" that fills whatever gaps remain, so the model
 holds the heavy ones as booleans and the sand as one integer amount per replica, and the sand is
-then poured greedily to meet those amounts. LPT is both the hint and the fallback.
+then poured greedily to meet those amounts. The hint, LPT for the heavy documents with the sand
+water-filled over them, is also the fallback: CP-SAT's answer is used only when it beats it (a
+FEASIBLE answer under a short time limit on a loaded machine can be worse than its own hint).
 
 DP-Merge: a document heavier than `merge_threshold` x the mean replica load cannot be balanced
 by any assignment; it goes to a merge group of k replicas (a power of two dividing dp) that run
@@ -112,12 +114,34 @@ def _lpt(costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray) -> list[l
     return replicas
 
 
+@dataclass
+class _Hint:
+    """LPT for the heavy documents, sand water-filled over them (costs scaled to integers)."""
+
+    rank_of: dict[int, int]
+    sand_amounts: list[int]
+    makespan: int
+
+
+def _hint(scaled: dict[int, int], heavy: np.ndarray, costs: np.ndarray, fixed_load: np.ndarray, fixed: list[int],
+          sand_total: int) -> _Hint:
+    rank_of = {i: r for r, members in enumerate(_lpt(costs, heavy, fixed_load)) for i in members}
+    loads = list(fixed)
+    for index, rank in rank_of.items():
+        loads[rank] += scaled[index]
+    amounts = _water_fill(loads, sand_total)
+    return _Hint(rank_of, amounts, max(load + amount for load, amount in zip(loads, amounts)))
+
+
 def _solve(
     costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float, seed: int, workers: int
 ) -> tuple[list[list[int]], dict]:
     heavy, sand = order[:MAX_MODEL_ITEMS], order[MAX_MODEL_ITEMS:]
-    hint_rank = {i: r for r, members in enumerate(_lpt(costs, heavy, fixed_load)) for i in members}
-    model, assign, sand_amount, makespan = _build_model(costs, heavy, sand, fixed_load, hint_rank)
+    scaled = {int(i): int(round(costs[i] * COST_SCALE)) for i in heavy}
+    sand_total = int(round(costs[sand].sum() * COST_SCALE))
+    fixed = [int(round(load * COST_SCALE)) for load in fixed_load]
+    hint = _hint(scaled, heavy, costs, fixed_load, fixed, sand_total)
+    model, assign, sand_amount = _build_model(scaled, heavy, fixed, sand_total, hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.random_seed = seed
@@ -126,46 +150,51 @@ def _solve(
     solver.parameters.keep_all_feasible_solutions_in_presolve = True
     status = solver.Solve(model)
     status_name = solver.StatusName(status)
-    report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand))}
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s; using the LPT assignment"
-        return _lpt(costs, order, fixed_load), report
-    objective, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
-    report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
-                  gap=(objective - bound) / objective if objective else 0.0)
-    replicas: list[list[int]] = [[] for _ in fixed_load]
-    for index in heavy:
-        rank = next(r for r in range(len(fixed_load)) if solver.Value(assign[index, r]))
-        replicas[rank].append(int(index))
-    targets = [solver.Value(amount) / COST_SCALE for amount in sand_amount]
+    report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand)),
+              "hint": hint.makespan / COST_SCALE}
+    solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    if solved:
+        objective, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+        report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
+                      gap=(objective - bound) / objective if objective else 0.0)
+    use_hint = not solved or solver.ObjectiveValue() >= hint.makespan
+    report["source"] = "hint" if use_hint else "cp-sat"
+    if not solved or solver.ObjectiveValue() > hint.makespan:
+        worse = f", worse than its hint ({report['objective']:.6g} vs {report['hint']:.6g})" if solved else ""
+        report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s{worse}; using the LPT hint"
+    if use_hint:
+        replicas = [[] for _ in fixed_load]
+        for index in heavy:
+            replicas[hint.rank_of[int(index)]].append(int(index))
+        targets = [amount / COST_SCALE for amount in hint.sand_amounts]
+    else:
+        replicas = [[] for _ in fixed_load]
+        for index in heavy:
+            rank = next(r for r in range(len(fixed_load)) if solver.Value(assign[int(index), r]))
+            replicas[rank].append(int(index))
+        targets = [solver.Value(amount) / COST_SCALE for amount in sand_amount]
     _pour_sand(costs, sand, replicas, targets)
     return replicas, report
 
 
-def _build_model(costs, heavy, sand, fixed_load, hint_rank):
+def _build_model(scaled: dict[int, int], heavy: np.ndarray, fixed: list[int], sand_total: int, hint: _Hint):
     """min makespan s.t. each heavy document on one replica; sand split freely (integer amounts)."""
-    dp = len(fixed_load)
+    dp = len(fixed)
     model = cp_model.CpModel()
-    scaled = {int(i): int(round(costs[i] * COST_SCALE)) for i in heavy}
-    sand_total = int(round(costs[sand].sum() * COST_SCALE))
-    fixed = [int(round(load * COST_SCALE)) for load in fixed_load]
     upper = sum(scaled.values()) + sand_total + max(fixed)
     assign = {}
     for index in heavy:
         index = int(index)
         for rank in range(dp):
             assign[index, rank] = model.NewBoolVar(f"doc{index}_on_{rank}")
-            model.AddHint(assign[index, rank], hint_rank.get(index) == rank)
+            model.AddHint(assign[index, rank], hint.rank_of.get(index) == rank)
         model.AddExactlyOne(assign[index, rank] for rank in range(dp))
     sand_amount = [model.NewIntVar(0, sand_total, f"sand_{rank}") for rank in range(dp)]
     model.Add(sum(sand_amount) == sand_total)
-    hinted = list(fixed)
-    for index, rank in hint_rank.items():
-        hinted[rank] += scaled[int(index)]
-    for rank, amount in enumerate(_water_fill(hinted, sand_total)):
+    for rank, amount in enumerate(hint.sand_amounts):
         model.AddHint(sand_amount[rank], amount)
     makespan = model.NewIntVar(0, upper, "makespan")
-    model.AddHint(makespan, max(load + amount for load, amount in zip(hinted, _water_fill(hinted, sand_total))))
+    model.AddHint(makespan, hint.makespan)
     for rank in range(dp):
         load = sum(scaled[int(i)] * assign[int(i), rank] for i in heavy) + sand_amount[rank] + fixed[rank]
         model.Add(load <= makespan)
@@ -173,7 +202,7 @@ def _build_model(costs, heavy, sand, fixed_load, hint_rank):
     if len(heavy) and not any(fixed):
         model.Add(assign[int(heavy[0]), 0] == 1)
     model.Minimize(makespan)
-    return model, assign, sand_amount, makespan
+    return model, assign, sand_amount
 
 
 def _water_fill(loads: list[int], total: int) -> list[int]:
@@ -198,11 +227,18 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
 
 
 def _pour_sand(costs, sand, replicas, targets) -> None:
-    """Deal the short documents (largest first) into consecutive runs whose costs meet each
-    replica's target; each replica misses its target by less than one short document."""
+    """Deal the short documents, largest first, each to the replica furthest below its target,
+    so the last (smallest) ones close the gaps: each replica ends within about one of the
+    smallest documents of its target. (The sand's head can be far from small: a batch with more
+    long documents than MAX_MODEL_ITEMS pours whole long documents.)"""
     if len(sand) == 0:
         return
-    boundaries = np.cumsum(targets)[:-1]
-    owner = np.searchsorted(boundaries, np.cumsum(costs[sand]) - costs[sand] / 2, side="right")
+    owner = np.empty(len(sand), dtype=int)
+    gaps = [(-target, rank) for rank, target in enumerate(targets)]  # (minus the amount still wanted, rank)
+    heapq.heapify(gaps)
+    for position, cost in enumerate(costs[sand].tolist()):
+        wanted, rank = heapq.heappop(gaps)
+        owner[position] = rank
+        heapq.heappush(gaps, (wanted + cost, rank))
     for rank in range(len(replicas)):
         replicas[rank].extend(sand[owner == rank].tolist())
