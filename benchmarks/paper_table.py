@@ -3,7 +3,7 @@
 GPUs, the same cost model and simulator — over consecutive global batches.
 
 Cells are merged into benchmarks/results/paper_table.json (a cell run again replaces its old
-figures; each cell records the commit it ran at), which is rendered to paper_table.md (mean
+figures; each row records the commit it ran at), which is rendered to paper_table.md (mean
 iteration time, spread over the batches, speedup over megatron-fixed, chosen layout) and
 paper_speedup.png after every finished cell, so a long grid run keeps what it finished.
 
@@ -80,10 +80,22 @@ def cell_key(cell: dict) -> tuple:
 
 
 def merge_cells(old: list[dict], new: list[dict], order: list[tuple]) -> list[dict]:
-    """Old cells with the new ones replacing those of the same key, in the config's grid order
-    (keys outside it last)."""
+    """Old cells updated with the new ones, strategy by strategy (a cell re-run for some
+    strategies keeps the others' rows; speedups are recomputed against the cell's reference), in
+    the config's grid order (keys outside it last)."""
     merged = {cell_key(cell): cell for cell in old}
-    merged.update({cell_key(cell): cell for cell in new})
+    for cell in new:
+        previous = merged.get(cell_key(cell))
+        if previous and previous["steps"] == cell["steps"]:
+            strategies = {**previous["strategies"], **cell["strategies"]}
+            failures = {n: r for n, r in previous["failures"].items() if n not in cell["strategies"]}
+            cell = {**previous, **cell, "strategies": strategies, "failures": {**failures, **cell["failures"]}}
+        for name in cell["strategies"]:
+            cell["failures"].pop(name, None)
+        reference = cell["strategies"].get(REFERENCE)
+        for figures in cell["strategies"].values():
+            figures["speedup"] = reference["mean_s"] / figures["mean_s"] if reference else None
+        merged[cell_key(cell)] = cell
     rank = {key: index for index, key in enumerate(order)}
     return sorted(merged.values(), key=lambda cell: (rank.get(cell_key(cell), len(rank)), cell_key(cell)))
 
@@ -94,7 +106,7 @@ def header(cells: list[dict], grid_size: int) -> str:
     return (f"Simulated paper grid: {len(cells)} of the config's {grid_size} cells, {'/'.join(map(str, steps))} "
             f"consecutive global batches per cell on {'/'.join(map(str, gpus))} H100s (analytic H100 cost model), "
             "each strategy in its best memory-feasible layout found by the same search, same simulator; the "
-            "commit each cell ran at is in the last column (`python benchmarks/paper_table.py --cells "
+            "commit each row ran at is in the last column (`python benchmarks/paper_table.py --cells "
             "model/context/gpus/dataset,... --steps 10 --strategies megatron-fixed,slimpipe,wlb-llm,slimpack`).\n\n"
             "Mean iteration time = simulated time of all the cell's plans divided by its batches; for wlb-llm this "
             "includes the final flush of the documents it still delays, which the min-max spread over the batch "
@@ -112,7 +124,7 @@ def markdown(cells: list[dict]) -> str:
             lines.append(
                 f"{where} | {name} | {f['layout']} | {f['mean_s']:.2f} | {f['min_s']:.2f}-{f['max_s']:.2f} "
                 f"| {speedup} | {100 * f['bubble']:.1f}% | {f['mean_s'] / f['lower_bound_s']:.3f} "
-                f"| {f['peak_gib']:.1f} | {cell.get('commit') or '-'} |")
+                f"| {f['peak_gib']:.1f} | {f.get('commit') or cell.get('commit') or '-'} |")
         for name, reason in cell["failures"].items():
             lines.append(f"{where} | {name} | no feasible layout: {reason} | | | | | | | | |")
     return "\n".join(lines) + "\n"
@@ -215,7 +227,8 @@ def main() -> None:
     commit = current_commit()
     with multiprocessing.Pool(max(1, min(args.jobs, len(jobs)))) as pool:
         for cell in pool.imap_unordered(_run_cell_job, jobs):
-            cell["commit"] = commit
+            for figures in cell["strategies"].values():
+                figures["commit"] = commit
             cells = merge_cells(cells, [cell], order)
             # Written after every cell: a long grid run keeps what it finished.
             out.write_text(header(cells, len(order)) + markdown(cells))
