@@ -162,17 +162,13 @@ def _solve(
     if not solved or solver.ObjectiveValue() > hint.makespan:
         worse = f", worse than its hint ({report['objective']:.6g} vs {report['hint']:.6g})" if solved else ""
         report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s{worse}; using the LPT hint"
-    if use_hint:
-        replicas = [[] for _ in fixed_load]
-        for index in heavy:
-            replicas[hint.rank_of[int(index)]].append(int(index))
-        targets = [amount / COST_SCALE for amount in hint.sand_amounts]
-    else:
-        replicas = [[] for _ in fixed_load]
-        for index in heavy:
-            rank = next(r for r in range(len(fixed_load)) if solver.Value(assign[int(index), r]))
-            replicas[rank].append(int(index))
-        targets = [solver.Value(amount) / COST_SCALE for amount in sand_amount]
+    replicas: list[list[int]] = [[] for _ in fixed_load]
+    for index in map(int, heavy):
+        rank = (hint.rank_of[index] if use_hint
+                else next(r for r in range(len(fixed_load)) if solver.Value(assign[index, r])))
+        replicas[rank].append(index)
+    amounts = hint.sand_amounts if use_hint else [solver.Value(amount) for amount in sand_amount]
+    targets = [amount / COST_SCALE for amount in amounts]
     _pour_sand(costs, sand, replicas, targets)
     return replicas, report
 
