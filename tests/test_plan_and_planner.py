@@ -365,6 +365,21 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
     assert figures.masked.tolist() == [0.0, 4 * 9, 3 * 12]
 
 
+def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap
+
+    parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
+    cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
+    power = 1 << (cap.bit_length() - 1)
+    step = power // 8
+
+    def need(tokens: int) -> float:
+        return parallel.pp * COST.activation_bytes(tokens, tokens * tokens / 2, parallel, last_stage=True)
+
+    assert power < cap < 2 * power and (cap - power) % step == 0  # 7B tp2 on an H100: 32K and some eighths
+    assert need(cap) <= activation_budget(COST, parallel) < need(cap + step)
+
+
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
     """A document within the token cap is one MicroPack like any other (no KV cache): if the cap
     fits memory, so does it. Only longer ones, whose slices are all in flight, may need a group."""

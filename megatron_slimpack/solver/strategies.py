@@ -122,7 +122,9 @@ MIN_MICROPACK_TOKENS = 1024
 
 
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
-    """The largest power-of-two MicroPack that lets stage 0 hold pp of them, at most the context."""
+    """The largest MicroPack that lets stage 0 hold pp of them, at most the context: the largest
+    power of two that fits, then grown in eighths of it while they fit (activation memory is
+    linear in tokens, so the memory between two powers of two buys up to 7/8 more tokens)."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
     # Long documents' KV caches are the DP-Merge sizing's concern (merge_group_sizes), not the cap's.
@@ -142,7 +144,11 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
             f"is usable on {cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
             f"or a shorter context"
         )
-    return min(cap, config.context_length)
+    step = max(cap // 8, 1)
+    grown = cap
+    while grown + step < 2 * cap and grown + step <= config.context_length and need(grown + step) <= budget:
+        grown += step
+    return min(grown, config.context_length)
 
 
 def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig, token_cap: int | None = None) -> float:
