@@ -305,6 +305,22 @@ def test_equal_units_reproduce_1f1b():
     assert replay(orders, work) == makespan
 
 
+def test_chains_of_slices_pipeline_without_bursts():
+    """Documents sliced in three (backward units in reverse chain order) with equal durations:
+    running each chain's forwards ahead, one per backward, keeps 1F1B's time; running them in a
+    burst right before the chain's first backward stalls the neighbouring stages (109 instead of
+    81 time units here)."""
+    pp, chains, forward, backward = 4, 8, 1.0, 2.0
+    m = 3 * chains
+    forward_units = [[i] for i in range(m)]
+    backward_units = [[3 * c + k] for c in range(chains) for k in (2, 1, 0)]
+    work = StageWork([[forward] * m] * pp, [[backward] * m] * pp, [0.0] * m, [0.0] * m,
+                     [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp - s) for s in range(pp)])
+    orders, makespan = build_stage_orders(forward_units, backward_units, work)
+    assert makespan == pytest.approx((m + pp - 1) * (forward + backward))
+    assert orders[-1][:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+
+
 def test_document_too_long_for_one_replica_goes_to_a_memory_driven_merge_group():
     cost = ms.CostModel.analytic("llama-7b", "h100-sxm")
     parallel = ParallelConfig(dp=8, pp=1, tp=8)

@@ -6,7 +6,8 @@
 `build_stage_orders` fixes what each pipeline stage runs, in which order: a generalised 1F1B.
 Stage s warms up with pp - s - 1 forward units (one more where its activation budget allows, which
 absorbs uneven unit sizes), then alternates backward and forward units; a backward unit is always
-preceded by every forward unit holding its MicroPacks (a long document's chain).
+preceded by every forward unit holding its MicroPacks (a long document's chain), and those are run
+one per backward ahead of time rather than in a burst.
 """
 from __future__ import annotations
 
@@ -131,6 +132,11 @@ def build_stage_orders(
     for b, members in enumerate(backward_units):
         latest = max(latest, b, max(forward_of[mp] for mp in members))
         required.append(latest)
+    # A chain's backward needs all its forwards first. Run them one per backward ahead of time
+    # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
+    # stage's next backward (or forward) while it runs forward after forward.
+    for b in range(len(required) - 2, -1, -1):
+        required[b] = max(required[b], required[b + 1] - 1)
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmup_counts(work, pp))]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])
