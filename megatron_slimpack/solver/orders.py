@@ -134,8 +134,9 @@ def build_stage_orders(
         required.append(latest)
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
-    # stage's next backward (or forward) while it runs forward after forward.
-    for b in range(len(required) - 2, -1, -1):
+    # stage's next backward (or forward) while it runs forward after forward. Without neighbours
+    # (pp == 1) running them early would only hold memory longer.
+    for b in range(len(required) - 2, -1, -1) if pp > 1 else ():
         required[b] = max(required[b], required[b + 1] - 1)
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmup_counts(work, pp))]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
