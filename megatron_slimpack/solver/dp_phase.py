@@ -222,19 +222,36 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
     return amounts
 
 
+# Sand documents per replica dealt one by one (the heaviest part of the sand); the rest, each no
+# heavier than any of those, is poured in contiguous runs.
+DEALT_SAND_PER_REPLICA = 256
+
+
 def _pour_sand(costs, sand, replicas, targets) -> None:
-    """Deal the short documents, largest first, each to the replica furthest below its target,
-    so the last (smallest) ones close the gaps: each replica ends within about one of the
-    smallest documents of its target. (The sand's head can be far from small: a batch with more
-    long documents than MAX_MODEL_ITEMS pours whole long documents.)"""
+    """Deal the sand (largest first) so each replica meets its target: the heavy head one document
+    at a time to the replica furthest below its target, then the light tail in contiguous runs
+    that fill what each still lacks. Each replica ends within about one tail document of its
+    target, even when the sand's head holds whole long documents (a batch with more long ones
+    than MAX_MODEL_ITEMS)."""
     if len(sand) == 0:
         return
-    owner = np.empty(len(sand), dtype=int)
+    dealt = min(len(sand), DEALT_SAND_PER_REPLICA * len(replicas))
+    head, tail = sand[:dealt], sand[dealt:]
     gaps = [(-target, rank) for rank, target in enumerate(targets)]  # (minus the amount still wanted, rank)
     heapq.heapify(gaps)
-    for position, cost in enumerate(costs[sand].tolist()):
+    for index, cost in zip(head.tolist(), costs[head].tolist()):
         wanted, rank = heapq.heappop(gaps)
-        owner[position] = rank
+        replicas[rank].append(index)
         heapq.heappush(gaps, (wanted + cost, rank))
+    if len(tail) == 0:
+        return
+    lacking = np.zeros(len(replicas))
+    for wanted, rank in gaps:
+        lacking[rank] = max(-wanted, 0.0)
+    if lacking.sum() <= 0:
+        lacking[:] = 1.0
+    tail_costs = costs[tail]
+    boundaries = np.cumsum(lacking * (tail_costs.sum() / lacking.sum()))[:-1]
+    owner = np.searchsorted(boundaries, np.cumsum(tail_costs) - tail_costs / 2, side="right")
     for rank in range(len(replicas)):
-        replicas[rank].extend(sand[owner == rank].tolist())
+        replicas[rank].extend(tail[owner == rank].tolist())
