@@ -14,6 +14,7 @@ it together with context parallelism, and contributes 1/k of its cost to each me
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -153,13 +154,14 @@ def _solve(
     report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand)),
               "hint": hint.makespan / COST_SCALE}
     solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    objective = solver.ObjectiveValue() if solved else math.inf
     if solved:
-        objective, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+        bound = solver.BestObjectiveBound()
         report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
                       gap=(objective - bound) / objective if objective else 0.0)
-    use_hint = not solved or solver.ObjectiveValue() >= hint.makespan
+    use_hint = objective >= hint.makespan
     report["source"] = "hint" if use_hint else "cp-sat"
-    if not solved or solver.ObjectiveValue() > hint.makespan:
+    if objective > hint.makespan:
         worse = f", worse than its hint ({report['objective']:.6g} vs {report['hint']:.6g})" if solved else ""
         report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s{worse}; using the LPT hint"
     replicas: list[list[int]] = [[] for _ in fixed_load]
