@@ -67,7 +67,7 @@ class DemoOptions:
 
 
 # ---- plans ----------------------------------------------------------------------------------
-def exact_fixed_plan(plan, lengths: list[int], cost, parallel):
+def exact_fixed_plan(plan, lengths: list[int], parallel):
     """Megatron's fixed-length packing with exact attention: the `megatron-fixed` plan's
     sequences, with each piece mapped back to its document of the batch (a piece of a document
     that crosses a cut becomes a continuation slice with its KV prefix), 1F1B per sequence."""
@@ -84,7 +84,7 @@ def exact_fixed_plan(plan, lengths: list[int], cost, parallel):
                 document, offset = pieces[piece.sample_id]
                 slices.append(Slice(int(document), int(offset), int(offset) + piece.length))
             micropacks.append(MicroPack(slices))
-        replicas.append(schedule_1f1b(micropacks, cost, parallel, replica.dp_ranks))
+        replicas.append(schedule_1f1b(micropacks, parallel, replica.dp_ranks))
     samples = samples_of(lengths)
     metadata = {k: v for k, v in plan.metadata.items() if k != "pieces"}
     return Plan(replicas, samples, parallel, plan.context_length, "megatron-fixed", plan.max_micropack_tokens,
@@ -102,7 +102,7 @@ def make_plan_function(strategy: str, cost, parallel, config):
         lengths = check_plan_input(batch.lengths, config.context_length)
         plan = planner.plan(lengths, parallel, cost, config.with_(strategy=strategy))
         if strategy == "megatron-fixed":
-            plan = exact_fixed_plan(plan, lengths, cost, parallel)
+            plan = exact_fixed_plan(plan, lengths, parallel)
         plan.validate()
         report = simulate(plan, cost)
         plan.metadata["predicted"] = {"iteration_s": report.iteration_time_s, "pp_imbalance": report.pp_imbalance,

@@ -150,6 +150,32 @@ def test_wlb_llm_balances_micro_batches_by_cost():
     assert max(costs) / min(costs) < 1.5
 
 
+def test_wlb_llm_packs_each_document_into_the_cheapest_micro_batch_with_room():
+    """The heap packer (with micro-batches parked while too full) against the rule it implements,
+    checked one document at a time on random inputs, including documents that fit nowhere."""
+    from megatron_slimpack.solver.work import WorkRates
+
+    rates = WorkRates(1.0, 0.01, 2.0, 0.02)
+    rng = random.Random(7)
+    for _ in range(200):
+        capacity = rng.randint(20, 60)
+        documents = [baselines.PendingDocument(0, i, rng.randint(1, capacity)) for i in range(rng.randint(1, 30))]
+        start = [(rng.randint(0, capacity), rng.random()) for _ in range(rng.randint(1, 6))]
+        packed = [baselines.MicroBatch([], tokens, cost) for tokens, cost in start]
+        left = baselines._pack_by_cost(documents, packed, rates, capacity)
+        expected = [baselines.MicroBatch([], tokens, cost) for tokens, cost in start]
+        expected_left = []
+        costs = [rates.total(d.length, d.length * (d.length + 1) / 2) for d in documents]
+        for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
+            room = [(mb.cost, p) for p, mb in enumerate(expected) if mb.tokens + documents[index].length <= capacity]
+            if room:
+                expected[min(room)[1]].add(documents[index], costs[index])
+            else:
+                expected_left.append(index)
+        assert [mb.documents for mb in packed] == [mb.documents for mb in expected]
+        assert left == [documents[i] for i in sorted(expected_left)]
+
+
 # ---- slimpipe ---------------------------------------------------------------------------------
 def test_slimpipe_slices_each_sequence_uniformly():
     plan = run("slimpipe", [20, 12], context=16, slice_tokens=4)

@@ -18,7 +18,7 @@ def test_exact_fixed_plan_keeps_megatron_packing():
     cost = CostModel.analytic("tiny", "cpu")
     parallel = ParallelConfig(pp=2)
     fixed = new_planner("megatron-fixed").plan(lengths, parallel, cost, SlimPackConfig(context_length=1024))
-    exact = exact_fixed_plan(fixed, lengths, cost, parallel)  # validates
+    exact = exact_fixed_plan(fixed, lengths, parallel)  # validates
     assert [m.num_tokens for m in exact.replicas[0].micropacks] == [m.num_tokens for m in fixed.replicas[0].micropacks]
     assert [s.length for s in exact.samples] == lengths
     # a document crossing a cut continues in the next sequence with its prefix

@@ -3,9 +3,8 @@
 Every baseline is a strategy in the registry of `strategies.py`: it turns one global batch of
 document lengths into a `Plan` that `Plan.validate()` accepts, priced by the same cost model and
 timed by the same simulator as SlimPack, so a comparison is a comparison of schedules only. The
-building blocks are the planner's own (`MicroPackCosts`, `stage_work`, `build_stage_orders`,
-`cut_document`, `WorkRates`); what differs is how documents become micro-batches and where the
-micro-batches run.
+building blocks are the planner's own (`stage_orders`, `cut_document`, `WorkRates`); what
+differs is how documents become micro-batches and where the micro-batches run.
 
 Registered names and what each reproduces (details in each function's docstring):
 
@@ -22,6 +21,7 @@ forward and one backward unit per micro-batch, pp - s - 1 warm-up forwards on st
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import random
@@ -34,30 +34,28 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
 from ..specs import ParallelConfig
-from .orders import build_stage_orders
-from .pack_phase import MicroPackCosts, PackOptions, cut_document, stage_work
+from .orders import stage_orders
+from .pack_phase import PackOptions, cut_document
 from .strategies import StepPlanner, register, register_stateful
 from .work import WorkRates
 
 # ==== shared building blocks ====================================================================
 
 
-def schedule_1f1b(micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig,
-                  dp_ranks: list[int]) -> ReplicaPlan:
+def schedule_1f1b(micropacks: list[MicroPack], parallel: ParallelConfig, dp_ranks: list[int]) -> ReplicaPlan:
     """One forward unit and one backward unit per MicroPack, stages ordered by classic 1F1B.
 
     The backward sequence is the plan's (chains reversed), so sliced documents (SlimPipe) get
-    SlimPipe's slice-level 1F1B. The activation budget handed to `build_stage_orders` is zero,
-    which disables its memory-driven extra warm-up: stage s warms up with exactly pp - s - 1
-    forwards, as Megatron-LM's `forward_backward_pipelining_without_interleaving` does.
+    SlimPipe's slice-level 1F1B. No memory-driven extra warm-up: stage s warms up with exactly
+    pp - s - 1 forwards (fewer when it has fewer), as Megatron-LM's
+    `forward_backward_pipelining_without_interleaving` does.
     """
     if not micropacks:  # a rank with nothing to do (fewer micro-batches than ranks)
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
     forward_units = [[index] for index in range(len(micropacks))]
     backward_units = [[index] for index in backward_sequence(micropacks)]
-    costs = MicroPackCosts.of(micropacks, cost, parallel)
-    work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes=0.0)
-    orders, _ = build_stage_orders(forward_units, backward_units, work)
+    warmups = [min(parallel.pp - stage - 1, len(micropacks)) for stage in range(parallel.pp)]
+    orders = stage_orders(forward_units, backward_units, warmups)
     return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
 
 
@@ -87,7 +85,7 @@ def assemble_plan(
     config: SlimPackConfig, token_cap: int | None, metadata: dict,
 ) -> Plan:
     """One 1F1B replica plan per data-parallel rank."""
-    replicas = [schedule_1f1b(micropacks, cost, parallel, [rank]) for rank, micropacks in enumerate(per_rank)]
+    replicas = [schedule_1f1b(micropacks, parallel, [rank]) for rank, micropacks in enumerate(per_rank)]
     metadata = {"cost_model": cost.describe(), "micro_batches_per_rank": [len(m) for m in per_rank], **metadata}
     return Plan(replicas, samples, parallel, config.context_length, config.strategy, token_cap, metadata)
 
@@ -105,11 +103,17 @@ class Piece:
     offset: int
 
 
-def concatenate_and_cut(lengths: list[int], context_length: int) -> list[list[Piece]]:
+def concatenate_and_cut(lengths: list[int], context_length: int) -> tuple[tuple[Piece, ...], ...]:
     """Megatron-LM GPTDataset packing: documents concatenated in the given order and the token
     stream cut every `context_length` tokens. A document crossing a cut becomes two pieces (more
     if it is longer than the context), each a new sample id, numbered in stream order. The last
-    sequence keeps the leftover tokens (shorter than the context) so that nothing is dropped."""
+    sequence keeps the leftover tokens (shorter than the context) so that nothing is dropped.
+    (Cached: a layout search cuts the same batch for every layout it tries.)"""
+    return _cut(tuple(lengths), context_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _cut(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Piece, ...], ...]:
     sequences: list[list[Piece]] = [[]]
     filled = 0
     next_id = 0
@@ -124,7 +128,7 @@ def concatenate_and_cut(lengths: list[int], context_length: int) -> list[list[Pi
             next_id += 1
             offset += take
             filled += take
-    return [sequence for sequence in sequences if sequence]
+    return tuple(tuple(sequence) for sequence in sequences if sequence)
 
 
 def _piece_metadata(sequences: list[list[Piece]]) -> dict:
@@ -391,30 +395,26 @@ def _pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBat
     costs = rates.total(lengths, lengths * (lengths + 1) / 2).tolist() if len(documents) else []
     by_cost = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
     heapq.heapify(by_cost)
-    # The fullest micro-batch's room tells at once whether a document fits anywhere (entries go
-    # stale as micro-batches fill; a stale one is dropped when it surfaces).
-    by_tokens = [(mb.tokens, position) for position, mb in enumerate(micro_batches)]
-    heapq.heapify(by_tokens)
+    # Micro-batches found too full for a document wait here, roomiest first, until a document
+    # short enough for them comes (documents come longest first, so each waits about once).
+    parked: list[tuple[int, int]] = []  # (-room, position)
     left: list[int] = []
     for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
         document = documents[index]
-        while by_tokens and by_tokens[0][0] != micro_batches[by_tokens[0][1]].tokens:
-            heapq.heappop(by_tokens)
-        if not by_tokens or document.length > capacity - by_tokens[0][0]:
-            left.append(index)  # no micro-batch has room
-            continue
-        skipped = []
-        while True:  # the cheapest micro-batch with room (one exists)
-            load, position = heapq.heappop(by_cost)
+        while parked and -parked[0][0] >= document.length:
+            position = heapq.heappop(parked)[1]
+            heapq.heappush(by_cost, (micro_batches[position].cost, position))
+        while by_cost:  # the cheapest micro-batch with room
+            position = by_cost[0][1]
             micro_batch = micro_batches[position]
             if micro_batch.tokens + document.length <= capacity:
                 micro_batch.add(document, costs[index])
-                heapq.heappush(by_cost, (micro_batch.cost, position))
-                heapq.heappush(by_tokens, (micro_batch.tokens, position))
+                heapq.heapreplace(by_cost, (micro_batch.cost, position))
                 break
-            skipped.append((load, position))
-        for item in skipped:
-            heapq.heappush(by_cost, item)
+            heapq.heappop(by_cost)
+            heapq.heappush(parked, (micro_batch.tokens - capacity, position))
+        else:
+            left.append(index)  # no micro-batch has room
     return [documents[i] for i in sorted(left)]
 
 
@@ -562,10 +562,10 @@ def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tok
                 own[ranks[0]] += micropacks
             else:
                 merged = parallel.with_(cp=parallel.cp * len(ranks))
-                merges.append(schedule_1f1b(micropacks, cost, merged, list(ranks)))
+                merges.append(schedule_1f1b(micropacks, merged, list(ranks)))
     if sorted(scheduled) != list(range(len(lengths))):
         raise PlanError("megatron-hybrid-cp: BalancedCPScheduler did not schedule every document exactly once")
-    replicas = merges + [schedule_1f1b(m, cost, parallel, [rank]) for rank, m in enumerate(own)]
+    replicas = merges + [schedule_1f1b(m, parallel, [rank]) for rank, m in enumerate(own)]
     metadata = {
         "cost_model": cost.describe(), "max_seqlen_per_cp_rank": per_rank_tokens,
         "scheduler_groups": len(sample_id_groups),
@@ -577,12 +577,12 @@ def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tok
 # ==== slimpipe ==================================================================================
 
 
-def slice_sequence(sequence: list[Piece], slice_tokens: int, rates: WorkRates) -> list[MicroPack]:
+def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[MicroPack]:
     """Cut a packed sequence into uniform slices of at most `slice_tokens` tokens (SlimPipe);
     a slice holds the parts of the pieces it overlaps, each attending to its piece's prefix."""
     total = sum(piece.sample.length for piece in sequence)
     options = PackOptions(token_cap=slice_tokens, slice_tokens=slice_tokens, cost_balanced_slices=False)
-    bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates)]
+    bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates=None)]
     micropacks, offset, starts = [], 0, []
     for piece in sequence:
         starts.append(offset)
@@ -614,13 +614,18 @@ def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
     slices per stage).
     """
     slice_tokens = config.slice_tokens or max(1, config.context_length // 8)
-    rates = WorkRates.from_cost(cost, parallel, slice_tokens)
     sequences = concatenate_and_cut(lengths, config.context_length)
     samples = [piece.sample for sequence in sequences for piece in sequence]
-    per_rank = [[mp for sequence in block for mp in slice_sequence(sequence, slice_tokens, rates)]
-                for block in deal_contiguous(sequences, parallel.dp)]
+    sliced = _sliced_sequences(tuple(lengths), config.context_length, slice_tokens)
+    per_rank = [[mp for micropacks in block for mp in micropacks] for block in deal_contiguous(sliced, parallel.dp)]
     metadata = {**_piece_metadata(sequences), "slice_tokens": slice_tokens}
     return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata)
+
+
+@functools.lru_cache(maxsize=8)
+def _sliced_sequences(lengths: tuple[int, ...], context_length: int, slice_tokens: int) -> tuple[list[MicroPack], ...]:
+    """Each fixed-length sequence's slices (the same on every layout the search tries)."""
+    return tuple(slice_sequence(sequence, slice_tokens) for sequence in _cut(lengths, context_length))
 
 
 __all__ = [

@@ -118,14 +118,21 @@ def warmup_counts(work: StageWork, pp: int) -> list[int]:
 def build_stage_orders(
     forward_units: list[list[int]], backward_units: list[list[int]], work: StageWork
 ) -> tuple[list[list[tuple[str, int]]], float]:
-    """Return (stage orders, makespan of their replay with the work's durations).
+    """Return (stage orders, makespan of their replay with the work's durations): `stage_orders`
+    with the warm-ups the work's activation budget allows."""
+    orders = stage_orders(forward_units, backward_units, warmup_counts(work, len(work.forward_time)))
+    return orders, replay(orders, work)
 
-    Each stage runs its warm-up forwards, then alternates one backward and one forward. Before
-    backward unit b the last stage has run every forward unit b needs, and stage s is pp - 1 - s
-    units further ahead, as in 1F1B. Stage s never runs fewer forwards before a given backward
-    than stage s + 1, so every receive is matched: no deadlock.
+
+def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]],
+                 warmups: list[int]) -> list[list[tuple[str, int]]]:
+    """Each stage s runs `warmups[s]` forwards (at least 1F1B's pp - s - 1 where it has that
+    many), then alternates one backward and one forward. Before backward unit b the last stage has
+    run every forward unit b needs, and stage s is pp - 1 - s units further ahead, as in 1F1B.
+    Stage s never runs fewer forwards before a given backward than stage s + 1, so every receive
+    is matched: no deadlock.
     """
-    pp = len(work.forward_time)
+    pp = len(warmups)
     forward_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
     # The last forward unit the last stage must have run before backward unit b.
     required, latest = [], 0
@@ -138,7 +145,7 @@ def build_stage_orders(
     # (pp == 1) running them early would only hold memory longer.
     for b in range(len(required) - 2, -1, -1) if pp > 1 else ():
         required[b] = max(required[b], required[b + 1] - 1)
-    extra = [count - (pp - stage - 1) for stage, count in enumerate(warmup_counts(work, pp))]
+    extra = [count - (pp - stage - 1) for stage, count in enumerate(warmups)]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])
     orders = []
@@ -153,7 +160,7 @@ def build_stage_orders(
                 done += 1
             order.append(("B", b))
         orders.append(order)
-    return orders, replay(orders, work)
+    return orders
 
 
 def peak_in_flight(orders: list[list[tuple[str, int]]], work: StageWork) -> list[float]:
