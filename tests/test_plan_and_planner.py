@@ -405,6 +405,31 @@ def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
     config = ms.SlimPackConfig(context_length=65536)
     cap = auto_token_cap(COST, parallel, config)
     assert cap < 65536  # the case is only interesting when the cap is memory-bound
-    sizes = merge_group_sizes([cap, cap - 1, cap // 2, 65536], COST, parallel, cap, dp_merge=True)
+    sizes = merge_group_sizes([cap, cap - 1, cap // 2, 65536], COST, parallel, [cap], dp_merge=True)
     assert sizes.tolist()[:3] == [1, 1, 1]
     assert sizes[3] > 1
+
+
+def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_again(monkeypatch):
+    """Merge groups are sized by a per-document estimate; when a replica's real schedule still
+    does not fit, its sliced documents get twice the group. Here the estimate is replaced by one
+    that merges nothing (and merging for balance is off), so only the retry can make the 64K
+    document fit."""
+    from megatron_slimpack.simulator.dag import simulate
+    from megatron_slimpack.solver import strategies
+
+    parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
+    config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
+    lengths = [65536] + [2048] * 24
+    sizes = strategies.slice_candidates(strategies.auto_token_cap(COST, parallel, config), config)
+    assert strategies.merge_group_sizes(lengths, COST, parallel, sizes, dp_merge=True)[0] > 1
+    monkeypatch.setattr(strategies, "merge_group_sizes", lambda lengths, *_: np.ones(len(lengths), dtype=int))
+
+    plan = strategies.plan_slimpack(lengths, parallel, COST, config).validate()
+    holder = next(r for r in plan.replicas if any(s.sample_id == 0 for m in r.micropacks for s in m.slices))
+    assert len(holder.dp_ranks) >= 2
+    assert max(simulate(plan, COST).peak_memory_bytes) <= COST.memory_budget_bytes()
+
+    monkeypatch.setattr(strategies, "_grown_groups", lambda *_: None)  # no retry: the replica does not fit
+    with pytest.raises(strategies.ReplicaDoesNotFit, match="does not fit"):
+        strategies.plan_slimpack(lengths, parallel, COST, config)

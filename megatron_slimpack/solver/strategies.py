@@ -168,17 +168,20 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
     return cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True) + kv + others
 
 
-def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int,
+def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, micropack_tokens: list[int],
                       dp_merge: bool) -> np.ndarray:
     """For each document, how many replicas must share it (context parallelism across a DP-Merge
-    group) for it to fit memory: 1 for nearly all. Raises PlanError when no group size suffices."""
+    group) for it to fit memory with one of the MicroPack sizes the replica planner tries
+    (`micropack_tokens`; smaller MicroPacks leave more room for a long document's slices next to
+    the ones 1F1B keeps in flight): 1 for nearly all. Raises PlanError when no group size suffices."""
     budget = cost.memory_budget_bytes()
     sizes = np.ones(len(lengths), dtype=int)
     largest_group = parallel.dp if dp_merge else 1
 
     def need(length: int, size: int) -> float:
-        # A merge group's MicroPacks hold `size` x the cap: each member keeps the cap's share.
-        return document_memory_bytes(length, cost, parallel.with_(cp=parallel.cp * size), token_cap * size)
+        # A merge group's MicroPacks hold `size` x the MicroPack size: each member keeps its share.
+        merged = parallel.with_(cp=parallel.cp * size)
+        return min(document_memory_bytes(length, cost, merged, tokens * size) for tokens in micropack_tokens)
 
     for index in np.argsort(lengths)[::-1]:
         length = int(lengths[index])
@@ -217,6 +220,15 @@ def unit_candidates(pp: int, micropacks: int) -> list[int]:
 
 
 REPLAYED_CANDIDATES = 3  # candidates with the best quick estimates get a full replay
+
+
+class ReplicaDoesNotFit(PlanError):
+    """No schedule of a replica's (or merge group's) documents fits memory."""
+
+    def __init__(self, sample_ids: list[int], group_size: int, message: str):
+        super().__init__(message)
+        self.sample_ids = sample_ids
+        self.group_size = group_size
 
 
 def plan_replica(
@@ -270,7 +282,8 @@ def plan_replica(
             break
     if best is None:
         assert leanest is not None
-        raise PlanError(
+        raise ReplicaDoesNotFit(
+            [s.sample_id for s in samples], len(dp_ranks),
             f"memory: replica {dp_ranks} does not fit: its leanest schedule holds {format_bytes(leanest[0])} of "
             f"activations and KV cache on a pipeline stage (MicroPacks of {leanest[1]} tokens) with "
             f"{parallel.describe()}, but only {format_bytes(max(budget, 0.0))} is left after weights, gradients and "
@@ -314,7 +327,36 @@ def plan_slimpack(
 ) -> Plan:
     use_merge = config.dp_merge if dp_merge is None else dp_merge
     token_cap = auto_token_cap(cost, parallel, config)
-    group_sizes = merge_group_sizes(lengths, cost, parallel, token_cap, use_merge)
+    sizes = slice_candidates(token_cap, config)
+    group_sizes = merge_group_sizes(lengths, cost, parallel, sizes, use_merge)
+    # The group sizes come from a per-document estimate; where a replica's real schedule still
+    # does not fit, its sliced documents get twice the group and the batch is planned again.
+    while True:
+        try:
+            return _plan_with_groups(lengths, parallel, cost, config, token_cap, group_sizes, symmetric, use_merge)
+        except ReplicaDoesNotFit as error:
+            grown = _grown_groups(error, group_sizes, lengths, min(sizes), parallel.dp if use_merge else 1)
+            if grown is None:
+                raise
+            group_sizes = grown
+
+
+def _grown_groups(error: ReplicaDoesNotFit, group_sizes: np.ndarray, lengths: list[int], smallest_micropack: int,
+                  largest_group: int) -> np.ndarray | None:
+    """Twice the group of the failed replica's sliced documents (its longest one if none is
+    sliced); None when that group would exceed `largest_group` replicas."""
+    size = 2 * error.group_size
+    if size > largest_group or largest_group % size or not error.sample_ids:
+        return None
+    sliced = [i for i in error.sample_ids if lengths[i] > smallest_micropack * error.group_size]
+    grown = group_sizes.copy()
+    for index in sliced or [max(error.sample_ids, key=lambda i: lengths[i])]:
+        grown[index] = max(grown[index], size)
+    return grown
+
+
+def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
+                      token_cap: int, group_sizes: np.ndarray, symmetric: bool, use_merge: bool) -> Plan:
     rates = WorkRates.from_cost(cost, parallel, token_cap)
     samples = samples_of(lengths)
     as_array = np.asarray(lengths, dtype=float)
