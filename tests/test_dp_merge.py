@@ -218,6 +218,31 @@ def make_case(dp: int, seed: int = 0, pp: int = 1):
     return plan, documents
 
 
+def make_shared_case(dp: int, seed: int = 0, pp: int = 1):
+    """Every MicroPack shared by one DP-Merge group of all dp ranks (the planner's base merge,
+    `shared_by_groups`): a replica plan made for one replica with dp-fold context parallelism;
+    every rank's own replica plan is empty."""
+    from megatron_slimpack.plan import Plan
+    from megatron_slimpack.solver.strategies import shared_by_groups
+    from megatron_slimpack.specs import ParallelConfig
+
+    rng = random.Random(seed)
+    while True:  # every MicroPack needs a token per member
+        lengths = {sid: rng.randint(6, 20) for sid in range(5)}
+        view = random_plan(rng, {sid: random_slicing(rng, n, 3) for sid, n in lengths.items()}, num_micropacks=4)
+        if min(m.num_tokens for m in view.replicas[0].micropacks) >= dp:
+            break
+    if pp > 1:
+        from test_schedule import _stage_orders
+
+        view.replicas[0].stage_orders = _stage_orders(rng, view.replicas[0], pp)
+    view = Plan(view.replicas, view.samples, ParallelConfig(dp=1, pp=pp, cp=dp), 64, "test").validate()
+    plan = shared_by_groups(view, ParallelConfig(dp=dp, pp=pp), dp).validate()
+    documents = {sid: torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed * 1000 + sid))
+                 for sid, n in lengths.items()}
+    return plan, documents
+
+
 def _merge_worker(rank, world_size, port, path, seed):
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -332,7 +357,7 @@ def test_run_merge_group_sends_pipelines_to_the_schedule(megatron_cpu):
         run_merge_group(replica, model=None, token_source=None, group=None, group_rank=0, num_loss_tokens=7)
 
 
-def _schedule_worker(rank, world_size, port, path, seed, pp):
+def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     """The DP-Merge case through the drop-in schedule: merge groups, then the own plan, then the
     data-parallel gradient reduction, all inside `slimpack_forward_backward`; with pp > 1 each
     rank holds one pipeline stage and runs the merge groups' stage orders on it."""
@@ -351,7 +376,7 @@ def _schedule_worker(rank, world_size, port, path, seed, pp):
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    plan, documents = make_case(world_size // pp, seed, pp)
+    plan, documents = (make_shared_case if shared else make_case)(world_size // pp, seed, pp)
     dp_group = parallel_state.get_data_parallel_group()
     groups = merge_groups(plan, dist.get_process_group_ranks(dp_group))  # every DP group's, on every rank
     saved = torch.load(path)
@@ -386,11 +411,11 @@ def _schedule_worker(rank, world_size, port, path, seed, pp):
         assert error <= 1e-5, f"rank {rank} (stage {stage}): {name} relative gradient error {error:.2e}"
 
 
-def _run_schedule(tmp_path, *, dp, pp, seed, timeout_s):
-    plan, documents = make_case(dp, seed, pp)
+def _run_schedule(tmp_path, *, dp, pp, seed, timeout_s, shared=False):
+    plan, documents = (make_shared_case if shared else make_case)(dp, seed, pp)
     path = tmp_path / "reference.pt"
     _reference(plan, documents, path)
-    run_multiprocess(_schedule_worker, dp * pp, str(path), seed, pp, timeout_s=timeout_s)
+    run_multiprocess(_schedule_worker, dp * pp, str(path), seed, pp, shared, timeout_s=timeout_s)
 
 
 @pytest.mark.slow
@@ -406,3 +431,9 @@ def test_dp2_pp2_merge_group_pipelined(tmp_path, megatron_cpu):
 @pytest.mark.slow
 def test_dp4_pp2_merges_of_four_and_two_plus_independent_replicas(tmp_path, megatron_cpu):
     _run_schedule(tmp_path, dp=4, pp=2, seed=4, timeout_s=420)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_every_micropack_shared_by_a_merge_group(tmp_path, megatron_cpu):
+    """The planner's base merge (no replica runs alone) through the schedule, pipelined."""
+    _run_schedule(tmp_path, dp=2, pp=2, seed=5, timeout_s=240, shared=True)

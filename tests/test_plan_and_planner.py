@@ -433,3 +433,42 @@ def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_ag
     monkeypatch.setattr(strategies, "_grown_groups", lambda *_: None)  # no retry: the replica does not fit
     with pytest.raises(strategies.ReplicaDoesNotFit, match="does not fit"):
         strategies.plan_slimpack(lengths, parallel, COST, config)
+
+
+def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
+    """`shared_by_groups` turns a plan for dp/k replicas with k-fold context parallelism into the
+    DP-Merge groups the runtime runs on dp replicas: same time, same memory in the simulator."""
+    from megatron_slimpack.simulator.dag import simulate
+    from megatron_slimpack.solver.strategies import plan_slimpack, shared_by_groups
+
+    config = ms.SlimPackConfig(context_length=65536, strategy="slimpack")
+    lengths = [65536, 40000, 9000] + [3000] * 60
+    view = plan_slimpack(lengths, ParallelConfig(dp=2, pp=2, tp=2, cp=2, recompute="selective"), COST, config)
+    shared = shared_by_groups(view, ParallelConfig(dp=4, pp=2, tp=2, recompute="selective"), 2).validate()
+    assert shared.metadata["base_merge"] == 2
+    assert all(len(r.dp_ranks) >= 2 or not r.micropacks for r in shared.replicas)
+    expected, got = simulate(view, COST), simulate(shared, COST)
+    assert got.iteration_time_s == pytest.approx(expected.iteration_time_s, rel=1e-9)
+    assert max(got.peak_memory_bytes) == pytest.approx(max(expected.peak_memory_bytes), rel=1e-9)
+
+
+def test_slimpack_shares_every_micropack_when_no_replica_fits_alone(monkeypatch):
+    """Where no plan of the layout fits (here: forced for cp=1), SlimPack plans dp/2 replicas with
+    2-fold context parallelism and runs them as DP-Merge groups of two."""
+    from megatron_slimpack.solver import strategies
+
+    fitted = strategies._plan_fitted
+
+    def fits_only_shared(lengths, parallel, *args):
+        if parallel.cp == 1:
+            raise PlanError("memory: nothing fits (forced by the test)")
+        return fitted(lengths, parallel, *args)
+
+    monkeypatch.setattr(strategies, "_plan_fitted", fits_only_shared)
+    config = ms.SlimPackConfig(context_length=65536, strategy="slimpack")
+    parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
+    plan = strategies.plan_slimpack([30000, 20000] + [3000] * 40, parallel, COST, config).validate()
+    assert plan.parallel == parallel and plan.metadata["base_merge"] == 2
+    assert sorted(tuple(r.dp_ranks) for r in plan.replicas if r.micropacks) == [(0, 1), (2, 3)]
+    with pytest.raises(PlanError, match="forced by the test"):  # dp=1 cannot share: the first error
+        strategies.plan_slimpack([3000] * 10, parallel.with_(dp=1), COST, config)

@@ -325,7 +325,38 @@ def plan_slimpack(
     lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
     *, symmetric: bool = False, dp_merge: bool | None = None,
 ) -> Plan:
+    """SlimPack's plan of one global batch. Where no plan of the layout fits memory, every
+    MicroPack is shared by a DP-Merge group of 2 (then 4, ...) replicas: planned as context
+    parallelism over the group (`base_merge` in the metadata), run as DP-Merge groups."""
     use_merge = config.dp_merge if dp_merge is None else dp_merge
+    base, first_error = 1, None
+    while True:
+        view = parallel.with_(dp=parallel.dp // base, cp=parallel.cp * base)
+        try:
+            plan = _plan_fitted(lengths, view, cost, config, symmetric, use_merge)
+            return plan if base == 1 else shared_by_groups(plan, parallel, base)
+        except PlanError as error:
+            first_error = first_error or error
+            base *= 2
+            if not (use_merge and str(error).startswith("memory") and parallel.dp % base == 0):
+                raise first_error from None
+
+
+def shared_by_groups(plan: Plan, parallel: ParallelConfig, base: int) -> Plan:
+    """A plan made for dp/base replicas with base-fold context parallelism, as the runtime runs
+    it on `parallel` (dp replicas): view rank r is the DP-Merge group of ranks r*base .. r*base +
+    base - 1, and every rank keeps an (empty) replica plan of its own. It costs the same in the
+    simulator: a group of k ranks is priced as k-fold context parallelism."""
+    replicas = [ReplicaPlan(r.micropacks, r.forward_units, r.backward_units, r.stage_orders,
+                            [rank * base + k for rank in r.dp_ranks for k in range(base)]) for r in plan.replicas]
+    replicas += [ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], [rank]) for rank in range(parallel.dp)]
+    metadata = {**plan.metadata, "base_merge": base}
+    return Plan(replicas, plan.samples, parallel, plan.context_length, plan.strategy, plan.max_micropack_tokens,
+                metadata)
+
+
+def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
+                 symmetric: bool, use_merge: bool) -> Plan:
     token_cap = auto_token_cap(cost, parallel, config)
     sizes = slice_candidates(token_cap, config)
     group_sizes = merge_group_sizes(lengths, cost, parallel, sizes, use_merge)
