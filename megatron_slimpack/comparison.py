@@ -41,6 +41,9 @@ class ComparisonResult:
 
     def notes(self) -> list[str]:
         lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
+        lines += [f"{name}: cp{r.parallel.cp} is its base merge; run it with --context-parallel-size 1, "
+                  f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
+                  for name, r in self.results.items() if name.startswith("slimpack") and r.parallel.cp > 1]
         lines += [f"Gantt chart: {path}" for path in self.gantt_files]
         return lines
 

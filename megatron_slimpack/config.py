@@ -13,6 +13,10 @@ class SlimPackConfig:
     # Target slice size for long documents; None: the planner tries several and simulates each.
     slice_tokens: int | None = None
     dp_merge: bool = True
+    # Every MicroPack shared by a DP-Merge group of this many replicas (planned as that much
+    # context parallelism over dp / base_merge replicas); 1: only outliers are shared (and every
+    # MicroPack only where no other plan fits memory).
+    base_merge: int = 1
     # A sample whose cost exceeds this multiple of the mean replica load is shared by a merge group.
     merge_threshold: float = 1.25
     solver_time_limit_s: float = 0.5

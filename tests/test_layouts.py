@@ -32,7 +32,8 @@ def test_enumeration_respects_hardware_model_and_strategy():
         assert 80 % p.pp == 0 and p.cp & (p.cp - 1) == 0
     assert {p.recompute for p in layouts} == {"none", "selective", "full"}
     assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
-    assert all(p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "slimpack"))
+    assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}  # base merge
+    assert all(p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "slimpack-nomerge"))
     assert LAYOUT_CONSTRAINTS["megatron-hybrid-cp"].reason
 
 

@@ -472,3 +472,17 @@ def test_slimpack_shares_every_micropack_when_no_replica_fits_alone(monkeypatch)
     assert sorted(tuple(r.dp_ranks) for r in plan.replicas if r.micropacks) == [(0, 1), (2, 3)]
     with pytest.raises(PlanError, match="forced by the test"):  # dp=1 cannot share: the first error
         strategies.plan_slimpack([3000] * 10, parallel.with_(dp=1), COST, config)
+
+
+def test_base_merge_asked_for_shares_every_micropack():
+    from megatron_slimpack.solver.strategies import plan_slimpack
+
+    config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", base_merge=2)
+    parallel = ParallelConfig(dp=4, pp=2, tp=2, recompute="selective")
+    plan = plan_slimpack([30000, 20000] + [3000] * 40, parallel, COST, config).validate()
+    assert plan.metadata["base_merge"] == 2
+    assert all(len(r.dp_ranks) >= 2 for r in plan.replicas if r.micropacks)
+    with pytest.raises(PlanError, match="base_merge 2 needs DP-Merge"):
+        plan_slimpack([3000] * 10, parallel, COST, config.with_(dp_merge=False))
+    with pytest.raises(PlanError, match="divisible"):
+        plan_slimpack([3000] * 10, parallel.with_(dp=3), COST, config)

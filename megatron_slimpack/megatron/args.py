@@ -44,6 +44,10 @@ def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Let outlier documents be shared by a DP-Merge group (default).")
     group.add_argument("--no-slimpack-dp-merge", dest="slimpack_dp_merge", action="store_false",
                        help="Disable DP-Merge.")
+    group.add_argument("--slimpack-base-merge", type=int, default=1, metavar="K",
+                       help="Share every MicroPack by a DP-Merge group of K data-parallel replicas (context "
+                            "parallelism inside the group; keep --context-parallel-size 1). This is what a SlimPack "
+                            "layout with cp K from `slimpack compare` runs as. Default 1: only outliers are shared.")
     group.add_argument("--slimpack-cost-model", default="analytic", metavar="{analytic,PATH}",
                        help="'analytic' or a profile JSON written by `slimpack profile` (default analytic).")
     group.add_argument("--slimpack-hardware", default="h100-sxm",
@@ -105,7 +109,8 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         problems.append("--slimpack cannot be combined with --context-parallel-size > 1: SlimPack slices long "
-                        "documents instead (and shares outliers through DP-Merge); use --context-parallel-size 1")
+                        "documents instead (and shares outliers through DP-Merge); use --context-parallel-size 1, "
+                        "and --slimpack-base-merge K to share every MicroPack by K data-parallel replicas")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--slimpack cannot be combined with --hybrid-context-parallel")
     if getattr(args, "sequence_parallel", False) and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
@@ -124,6 +129,14 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         known = list(STRATEGY_CHOICES)
     if strategy not in known:
         problems.append(f"--slimpack-strategy {strategy!r} is unknown; choose one of {', '.join(known)}")
+    base_merge = getattr(args, "slimpack_base_merge", 1) or 1
+    dp = getattr(args, "data_parallel_size", None)
+    if base_merge < 1 or base_merge & (base_merge - 1):
+        problems.append(f"--slimpack-base-merge must be a power of two >= 1, got {base_merge}")
+    elif base_merge > 1 and dp and dp % base_merge:
+        problems.append(f"--slimpack-base-merge {base_merge} must divide the data-parallel size {dp}")
+    elif base_merge > 1 and not getattr(args, "slimpack_dp_merge", True):
+        problems.append("--slimpack-base-merge > 1 shares MicroPacks through DP-Merge: remove --no-slimpack-dp-merge")
     for flag in ("slimpack_slice_tokens", "slimpack_max_micropack_tokens"):
         value = getattr(args, flag, None)
         if value is not None and value <= 0:
@@ -154,7 +167,8 @@ def slimpack_config_from_args(args):
     return SlimPackConfig(
         strategy=args.slimpack_strategy, context_length=args.seq_length,
         max_micropack_tokens=args.slimpack_max_micropack_tokens, slice_tokens=args.slimpack_slice_tokens,
-        dp_merge=args.slimpack_dp_merge, solver_time_limit_s=args.slimpack_solver_time_limit,
+        dp_merge=args.slimpack_dp_merge, base_merge=getattr(args, "slimpack_base_merge", 1) or 1,
+        solver_time_limit_s=args.slimpack_solver_time_limit,
         seed=getattr(args, "seed", 0) or 0,
     )
 

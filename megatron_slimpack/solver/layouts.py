@@ -56,17 +56,18 @@ class LayoutConstraints:
         return (self.pp is None or parallel.pp in self.pp) and (self.cp is None or parallel.cp in self.cp)
 
 
-_SLIMPACK_CP = LayoutConstraints(
-    cp=(1,), reason="SlimPack slices long documents and merges DP replicas (DP-Merge) instead of a fixed CP")
+# SlimPack's cp k is its base merge: every MicroPack shared by a DP-Merge group of k replicas
+# (planned as cp k, `plan_slimpack`; run with Megatron's --context-parallel-size 1, dp x k replicas
+# and --slimpack-base-merge k). Without DP-Merge there is no such group.
+_NO_MERGE_CP = LayoutConstraints(
+    cp=(1,), reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either")
 
 LAYOUT_CONSTRAINTS: dict[str, LayoutConstraints] = {
     "megatron-hybrid-cp": LayoutConstraints(
         pp=(1,), cp=(1,),
         reason="BalancedCPScheduler supports no pipeline parallelism and picks CP sizes per sample from the "
                "DP x CP pool (given as dp)"),
-    "slimpack": _SLIMPACK_CP,
-    "slimpack-sym": _SLIMPACK_CP,
-    "slimpack-nomerge": _SLIMPACK_CP,
+    "slimpack-nomerge": _NO_MERGE_CP,
 }
 
 # What a strategy must hold in activation memory at once, at least (see `minimum_memory_bytes`):

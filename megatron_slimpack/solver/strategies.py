@@ -325,11 +325,15 @@ def plan_slimpack(
     lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
     *, symmetric: bool = False, dp_merge: bool | None = None,
 ) -> Plan:
-    """SlimPack's plan of one global batch. Where no plan of the layout fits memory, every
-    MicroPack is shared by a DP-Merge group of 2 (then 4, ...) replicas: planned as context
-    parallelism over the group (`base_merge` in the metadata), run as DP-Merge groups."""
+    """SlimPack's plan of one global batch. With `config.base_merge` k > 1, or where no plan of
+    the layout fits memory (then k = 2, 4, ...), every MicroPack is shared by a DP-Merge group of
+    k replicas: planned as k-fold context parallelism over dp / k replicas (`base_merge` in the
+    metadata), run as DP-Merge groups."""
     use_merge = config.dp_merge if dp_merge is None else dp_merge
-    base, first_error = 1, None
+    base, first_error = config.base_merge, None
+    if base > 1 and (not use_merge or parallel.dp % base):
+        raise PlanError(f"base_merge {base} needs DP-Merge and a data-parallel size divisible by it; got dp "
+                        f"{parallel.dp}{'' if use_merge else ' with DP-Merge off'}")
     while True:
         view = parallel.with_(dp=parallel.dp // base, cp=parallel.cp * base)
         try:
