@@ -432,7 +432,7 @@ def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_ag
 
     monkeypatch.setattr(strategies, "_grown_groups", lambda *_: None)  # no retry: the replica does not fit
     with pytest.raises(strategies.ReplicaDoesNotFit, match="does not fit"):
-        strategies.plan_slimpack(lengths, parallel, COST, config)
+        strategies._plan_fitted(lengths, parallel, COST, config, False, True)
 
 
 def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
