@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_slimpack as ms
-from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence
+from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
 from megatron_slimpack.solver import dp_phase
 from megatron_slimpack.solver.orders import StageWork, build_stage_orders, replay, segment
 from megatron_slimpack.specs import ParallelConfig, SpecError
@@ -319,6 +319,63 @@ def test_chains_of_slices_pipeline_without_bursts():
     orders, makespan = build_stage_orders(forward_units, backward_units, work)
     assert makespan == pytest.approx((m + pp - 1) * (forward + backward))
     assert orders[-1][:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(chain_lengths=st.lists(st.integers(1, 6), min_size=1, max_size=8), pp=st.integers(1, 5),
+       lead=st.sampled_from([None, 0, 1, 2, 5]))
+def test_a_shortened_chain_lead_still_orders_every_unit_without_deadlock(chain_lengths, pp, lead):
+    """Chains of slices back to back (each backward-reversed): whatever the chain lead, every stage
+    runs every unit once, in sequence order, after the forwards it needs, and the orders replay."""
+    from megatron_slimpack.runtime.schedule import check_stage_orders
+    from megatron_slimpack.solver.orders import peak_in_flight, stage_orders
+
+    micropacks, forward_units, backward_units = [], [], []
+    for sample, length in enumerate(chain_lengths):
+        first = len(micropacks)
+        micropacks += [MicroPack([Slice(sample, k, k + 1)]) for k in range(length)]
+        forward_units += [[first + k] for k in range(length)]
+        backward_units += [[first + k] for k in reversed(range(length))]
+    m = len(micropacks)
+    warmups = [min(pp - stage - 1, m) for stage in range(pp)]
+    orders = stage_orders(forward_units, backward_units, warmups, chain_lead=lead)
+    check_stage_orders(ReplicaPlan(micropacks, forward_units, backward_units, orders, [0]))
+    work = StageWork([[1.0] * m] * pp, [[2.0] * m] * pp, [0.0] * m, [0.0] * m, [[1.0] * m] * pp,
+                     [[1.0] * m] * pp, [float(pp)] * pp)
+    assert replay(orders, work) >= (m + pp - 1) * 3.0 - 1e-9
+    pipelined = stage_orders(forward_units, backward_units, warmups)
+    assert max(peak_in_flight(orders, work)) <= max(peak_in_flight(pipelined, work))
+
+
+def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():
+    """Two long documents sliced into chains with little between them: running the second chain's
+    forwards ahead holds them while the first drains. Given a budget between the leanest and the
+    fully pipelined peak, the candidate keeps the fastest shortened orders that fit."""
+    from megatron_slimpack.solver.pack_phase import MicroPackCosts, PackOptions, UnitCandidate, pack_micropacks
+    from megatron_slimpack.solver.work import WorkRates
+
+    parallel = ParallelConfig(dp=1, pp=4, tp=8, recompute="selective")
+    rates = WorkRates.from_cost(COST, parallel, 4096)
+    lengths = [16384, 16384] + [1024] * 8
+    micropacks = pack_micropacks(samples_of(lengths), PackOptions(4096, 4096), rates)
+    costs = MicroPackCosts.of(micropacks, COST, parallel)
+    candidate = UnitCandidate.of(micropacks, costs, len(micropacks), False, COST, parallel, float("inf"))
+    pipelined, leanest = candidate.order([0]), candidate.order([0], budget_bytes=0.0)
+    assert leanest.peak_activation_bytes < pipelined.peak_activation_bytes  # the run-up costs memory here
+    assert leanest.makespan_s > pipelined.makespan_s  # ... and the burst costs time
+    budget = (leanest.peak_activation_bytes + pipelined.peak_activation_bytes) / 2
+    fitted = candidate.order([0], budget_bytes=budget)
+    assert fitted.peak_activation_bytes <= budget
+    assert pipelined.makespan_s <= fitted.makespan_s <= leanest.makespan_s
+
+
+def test_micropack_sizes_to_try_include_three_quarter_steps():
+    from megatron_slimpack.solver.strategies import slice_candidates
+
+    config = ms.SlimPackConfig(context_length=131072)
+    assert slice_candidates(18432, config) == [18432, 13824, 9216, 6912, 4608, 3456, 2304]
+    assert slice_candidates(2048, config) == [2048, 1536, 1024]
+    assert slice_candidates(18432, ms.SlimPackConfig(context_length=131072, slice_tokens=8192)) == [8192]
 
 
 def test_document_too_long_for_one_replica_goes_to_a_memory_driven_merge_group():

@@ -7,7 +7,8 @@
 Stage s warms up with pp - s - 1 forward units (one more where its activation budget allows, which
 absorbs uneven unit sizes), then alternates backward and forward units; a backward unit is always
 preceded by every forward unit holding its MicroPacks (a long document's chain), and those are run
-one per backward ahead of time rather than in a burst.
+one per backward ahead of time rather than in a burst (at most `chain_lead` units ahead, where memory
+cannot hold a long chain's whole run-up next to the previous chain's drain).
 """
 from __future__ import annotations
 
@@ -116,21 +117,23 @@ def warmup_counts(work: StageWork, pp: int) -> list[int]:
 
 
 def build_stage_orders(
-    forward_units: list[list[int]], backward_units: list[list[int]], work: StageWork
+    forward_units: list[list[int]], backward_units: list[list[int]], work: StageWork, chain_lead: int | None = None
 ) -> tuple[list[list[tuple[str, int]]], float]:
     """Return (stage orders, makespan of their replay with the work's durations): `stage_orders`
     with the warm-ups the work's activation budget allows."""
-    orders = stage_orders(forward_units, backward_units, warmup_counts(work, len(work.forward_time)))
+    orders = stage_orders(forward_units, backward_units, warmup_counts(work, len(work.forward_time)), chain_lead)
     return orders, replay(orders, work)
 
 
 def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]],
-                 warmups: list[int]) -> list[list[tuple[str, int]]]:
+                 warmups: list[int], chain_lead: int | None = None) -> list[list[tuple[str, int]]]:
     """Each stage s runs `warmups[s]` forwards (at least 1F1B's pp - s - 1 where it has that
     many), then alternates one backward and one forward. Before backward unit b the last stage has
     run every forward unit b needs, and stage s is pp - 1 - s units further ahead, as in 1F1B.
-    Stage s never runs fewer forwards before a given backward than stage s + 1, so every receive
-    is matched: no deadlock.
+    A chain's forwards are pulled ahead of the backwards before it, at most `chain_lead` units
+    beyond what those backwards need (None: the whole chain; 0: a burst).
+    Stage s never runs fewer forwards before a given backward than stage s + 1, and the forwards
+    needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
     pp = len(warmups)
     forward_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
@@ -143,8 +146,12 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
     # stage's next backward (or forward) while it runs forward after forward. Without neighbours
     # (pp == 1) running them early would only hold memory longer.
+    needed = list(required)
     for b in range(len(required) - 2, -1, -1) if pp > 1 else ():
-        required[b] = max(required[b], required[b + 1] - 1)
+        ahead = required[b + 1] - 1
+        if chain_lead is not None:
+            ahead = min(ahead, needed[b] + chain_lead)
+        required[b] = max(required[b], ahead)
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmups)]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])

@@ -262,9 +262,28 @@ class UnitCandidate:
         first = self.work.forward_bytes[0]
         return float(sum(first[:len(self.work.forward_bytes)]))
 
-    def order(self, dp_ranks: list[int]) -> "OrderedCandidate":
-        """Stage orders, the makespan of their replay (no DP reduction) and their peak memory."""
-        orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work)
+    def order(self, dp_ranks: list[int], budget_bytes: float | None = None) -> "OrderedCandidate":
+        """Stage orders, the makespan of their replay (no DP reduction) and their peak memory.
+
+        Running a chain's forwards ahead, one per backward, keeps the pipeline full but holds them
+        while the previous chain drains. Where that passes `budget_bytes`, the run-up is shortened
+        (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
+        before the chain's backward) are returned when none does."""
+        pipelined = self._ordered(dp_ranks, None)
+        if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
+            return pipelined
+        leanest = self._ordered(dp_ranks, 0)
+        if leanest.peak_activation_bytes > budget_bytes:
+            return leanest
+        pp = len(self.work.forward_time)
+        for lead in sorted({pp, pp // 2} - {0}, reverse=True):
+            shortened = self._ordered(dp_ranks, lead)
+            if shortened.peak_activation_bytes <= budget_bytes:
+                return shortened
+        return leanest
+
+    def _ordered(self, dp_ranks: list[int], chain_lead: int | None) -> "OrderedCandidate":
+        orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work, chain_lead)
         replica = ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks))
         return OrderedCandidate(replica, makespan, max(peak_in_flight(orders, self.work)))
 
