@@ -262,6 +262,27 @@ def test_sand_with_long_documents_at_its_head_still_balances():
     assert sorted(i for r in result.replica_samples for i in r) == list(range(len(costs)))
 
 
+def test_micropacks_of_short_documents_are_topped_up_with_the_smallest_ones():
+    """Documents over half the cap cannot share a MicroPack: next fit alone leaves each in a pack
+    of its own (18 packs here). Topping each pack up with the smallest documents fills them, down
+    to the fewest packs the token cap and the cost target allow."""
+    import math
+
+    from megatron_slimpack.solver.pack_phase import PackOptions, pack_micropacks
+    from megatron_slimpack.solver.work import WorkRates
+
+    cap = 4096
+    rates = WorkRates.from_cost(COST, ParallelConfig(dp=1, pp=1, tp=8), cap)
+    lengths = [2500] * 12 + [300] * 60 + [40] * 100
+    micropacks = pack_micropacks(samples_of(lengths), PackOptions(cap, cap), rates)
+    as_array = np.array(lengths, dtype=float)
+    total_cost = float(rates.total(as_array, as_array * (as_array + 1) / 2).sum())
+    fewest = math.ceil(max(sum(lengths) / cap, total_cost / (rates.document(1) * cap)))
+    assert len(micropacks) == fewest == 14
+    assert sorted(s.sample_id for m in micropacks for s in m.slices) == list(range(len(lengths)))
+    assert max(m.num_tokens for m in micropacks) <= cap
+
+
 def test_outlier_goes_to_a_merge_group():
     costs = np.array([100.0] + [1.0] * 40)
     result = dp_phase.assign_to_replicas(costs, 4, merge_threshold=1.0)

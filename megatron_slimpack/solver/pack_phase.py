@@ -2,8 +2,9 @@
 
 - Slicing is cost-balanced: a long document is cut so every slice costs about the same, which
   makes later slices shorter (their attention prefix is longer).
-- Each slice opens its own MicroPack; short documents then fill MicroPacks best-fit by cost, up to
-  the heaviest slice's cost and the token cap, and the rest form MicroPacks of their own.
+- Each slice opens its own MicroPack, topped up with the smallest documents up to the heaviest
+  slice's cost and the token cap; the other documents, largest first, fill MicroPacks of their own,
+  each topped up the same way (so packs stay full even when its documents are over half the cap).
 - A chain (a long document's MicroPacks) stays contiguous in the forward sequence, so its
   backward can start as soon as its last slice is forwarded.
 - Forward units balance forward cost over the forward sequence; backward units balance backward
@@ -104,19 +105,25 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
         until = max(taken, min(int(fits_cost), int(fits_tokens)))
         chain_packs.append([piece] + [short[len(short) - 1 - k] for k in range(taken, until)])
         taken = until
-    # The rest, largest first, fill MicroPacks of their own (next fit: a pack closes when the next
-    # document would pass the target cost or the token cap).
+    # The rest fill MicroPacks of their own: the largest first (next fit: a pack closes when the
+    # next document would pass the target cost or the token cap), each topped up with the longest
+    # run of the smallest remaining documents that fits what it has left, so packs stay full.
     rest = len(short) - taken
     cost_prefix = np.concatenate([[0.0], np.cumsum(short_cost[:rest])])
     token_prefix = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:first_short + rest])])
     others: list[list[Slice]] = []
-    start = 0
-    while start < rest:
+    start, small_end = 0, rest  # short[small_end:rest] already went into earlier packs as sand
+    while start < small_end:
         by_cost = np.searchsorted(cost_prefix, cost_prefix[start] + target, side="right") - 1
         by_tokens = np.searchsorted(token_prefix, token_prefix[start] + options.token_cap, side="right") - 1
-        end = max(start + 1, min(int(by_cost), int(by_tokens)))
-        others.append(short[start:end])
-        start = end
+        end = min(small_end, max(start + 1, min(int(by_cost), int(by_tokens))))
+        room_cost = target - (cost_prefix[end] - cost_prefix[start])
+        room_tokens = options.token_cap - (token_prefix[end] - token_prefix[start])
+        sand_cost = np.searchsorted(cost_prefix, cost_prefix[small_end] - room_cost, side="left")
+        sand_tokens = np.searchsorted(token_prefix, token_prefix[small_end] - room_tokens, side="left")
+        sand = min(small_end, max(end, int(sand_cost), int(sand_tokens)))
+        others.append(short[start:end] + short[sand:small_end])
+        start, small_end = end, sand
     return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
 
 
