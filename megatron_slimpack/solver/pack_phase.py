@@ -51,17 +51,26 @@ def _uniform_bounds(length: int, count: int) -> list[int]:
 
 
 def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
-    """Cumulative cost of the first x tokens is a*x + b*x^2/2; invert it at equal steps."""
+    """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
+    a*x + b*x^2/2; inverted at equal steps it balances work. A later, shorter slice runs at lower
+    kernel efficiency, so the steps are then reweighted by each slice's size penalty (twice: the
+    penalties barely move after that) to balance seconds."""
     a = rates.forward_per_token + rates.backward_per_token
     b = rates.forward_per_pair + rates.backward_per_pair
     total = a * length + b * length * length / 2
-    bounds = [0]
-    for j in range(1, count):
-        target = total * j / count
-        x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
-        bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - j)))
-    bounds.append(length)
+    shares = np.full(count, 1.0 / count)
+    for _ in range(BALANCING_ROUNDS if rates.half_tokens else 1):
+        bounds = [0]
+        for target in (total * np.cumsum(shares)[:-1]).tolist():
+            x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
+            bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
+        bounds.append(length)
+        weights = 1.0 / rates.size_penalty(np.diff(np.asarray(bounds, dtype=float)))
+        shares = weights / weights.sum()
     return bounds
+
+
+BALANCING_ROUNDS = 3
 
 
 class SortedSamples:
@@ -87,9 +96,12 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     chains = [cut_document(s, options, rates) for s in ordered.samples[:first_short]]
     short, short_cost = ordered.whole[first_short:], ordered.costs[first_short:]
     pieces = [piece for chain in chains for piece in chain]
-    slice_costs = [rates.total(p.length, p.attention_pairs) for p in pieces]
+    slice_costs = np.array([rates.total(p.length, p.attention_pairs) for p in pieces])
+    # A slice's MicroPack runs at its own size's efficiency: a later, shorter slice costs more in
+    # seconds than its work says. Costs are compared at a cap-full MicroPack's efficiency.
+    scale = rates.size_penalty(np.array([p.length for p in pieces], dtype=float)) / rates.size_penalty(options.token_cap)
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
-    target = max(slice_costs + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
+    target = max((slice_costs * scale).tolist() + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
 
     # The smallest documents are the sand that tops up each slice's MicroPack to the target cost:
     # each takes the longest run of the smallest remaining documents that fits its room (costs are
@@ -98,8 +110,9 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     small_first_tokens = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:][::-1])])
     chain_packs: list[list[Slice]] = []
     taken = 0  # documents taken from the small end
-    for piece, piece_cost in zip(pieces, slice_costs):
-        fits_cost = np.searchsorted(small_first_cost, small_first_cost[taken] + (target - piece_cost), side="right") - 1
+    for piece, piece_cost, penalty in zip(pieces, slice_costs.tolist(), scale.tolist()):
+        room = target / penalty - piece_cost  # at the slice's own efficiency: the sand only adds tokens
+        fits_cost = np.searchsorted(small_first_cost, small_first_cost[taken] + room, side="right") - 1
         fits_tokens = np.searchsorted(small_first_tokens, small_first_tokens[taken] + (options.token_cap - piece.length),
                                       side="right") - 1
         until = max(taken, min(int(fits_cost), int(fits_tokens)))

@@ -24,6 +24,10 @@ class WorkRates:
     forward_per_pair: float
     backward_per_token: float
     backward_per_pair: float
+    # The analytic model's kernels run a MicroPack of t tokens at t / (t + half_tokens) of peak
+    # efficiency: the rates hold at `reference_tokens`, a smaller MicroPack costs more per unit.
+    reference_tokens: float = 0.0
+    half_tokens: float = 0.0
 
     @classmethod
     def from_cost(cls, cost: CostModel, parallel: ParallelConfig, reference_tokens: int) -> "WorkRates":
@@ -40,7 +44,10 @@ class WorkRates:
             return per_token, per_pair
 
         forward, backward = rates(False), rates(True)
-        return cls(forward[0], forward[1], backward[0], backward[1])
+        # Efficiency is a function of a device's share of the tokens: in whole-MicroPack tokens its
+        # half point is cp times larger. A profiled model has no such curve (its intercept stays).
+        half = 0.0 if cost.profiled_forward is not None else cost.hardware.half_efficiency_tokens * parallel.cp
+        return cls(forward[0], forward[1], backward[0], backward[1], float(tokens), float(half))
 
     def forward(self, tokens: float, pairs: float) -> float:
         return self.forward_per_token * tokens + self.forward_per_pair * pairs
@@ -50,6 +57,13 @@ class WorkRates:
 
     def total(self, tokens: float, pairs: float) -> float:
         return self.forward(tokens, pairs) + self.backward(tokens, pairs)
+
+    def size_penalty(self, tokens):
+        """How much more a MicroPack of `tokens` costs per unit of work than one of the reference
+        size (scalars or arrays; 1 where the rates carry no efficiency curve)."""
+        if not self.half_tokens:
+            return 1.0 + 0.0 * tokens
+        return ((tokens + self.half_tokens) / tokens) / ((self.reference_tokens + self.half_tokens) / self.reference_tokens)
 
     def document(self, length: int) -> float:
         """Forward + backward seconds of a whole document run alone."""
