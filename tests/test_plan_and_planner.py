@@ -102,6 +102,28 @@ def test_slices_of_a_long_document_cost_the_same_seconds_at_their_own_efficiency
     assert packs.max() / packs.min() < 1.02
 
 
+def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
+    """With pipeline parallelism each stage waits on its neighbours' slower unit, so MicroPacks
+    should cost about the same. A 16000-token document fits the 16384-token cap whole but costs a
+    quarter more than a full pack of short documents (its attention); with `even_costs` it is
+    sliced, and no MicroPack costs more than the tolerance over the median."""
+    from megatron_slimpack.solver.pack_phase import EVEN_COST_TOLERANCE, MicroPackCosts, PackOptions, pack_micropacks
+    from megatron_slimpack.solver.work import WorkRates
+
+    parallel = ParallelConfig(dp=1, pp=4, tp=8)
+    rates = WorkRates.from_cost(COST, parallel, 16384)
+    lengths = [65536] + [16000] * 6 + [300] * 1200
+    spread = {}
+    for even in (False, True):
+        micropacks = pack_micropacks(samples_of(lengths), PackOptions(16384, 16384, even_costs=even), rates)
+        assert sum(m.num_tokens for m in micropacks) == sum(lengths)
+        costs = MicroPackCosts.of(micropacks, COST, parallel)
+        seconds = costs.forward[0] + costs.backward[0]
+        spread[even] = seconds.max() / np.median(seconds)
+    assert spread[False] > 1.2
+    assert spread[True] <= EVEN_COST_TOLERANCE
+
+
 def test_asymmetric_units_differ_from_symmetric_on_heterogeneous_packs():
     rng = np.random.default_rng(0)
     lengths = [60000, 50000] + rng.integers(100, 3000, size=400).tolist()

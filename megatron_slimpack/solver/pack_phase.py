@@ -30,20 +30,40 @@ class PackOptions:
     token_cap: int  # most tokens in one MicroPack
     slice_tokens: int  # documents longer than this are sliced
     cost_balanced_slices: bool = True
+    # Also slice documents that cost more than a typical full MicroPack, so MicroPacks cost about
+    # the same: what a pipeline needs (each stage waits on its neighbours' slower unit).
+    even_costs: bool = False
 
 
-def cut_document(sample: Sample, options: PackOptions, rates: WorkRates) -> list[Slice]:
-    """Cut a document into slices of equal cost, none longer than the token cap."""
+EVEN_COST_TOLERANCE = 1.1  # a slice may cost this much more than a typical full MicroPack
+MIN_SLICE_TOKENS = 1024
+
+
+def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_cost: float | None = None) -> list[Slice]:
+    """Cut a document into slices of equal cost, none longer than the token cap and, with
+    `slice_cost`, none costing more than it (seconds at a cap-full MicroPack's efficiency)."""
     length = sample.length
-    if length <= options.slice_tokens:
+    if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
         return [Slice(sample.sample_id, 0, length)]
     count = math.ceil(length / options.slice_tokens)
+    if slice_cost:
+        count = max(count, math.ceil(rates.document(length) / slice_cost))
+    most = max(count, length // MIN_SLICE_TOKENS)  # past it, tiny slices cost their overhead whatever the count
     while True:
         bounds = _balanced_bounds(length, count, rates) if options.cost_balanced_slices else _uniform_bounds(length, count)
-        if max(b - a for a, b in zip(bounds, bounds[1:])) <= options.token_cap:
+        if max(b - a for a, b in zip(bounds, bounds[1:])) <= options.token_cap and (
+                slice_cost is None or count >= most or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
             break
         count += 1
     return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _heaviest_slice(bounds: list[int], rates: WorkRates, token_cap: int) -> float:
+    """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
+    edges = np.asarray(bounds, dtype=float)
+    starts, lengths = edges[:-1], np.diff(edges)
+    work = rates.total(lengths, lengths * starts + lengths * (lengths + 1) / 2)
+    return float((work * rates.size_penalty(lengths)).max() / rates.size_penalty(token_cap))
 
 
 def _uniform_bounds(length: int, count: int) -> list[int]:
@@ -93,7 +113,11 @@ class SortedSamples:
 def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions, rates: WorkRates) -> list[MicroPack]:
     ordered = samples if isinstance(samples, SortedSamples) else SortedSamples(samples, rates)
     first_short = ordered.split(options.slice_tokens)
-    chains = [cut_document(s, options, rates) for s in ordered.samples[:first_short]]
+    slice_cost = None
+    if options.even_costs:
+        slice_cost = EVEN_COST_TOLERANCE * _typical_pack_cost(ordered, first_short, options.token_cap, rates)
+        first_short = max(first_short, int(np.searchsorted(-ordered.costs, -slice_cost, side="left")))
+    chains = [cut_document(s, options, rates, slice_cost) for s in ordered.samples[:first_short]]
     short, short_cost = ordered.whole[first_short:], ordered.costs[first_short:]
     pieces = [piece for chain in chains for piece in chain]
     slice_costs = np.array([rates.total(p.length, p.attention_pairs) for p in pieces])
@@ -138,6 +162,15 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
         others.append(short[start:end] + short[sand:small_end])
         start, small_end = end, sand
     return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
+
+
+def _typical_pack_cost(ordered: SortedSamples, first_short: int, token_cap: int, rates: WorkRates) -> float:
+    """What a cap-full MicroPack of the documents short enough to stay whole costs on average
+    (without any: a cap-full MicroPack without attention)."""
+    tokens = float(ordered.lengths[first_short:].sum())
+    if tokens == 0:
+        return rates.document(1) * token_cap
+    return float(ordered.costs[first_short:].sum()) / tokens * token_cap
 
 
 def _interleave(chain_packs: list[MicroPack], chains: list[list[Slice]], others: list[MicroPack]) -> list[MicroPack]:

@@ -259,7 +259,7 @@ def plan_replica(
     for size in sizes or slice_candidates(token_cap, config):
         if best is not None and packing_bound_s(ordered, size, cost, parallel) >= best[1]:
             continue  # even perfectly full MicroPacks of this size cannot beat the best schedule
-        micropacks = pack_micropacks(ordered, PackOptions(size, size), rates)
+        micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=parallel.pp > 1), rates)
         costs = MicroPackCosts.of(micropacks, cost, parallel)
         if best is not None and costs.busiest_stage_s(parallel.pp) >= best[1]:
             continue
