@@ -1,7 +1,9 @@
 """Phase 2: within one replica, cut slices, pack MicroPacks, segment units, order stages.
 
-- Slicing is cost-balanced: a long document is cut so every slice costs about the same, which
-  makes later slices shorter (their attention prefix is longer).
+- Slicing is cost-balanced: a long document is cut so every slice costs about the same seconds,
+  which makes later slices shorter (their attention prefix is longer). With pipeline parallelism
+  (`even_costs`), documents that fit a MicroPack but cost more than a typical full one are sliced
+  too, so MicroPacks cost about the same.
 - Each slice opens its own MicroPack, topped up with the smallest documents up to the heaviest
   slice's cost and the token cap; the other documents, largest first, fill MicroPacks of their own,
   each topped up the same way (so packs stay full even when its documents are over half the cap).
