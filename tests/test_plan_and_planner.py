@@ -102,6 +102,23 @@ def test_slices_of_a_long_document_cost_the_same_seconds_at_their_own_efficiency
     assert packs.max() / packs.min() < 1.02
 
 
+def test_a_small_cap_does_not_cut_a_long_document_into_thousands_of_slices():
+    """Balancing seconds shortens short slices further (they run less efficiently), which at a
+    small cap spiralled into over a thousand slices of a 256K document. The count now starts at
+    the work-balanced one and gets at most a few more slices."""
+    import dataclasses
+
+    from megatron_slimpack.solver.pack_phase import EXTRA_SLICES, PackOptions, cut_document
+    from megatron_slimpack.solver.work import WorkRates
+
+    parallel = ParallelConfig(dp=1, pp=4, tp=8, cp=2)
+    rates = WorkRates.from_cost(COST, parallel, 32768)
+    work_balanced = cut_document(Sample(0, 262144), PackOptions(4096, 4096), dataclasses.replace(rates, half_tokens=0.0))
+    pieces = cut_document(Sample(0, 262144), PackOptions(4096, 4096), rates)
+    assert len(work_balanced) <= len(pieces) <= len(work_balanced) + EXTRA_SLICES
+    assert sum(p.length for p in pieces) == 262144 and max(p.length for p in pieces) <= 4096
+
+
 def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
     """With pipeline parallelism each stage waits on its neighbours' slower unit, so MicroPacks
     should cost about the same. A 16000-token document fits the 16384-token cap whole but costs a

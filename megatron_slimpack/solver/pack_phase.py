@@ -38,26 +38,42 @@ class PackOptions:
 
 
 EVEN_COST_TOLERANCE = 1.1  # a slice may cost this much more than a typical full MicroPack
-MIN_SLICE_TOKENS = 1024
+EXTRA_SLICES = 8  # slices added at most to balance seconds or meet `slice_cost` (each try costs a cut)
 
 
 def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_cost: float | None = None) -> list[Slice]:
     """Cut a document into slices of equal cost, none longer than the token cap and, with
-    `slice_cost`, none costing more than it (seconds at a cap-full MicroPack's efficiency)."""
+    `slice_cost`, none costing more than it (seconds at a cap-full MicroPack's efficiency).
+
+    The count starts where work-balanced slices fit the cap (the first, longest one holds
+    1/count of the work). Balancing seconds makes short slices shorter still (they run less
+    efficiently), so it gets a few more slices to fit; past those the work-balanced cut is kept:
+    with a small cap and a long document, chasing seconds would cut thousands of tiny slices."""
     length = sample.length
     if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
         return [Slice(sample.sample_id, 0, length)]
     count = math.ceil(length / options.slice_tokens)
+    if not options.cost_balanced_slices:
+        return _slices(sample, _uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
+    count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, options.token_cap), rates)))
+    while _longest(_balanced_bounds(length, count, rates, by_seconds=False)) > options.token_cap:
+        count += 1  # rounding only: the estimate above is exact up to it
     if slice_cost:
         count = max(count, math.ceil(rates.document(length) / slice_cost))
-    most = max(count, length // MIN_SLICE_TOKENS)  # past it, tiny slices cost their overhead whatever the count
-    while True:
-        bounds = _balanced_bounds(length, count, rates) if options.cost_balanced_slices else _uniform_bounds(length, count)
-        if max(b - a for a, b in zip(bounds, bounds[1:])) <= options.token_cap and (
-                slice_cost is None or count >= most or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
-            break
-        count += 1
+    for extra in range(EXTRA_SLICES + 1):
+        bounds = _balanced_bounds(length, count + extra, rates)
+        if _longest(bounds) <= options.token_cap and (
+                slice_cost is None or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
+            return _slices(sample, bounds)
+    return _slices(sample, _balanced_bounds(length, count + EXTRA_SLICES, rates, by_seconds=False))
+
+
+def _slices(sample: Sample, bounds: list[int]) -> list[Slice]:
     return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _longest(bounds: list[int]) -> int:
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def _heaviest_slice(bounds: list[int], rates: WorkRates, token_cap: int) -> float:
@@ -72,16 +88,16 @@ def _uniform_bounds(length: int, count: int) -> list[int]:
     return [length * j // count for j in range(count + 1)]
 
 
-def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
+def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool = True) -> list[int]:
     """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
     a*x + b*x^2/2; inverted at equal steps it balances work. A later, shorter slice runs at lower
     kernel efficiency, so the steps are then reweighted by each slice's size penalty (twice: the
     penalties barely move after that) to balance seconds."""
     a = rates.forward_per_token + rates.backward_per_token
     b = rates.forward_per_pair + rates.backward_per_pair
-    total = a * length + b * length * length / 2
+    total = _prefix_work(length, rates)
     shares = np.full(count, 1.0 / count)
-    for _ in range(BALANCING_ROUNDS if rates.half_tokens else 1):
+    for _ in range(BALANCING_ROUNDS if rates.half_tokens and by_seconds else 1):
         bounds = [0]
         for target in (total * np.cumsum(shares)[:-1]).tolist():
             x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
@@ -93,6 +109,12 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates) -> list[int]:
 
 
 BALANCING_ROUNDS = 3
+
+
+def _prefix_work(tokens: float, rates: WorkRates) -> float:
+    """Work of a document's first `tokens` tokens (causal attention among them)."""
+    return ((rates.forward_per_token + rates.backward_per_token) * tokens
+            + (rates.forward_per_pair + rates.backward_per_pair) * tokens * tokens / 2)
 
 
 class SortedSamples:
