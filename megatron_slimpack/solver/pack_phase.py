@@ -81,7 +81,12 @@ def _heaviest_slice(bounds: list[int], rates: WorkRates, token_cap: int) -> floa
     edges = np.asarray(bounds, dtype=float)
     starts, lengths = edges[:-1], np.diff(edges)
     work = rates.total(lengths, lengths * starts + lengths * (lengths + 1) / 2)
-    return float((work * rates.size_penalty(lengths)).max() / rates.size_penalty(token_cap))
+    return float((work * _at_cap_efficiency(lengths, rates, token_cap)).max())
+
+
+def _at_cap_efficiency(lengths, rates: WorkRates, token_cap: int):
+    """Factor turning work of MicroPacks of `lengths` tokens into seconds at a cap-full one's efficiency."""
+    return rates.size_penalty(lengths) / rates.size_penalty(token_cap)
 
 
 def _uniform_bounds(length: int, count: int) -> list[int]:
@@ -147,7 +152,7 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     slice_costs = np.array([rates.total(p.length, p.attention_pairs) for p in pieces])
     # A slice's MicroPack runs at its own size's efficiency: a later, shorter slice costs more in
     # seconds than its work says. Costs are compared at a cap-full MicroPack's efficiency.
-    scale = rates.size_penalty(np.array([p.length for p in pieces], dtype=float)) / rates.size_penalty(options.token_cap)
+    scale = _at_cap_efficiency(np.array([p.length for p in pieces], dtype=float), rates, options.token_cap)
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
     target = max((slice_costs * scale).tolist() + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
 
