@@ -255,6 +255,21 @@ class CostModel:
     def backward_time(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
         return self.stage_time(tokens, pairs, parallel, backward=True, last_stage=last_stage)
 
+    def pass_time_bound(self, tokens: float, pairs: float, parallel: ParallelConfig, largest_pack: float) -> float:
+        """Fewest seconds the last pipeline stage can spend on the forward and backward of `tokens`
+        (with `pairs` attention pairs) cut into packs of at most `largest_pack` tokens. Per-token
+        rates only improve with pack size and per-pack costs only add, so tokens / largest_pack
+        packs of the largest size are the cheapest split; the context-parallel exchange is left out
+        (it may hide behind attention)."""
+        size = min(tokens, largest_pack)
+        packs = tokens / size
+        seconds = 0.0
+        for backward in (False, True):
+            per_layer = self.layer_time(size, pairs / packs, parallel, backward) + self.tp_comm_time(size, parallel, backward)
+            seconds += (self.layers_per_stage(parallel) * per_layer + self.hardware.kernel_overhead_s
+                        + self.head_time(size, parallel, backward))
+        return packs * seconds
+
     # ---- communication ------------------------------------------------------------------------
     def activation_transfer_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
         """Bytes one pipeline p2p send moves per device (sequence-parallel: the TP shard)."""

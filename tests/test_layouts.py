@@ -54,10 +54,46 @@ def test_lower_bound_never_exceeds_the_simulated_time():
     for strategy in ("megatron-fixed", "bfd", "slimpipe", "slimpack"):
         for parallel in (ParallelConfig(dp=4, pp=2, tp=4), ParallelConfig(dp=2, pp=1, tp=8, recompute="full"),
                          ParallelConfig(dp=2, pp=2, tp=4, cp=2 if strategy != "slimpack" else 1)):
-            plan = get_strategy(strategy)(lengths, parallel, COST_7B,
-                                          FAST.with_(strategy=strategy, context_length=context))
+            config = FAST.with_(strategy=strategy, context_length=context)
+            plan = get_strategy(strategy)(lengths, parallel, COST_7B, config)
             time_s = simulate(plan, COST_7B, detail=False).iteration_time_s
-            assert iteration_lower_bound(strategy, lengths, COST_7B, parallel) <= time_s, (strategy, parallel)
+            assert iteration_lower_bound(strategy, lengths, COST_7B, parallel, config=config) <= time_s, (strategy, parallel)
+
+
+def test_a_memory_starved_layout_gets_a_higher_bound_that_still_holds():
+    """With memory for packs of only ~12K tokens, efficiency caps what any plan reaches: the bound
+    rises above the one for unlimited memory and still stays under the simulated time."""
+    from dataclasses import replace
+
+    from megatron_slimpack.solver.layouts import largest_pack_tokens
+
+    context, parallel = 8192, ParallelConfig(dp=2, pp=2, tp=4, recompute="selective")
+    lengths = batch(1, 120, context)
+    per_token = COST_7B.activation_bytes(1.0, 1.0, parallel, last_stage=True)
+    room = COST_7B.static_memory_bytes(parallel) + 12000 * per_token
+    hardware = replace(COST_7B.hardware, memory_bytes=int(room / COST_7B.hardware.usable_memory_fraction))
+    starved = ms.CostModel.analytic("llama-7b", hardware)
+    assert largest_pack_tokens("slimpipe", starved, parallel) == pytest.approx(12000, rel=1e-6)
+    for strategy in ("slimpack", "slimpipe"):
+        config = FAST.with_(strategy=strategy, context_length=context)
+        bound = iteration_lower_bound(strategy, lengths, starved, parallel, config=config)
+        assert bound > 1.05 * iteration_lower_bound(strategy, lengths, COST_7B, parallel)
+        report = simulate(get_strategy(strategy)(lengths, parallel, starved, config), starved, detail=False)
+        assert max(report.peak_memory_bytes) <= starved.memory_budget_bytes()
+        assert bound <= report.iteration_time_s, strategy
+
+
+def test_slimpack_bound_knows_its_micropack_cap():
+    """SlimPack never packs more than its cap: a 2K cap raises the bound (lower efficiency), and
+    the plan it makes under that cap still takes at least as long as the bound."""
+    context, parallel = 32768, ParallelConfig(dp=2, pp=2, tp=4, recompute="selective")
+    lengths = batch(1, 120, context)
+    config = FAST.with_(strategy="slimpack", context_length=context)
+    capped = config.with_(max_micropack_tokens=2048)
+    bound = iteration_lower_bound("slimpack", lengths, COST_7B, parallel, config=capped)
+    assert bound > 1.2 * iteration_lower_bound("slimpack", lengths, COST_7B, parallel, config=config)
+    plan = get_strategy("slimpack")(lengths, parallel, COST_7B, capped)
+    assert bound <= simulate(plan, COST_7B, detail=False).iteration_time_s
 
 
 @pytest.mark.parametrize("strategy", ["megatron-fixed", "wlb-llm", "slimpack"])

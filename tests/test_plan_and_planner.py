@@ -387,11 +387,10 @@ def test_equal_units_reproduce_1f1b():
     units = [[i] for i in range(m)]
     work = StageWork([[forward] * m] * pp, [[backward] * m] * pp, [0.0] * m, [0.0] * m,
                      [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp - s) for s in range(pp)])
-    orders, makespan = build_stage_orders(units, units, work)
-    assert makespan == pytest.approx((m + pp - 1) * (forward + backward))
+    orders = build_stage_orders(units, units, work)
+    assert replay(orders, work) == pytest.approx((m + pp - 1) * (forward + backward))
     assert orders[0][:pp + 1] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
     assert orders[-1][:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-    assert replay(orders, work) == makespan
 
 
 def test_chains_of_slices_pipeline_without_bursts():
@@ -405,8 +404,8 @@ def test_chains_of_slices_pipeline_without_bursts():
     backward_units = [[3 * c + k] for c in range(chains) for k in (2, 1, 0)]
     work = StageWork([[forward] * m] * pp, [[backward] * m] * pp, [0.0] * m, [0.0] * m,
                      [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp - s) for s in range(pp)])
-    orders, makespan = build_stage_orders(forward_units, backward_units, work)
-    assert makespan == pytest.approx((m + pp - 1) * (forward + backward))
+    orders = build_stage_orders(forward_units, backward_units, work)
+    assert replay(orders, work) == pytest.approx((m + pp - 1) * (forward + backward))
     assert orders[-1][:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
 
 
@@ -434,6 +433,52 @@ def test_a_shortened_chain_lead_still_orders_every_unit_without_deadlock(chain_l
     assert replay(orders, work) >= (m + pp - 1) * 3.0 - 1e-9
     pipelined = stage_orders(forward_units, backward_units, warmups)
     assert max(peak_in_flight(orders, work)) <= max(peak_in_flight(pipelined, work))
+
+
+def relaxed_makespan(orders, work):
+    """Reference for `replay`: every task ends at max(its stage's previous task, its input) plus
+    its duration; relax all tasks in sweeps until nothing changes (longest path by fixed point)."""
+    pp = len(orders)
+    end = {(stage, kind, unit): 0.0 for stage, order in enumerate(orders) for kind, unit in order}
+    for _ in range(sum(map(len, orders)) + 1):
+        changed = False
+        for stage, order in enumerate(orders):
+            previous = 0.0
+            for kind, unit in order:
+                if kind == "F":
+                    ready = end[stage - 1, "F", unit] + work.forward_transfer[unit] if stage else 0.0
+                    value = max(previous, ready) + work.forward_time[stage][unit]
+                else:
+                    ready = end[stage + 1, "B", unit] + work.backward_transfer[unit] if stage < pp - 1 else 0.0
+                    value = max(previous, ready) + work.backward_time[stage][unit]
+                changed |= value != end[stage, kind, unit]
+                end[stage, kind, unit] = previous = value
+        if not changed:
+            return max(end.values())
+    raise AssertionError("no fixed point: the orders deadlock")
+
+
+@settings(max_examples=40, deadline=None)
+@given(chain_lengths=st.lists(st.integers(1, 4), min_size=1, max_size=6), pp=st.integers(1, 5),
+       lead=st.sampled_from([None, 0, 2]), seed=st.integers(0, 1000))
+def test_replay_matches_a_fixed_point_reference(chain_lengths, pp, lead, seed):
+    """Uneven durations and transfers, chains of slices, any chain lead: `replay` (a worklist over
+    stages) gives the longest path a plain fixed-point relaxation finds."""
+    from megatron_slimpack.solver.orders import stage_orders
+
+    rng = np.random.default_rng(seed)
+    forward_units, backward_units = [], []
+    for length in chain_lengths:
+        first = len(forward_units)
+        forward_units += [[first + k] for k in range(length)]
+        backward_units += [[first + k] for k in reversed(range(length))]
+    m = len(forward_units)
+    warmups = [min(pp - stage - 1 + int(rng.integers(0, 2)), m) for stage in range(pp)]
+    orders = stage_orders(forward_units, backward_units, warmups, chain_lead=lead)
+    work = StageWork(rng.uniform(0.5, 2, (pp, m)).tolist(), rng.uniform(1, 4, (pp, m)).tolist(),
+                     rng.uniform(0, 0.3, m).tolist(), rng.uniform(0, 0.3, m).tolist(),
+                     [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp)] * pp)
+    assert replay(orders, work) == pytest.approx(relaxed_makespan(orders, work), rel=1e-12)
 
 
 def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():
@@ -632,3 +677,21 @@ def test_base_merge_asked_for_shares_every_micropack():
         plan_slimpack([3000] * 10, parallel, COST, config.with_(dp_merge=False))
     with pytest.raises(PlanError, match="divisible"):
         plan_slimpack([3000] * 10, parallel.with_(dp=3), COST, config)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packing_bound_never_exceeds_the_replica_schedule(cp):
+    """The planner skips a MicroPack size whose packing bound is above its best schedule so far:
+    the bound must hold for every size, with or without context parallelism."""
+    from megatron_slimpack.solver.pack_phase import SortedSamples
+    from megatron_slimpack.solver.strategies import packing_bound_s, plan_replica
+    from megatron_slimpack.solver.work import WorkRates
+
+    parallel = ParallelConfig(dp=1, pp=4, tp=4, cp=cp, recompute="selective")
+    lengths = [int(x) for x in np.random.default_rng(5).lognormal(8, 1.4, 150).clip(16, 32768)]
+    samples, config = samples_of(lengths), ms.SlimPackConfig(context_length=32768)
+    rates = WorkRates.from_cost(COST, parallel, 8192)
+    for size in (8192, 4096, 2048):
+        _, makespan, _ = plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, sizes=[size])
+        bound = packing_bound_s(SortedSamples(samples, rates), size, COST, parallel)
+        assert 0 < bound <= makespan

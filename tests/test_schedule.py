@@ -34,7 +34,7 @@ def _stage_orders(rng, replica, pp):
         backward_frees=[[float(len(u)) for u in replica.backward_units] for _ in range(pp)],
         budget=[float(rng.choice([0, 100])) for _ in range(pp)],
     )
-    return build_stage_orders(replica.forward_units, replica.backward_units, work)[0]
+    return build_stage_orders(replica.forward_units, replica.backward_units, work)
 
 
 def make_case(seed: int, pp: int, dp: int, num_docs: int = 3, max_len: int = 24, max_slices: int = 4,

@@ -37,7 +37,7 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
-from .strategies import StepPlanner, check_plan_input, document_memory_bytes, new_planner
+from .strategies import StepPlanner, auto_token_cap, check_plan_input, document_memory_bytes, new_planner
 from .work import causal_pairs
 
 
@@ -272,19 +272,51 @@ def attention_pairs_bound(strategy: str, lengths: list[int]) -> float:
     return float(sum(causal_pairs(n) for n in lengths))
 
 
+def largest_pack_tokens(strategy: str, cost: CostModel, parallel: ParallelConfig,
+                        config: SlimPackConfig | None = None) -> float:
+    """Most tokens one pack can have on this layout (in its context-parallel terms: each device
+    holds 1/cp of them). Every strategy's last stage holds at least the pack it runs (activations,
+    logits, a recomputed layer) next to the static memory; KV caches and other packs in flight
+    only lower that. Given its `config` (the context length, any cap set), SlimPack also never
+    exceeds its own MicroPack cap (`_largest_micropack`)."""
+    room = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
+    per_token = cost.activation_bytes(1.0, 1.0, parallel, last_stage=True) + cost.recompute_peak_bytes(1.0, 1.0, parallel)
+    largest = max(room, 0.0) / per_token
+    if strategy in SIZES_TO_MEMORY and config is not None:
+        largest = min(largest, _largest_micropack(cost, parallel, config))
+    return largest
+
+
+def _largest_micropack(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> float:
+    """SlimPack's MicroPacks hold at most `auto_token_cap` tokens of the view it plans: dp/k
+    replicas with k-fold context parallelism where it falls back to a base merge of k (a DP-Merge
+    group of g shares a g-times larger MicroPack over g-fold more, the same per device). Per device
+    that is the cap over the view's cp; the largest over every k, in this layout's terms."""
+    largest, base = 0.0, 1
+    while parallel.dp % base == 0:
+        view = parallel.with_(dp=parallel.dp // base, cp=parallel.cp * base)
+        try:
+            largest = max(largest, auto_token_cap(cost, view, config) / base)
+        except PlanError:  # no MicroPack fits this view: nothing to plan there
+            pass
+        base *= 2
+    return largest
+
+
 def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
-                          pairs: float | None = None) -> float:
+                          pairs: float | None = None, config: SlimPackConfig | None = None) -> float:
     """Seconds no plan of this batch can beat on this layout: the last stage's forward and
-    backward compute of all tokens as one perfectly efficient pack, spread over the dp ranks
-    (efficiency grows with pack size and communication is linear in tokens, so any real split
-    costs at least as much; bubbles, p2p and the gradient reduction are left out). `pairs`:
-    `attention_pairs_bound(strategy, lengths)`, when the caller has it already."""
-    tokens = float(sum(lengths))
+    backward compute of all tokens in the largest packs memory allows (`largest_pack_tokens`;
+    efficiency grows with pack size and communication is linear in tokens, so any real split
+    costs at least as much), spread over the dp ranks. Bubbles, p2p and the gradient reduction are
+    left out. Where memory allows only small packs the bound rises with their lower efficiency,
+    which tells the layout search early that a memory-starved layout cannot win. `pairs`:
+    `attention_pairs_bound(strategy, lengths)`, when the caller has it already; `config`: the
+    planner's (its MicroPack cap)."""
     if pairs is None:
         pairs = attention_pairs_bound(strategy, lengths)
-    total = (cost.forward_time(tokens, pairs, parallel, last_stage=True)
-             + cost.backward_time(tokens, pairs, parallel, last_stage=True))
-    return total / parallel.dp
+    largest = max(largest_pack_tokens(strategy, cost, parallel, config), 1.0)
+    return cost.pass_time_bound(float(sum(lengths)), pairs, parallel, largest) / parallel.dp
 
 
 def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
@@ -464,7 +496,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     # documents or bring back earlier ones, so it is screened without the bound.
     bounded = type(new_planner(strategy)) is StepPlanner
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
-    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs) for run in runs}
+    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
     # Bound order; recompute only adds time, so within a shape the lighter modes come first.
     ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute]))
@@ -506,6 +538,6 @@ def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> s
 
 __all__ = [
     "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "SIZES_TO_MEMORY", "Rejection", "LayoutEvaluation", "LayoutResult",
-    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "iteration_lower_bound", "cheap_rejection",
+    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens", "iteration_lower_bound", "cheap_rejection",
     "best_layout",
 ]

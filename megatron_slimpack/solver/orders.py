@@ -118,11 +118,9 @@ def warmup_counts(work: StageWork, pp: int) -> list[int]:
 
 def build_stage_orders(
     forward_units: list[list[int]], backward_units: list[list[int]], work: StageWork, chain_lead: int | None = None
-) -> tuple[list[list[tuple[str, int]]], float]:
-    """Return (stage orders, makespan of their replay with the work's durations): `stage_orders`
-    with the warm-ups the work's activation budget allows."""
-    orders = stage_orders(forward_units, backward_units, warmup_counts(work, len(work.forward_time)), chain_lead)
-    return orders, replay(orders, work)
+) -> list[list[tuple[str, int]]]:
+    """`stage_orders` with the warm-ups the work's activation budget allows (`replay` times them)."""
+    return stage_orders(forward_units, backward_units, warmup_counts(work, len(work.forward_time)), chain_lead)
 
 
 def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]],
@@ -190,34 +188,51 @@ def peak_in_flight(orders: list[list[tuple[str, int]]], work: StageWork) -> list
 def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
     """Makespan of running `orders` with blocking receives and non-blocking sends."""
     pp = len(orders)
-    forward_end: dict[tuple[int, int], float] = {}
-    backward_end: dict[tuple[int, int], float] = {}
+    forward_end: list[list[float | None]] = [[None] * len(work.forward_transfer) for _ in range(pp)]
+    backward_end: list[list[float | None]] = [[None] * len(work.backward_transfer) for _ in range(pp)]
     free_at = [0.0] * pp
     position = [0] * pp
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for stage in range(pp):
-            while position[stage] < len(orders[stage]):
-                kind, unit = orders[stage][position[stage]]
-                if kind == "F":
-                    ready = 0.0 if stage == 0 else forward_end.get((stage - 1, unit))
-                    if ready is None:
-                        break
-                    ready += work.forward_transfer[unit] if stage else 0.0
-                    end = max(free_at[stage], ready) + work.forward_time[stage][unit]
-                    forward_end[stage, unit] = end
+    # A stage runs until it waits on a neighbour; only a neighbour's progress can unblock it, so
+    # only those are revisited (a sweep over all stages per step is quadratic on deep pipelines).
+    pending = list(range(pp - 1, -1, -1))
+    queued = set(pending)
+    while pending:
+        stage = pending.pop()
+        queued.discard(stage)
+        order, start, clock = orders[stage], position[stage], free_at[stage]
+        upstream = forward_end[stage - 1] if stage > 0 else None
+        downstream = backward_end[stage + 1] if stage < pp - 1 else None
+        forward_time, backward_time = work.forward_time[stage], work.backward_time[stage]
+        done, length = start, len(order)
+        while done < length:
+            kind, unit = order[done]
+            if kind == "F":
+                if upstream is None:
+                    ready = 0.0
                 else:
-                    ready = 0.0 if stage == pp - 1 else backward_end.get((stage + 1, unit))
+                    ready = upstream[unit]
                     if ready is None:
                         break
-                    ready += work.backward_transfer[unit] if stage < pp - 1 else 0.0
-                    end = max(free_at[stage], ready) + work.backward_time[stage][unit]
-                    backward_end[stage, unit] = end
-                free_at[stage] = end
-                position[stage] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
+                    ready += work.forward_transfer[unit]
+                clock = (clock if clock > ready else ready) + forward_time[unit]
+                forward_end[stage][unit] = clock
+            else:
+                if downstream is None:
+                    ready = 0.0
+                else:
+                    ready = downstream[unit]
+                    if ready is None:
+                        break
+                    ready += work.backward_transfer[unit]
+                clock = (clock if clock > ready else ready) + backward_time[unit]
+                backward_end[stage][unit] = clock
+            done += 1
+        free_at[stage], position[stage] = clock, done
+        if done > start:
+            for neighbour in (stage - 1, stage + 1):
+                if 0 <= neighbour < pp and neighbour not in queued:
+                    pending.append(neighbour)
+                    queued.add(neighbour)
+    if any(position[stage] < len(orders[stage]) for stage in range(pp)):
+        raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
     return max(free_at)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from ..costmodel import CostModel
 from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, pack_figures, slice_table, whole_slices
 from ..specs import ParallelConfig
-from .orders import StageWork, build_stage_orders, peak_in_flight, segment
+from .orders import StageWork, build_stage_orders, peak_in_flight, replay, segment
 from .work import WorkRates, causal_pairs
 
 
@@ -102,12 +103,15 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool
     b = rates.forward_per_pair + rates.backward_per_pair
     total = _prefix_work(length, rates)
     shares = np.full(count, 1.0 / count)
+    steps = np.arange(1, count)
     for _ in range(BALANCING_ROUNDS if rates.half_tokens and by_seconds else 1):
-        bounds = [0]
-        for target in (total * np.cumsum(shares)[:-1]).tolist():
-            x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
-            bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
-        bounds.append(length)
+        targets = total * np.cumsum(shares)[:-1]
+        cuts = 2 * targets / (a + np.sqrt(a * a + 2 * b * targets)) if b > 0 else targets / a
+        # Every slice keeps at least one token: bound j is at least bound j-1 + 1 and leaves
+        # count - j tokens after it. Shifted by j, both become a running maximum and a clip.
+        shifted = np.maximum.accumulate(np.maximum(np.rint(cuts) - steps, 0.0))
+        inner = (np.minimum(shifted, length - count) + steps).astype(int)
+        bounds = [0, *inner.tolist(), length]
         weights = 1.0 / rates.size_penalty(np.diff(np.asarray(bounds, dtype=float)))
         shares = weights / weights.sum()
     return bounds
@@ -365,16 +369,22 @@ class UnitCandidate:
         return leanest
 
     def _ordered(self, dp_ranks: list[int], chain_lead: int | None) -> "OrderedCandidate":
-        orders, makespan = build_stage_orders(self.forward_units, self.backward_units, self.work, chain_lead)
+        orders = build_stage_orders(self.forward_units, self.backward_units, self.work, chain_lead)
         replica = ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks))
-        return OrderedCandidate(replica, makespan, max(peak_in_flight(orders, self.work)))
+        return OrderedCandidate(replica, self.work, max(peak_in_flight(orders, self.work)))
 
 
 @dataclass
 class OrderedCandidate:
     replica: ReplicaPlan
-    makespan_s: float
+    work: StageWork
     peak_activation_bytes: float  # the most any stage holds at once (activations and KV of continued slices)
+
+    @cached_property
+    def makespan_s(self) -> float:
+        """The replay of its orders (no DP reduction), computed on first use: orders that do not
+        fit memory are dropped without one, and the replay is most of a plan's search time."""
+        return replay(self.replica.stage_orders, self.work)
 
 
 def pipeline_estimate(work: StageWork) -> float:

@@ -298,19 +298,14 @@ def plan_replica(
 
 
 def packing_bound_s(ordered: SortedSamples, size: int, cost: CostModel, parallel: ParallelConfig) -> float:
-    """A lower bound, before packing, of the busiest stage's work with MicroPacks of at most
-    `size` tokens: all tokens in full MicroPacks. Slicing keeps a document's attention pairs, and
-    per token a MicroPack costs no less when it is smaller (efficiency grows with its tokens, the
-    per-MicroPack overhead is paid at least total/size times). Not a bound under context
-    parallelism (ring-attention exposure is not monotone in size): 0 there."""
+    """A lower bound, before packing, of the last stage's work with MicroPacks of at most `size`
+    tokens: all tokens in full MicroPacks (`CostModel.pass_time_bound`; slicing keeps a
+    document's attention pairs)."""
     tokens = float(ordered.lengths.sum())
-    if parallel.cp > 1 or tokens == 0:
+    if tokens == 0:
         return 0.0
-    count = tokens / size
-    pairs = float((ordered.lengths * (ordered.lengths + 1) / 2).sum()) / count
-    stages = (True, False) if parallel.pp > 1 else (True,)
-    return max(count * (cost.forward_time(size, pairs, parallel, last_stage=last)
-                        + cost.backward_time(size, pairs, parallel, last_stage=last)) for last in stages)
+    pairs = float((ordered.lengths * (ordered.lengths + 1) / 2).sum())
+    return cost.pass_time_bound(tokens, pairs, parallel, size)
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
