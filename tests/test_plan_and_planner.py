@@ -695,3 +695,29 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
         _, makespan, _ = plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, sizes=[size])
         bound = packing_bound_s(SortedSamples(samples, rates), size, COST, parallel)
         assert 0 < bound <= makespan
+
+
+@pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
+    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 32768, 8192, (1, 2), 0),
+    ("llama-70b", dict(dp=4, pp=4, tp=8, recompute="selective"), 131072, 16384, (2, 4), 1),
+])
+def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout, context, short_max, groups, faster):
+    """A context-long document fits a small merge group only next to small MicroPacks, or a larger
+    group next to cap-sized ones. Neither wins everywhere (7B: keeping it closer wins; 70B: small
+    MicroPacks cost the replica too much efficiency), so the planner plans both and keeps the plan
+    its own prediction (the busiest rank's makespans) says is faster."""
+    from megatron_slimpack.solver import strategies as S
+
+    cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)
+    config = ms.SlimPackConfig(context_length=context, strategy="slimpack", solver_time_limit_s=0.2)
+    rng = np.random.default_rng(3)
+    lengths = [context] + [int(x) for x in rng.lognormal(8, 1.3, 150).clip(16, short_max)]
+    cap = S.auto_token_cap(cost, parallel, config)
+    sizes = S.slice_candidates(cap, config)
+    for_smallest = S.merge_group_sizes(lengths, cost, parallel, sizes, True)
+    for_cap = S.merge_group_sizes(lengths, cost, parallel, sizes[:1], True)
+    assert (for_smallest[0], for_cap[0]) == groups
+    both = [S.predicted_iteration_s(S._plan_growing_groups(lengths, parallel, cost, config, cap, sizes, sized, False,
+                                                           True)) for sized in (for_smallest, for_cap)]
+    chosen = S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
+    assert S.predicted_iteration_s(chosen) == min(both) == both[faster] < both[1 - faster]
