@@ -20,6 +20,10 @@ class SlimPackConfig:
     # A sample whose cost exceeds this multiple of the mean replica load is shared by a merge group.
     merge_threshold: float = 1.25
     solver_time_limit_s: float = 0.5
+    # CP-SAT's deterministic-time budget (its work units, about seconds): with one worker the plan is
+    # then the same on any machine under any load, which a wall-clock limit alone cannot promise.
+    # None: the wall-clock limit only. Whichever limit is hit first stops the search.
+    solver_deterministic_limit: float | None = None
     seed: int = 0
     solver_workers: int = 1
 

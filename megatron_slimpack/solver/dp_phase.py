@@ -49,6 +49,7 @@ def assign_to_replicas(
     dp: int,
     *,
     time_limit_s: float = 0.5,
+    deterministic_limit: float | None = None,
     seed: int = 0,
     workers: int = 1,
     dp_merge: bool = True,
@@ -73,7 +74,7 @@ def assign_to_replicas(
     if dp == 1:
         replicas, solver = [free.tolist()], {"status": "trivial"}
     else:
-        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, seed, workers)
+        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, deterministic_limit, seed, workers)
     loads = [fixed_load[r] + costs[replicas[r]].sum() for r in range(dp)]
     solver["time_s"] = time.perf_counter() - started
     solver["imbalance"] = max(loads) / (sum(loads) / dp) if sum(loads) > 0 else 1.0
@@ -135,7 +136,8 @@ def _hint(scaled: dict[int, int], heavy: np.ndarray, costs: np.ndarray, fixed_lo
 
 
 def _solve(
-    costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float, seed: int, workers: int
+    costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float,
+    deterministic_limit: float | None, seed: int, workers: int
 ) -> tuple[list[list[int]], dict]:
     heavy, sand = order[:MAX_MODEL_ITEMS], order[MAX_MODEL_ITEMS:]
     scaled = {int(i): int(round(costs[i] * COST_SCALE)) for i in heavy}
@@ -145,6 +147,8 @@ def _solve(
     model, assign, sand_amount = _build_model(scaled, heavy, fixed, sand_total, hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
+    if deterministic_limit is not None:
+        solver.parameters.max_deterministic_time = deterministic_limit
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     # Presolve's symmetry breaking would otherwise declare the LPT hint infeasible and drop it.
@@ -163,7 +167,8 @@ def _solve(
     report["source"] = "hint" if use_hint else "cp-sat"
     if objective > hint.makespan:
         worse = f", worse than its hint ({report['objective']:.6g} vs {report['hint']:.6g})" if solved else ""
-        report["fallback"] = f"CP-SAT returned {status_name} within {time_limit_s}s{worse}; using the LPT hint"
+        limits = f"{time_limit_s}s" + ("" if deterministic_limit is None else f" ({deterministic_limit} deterministic)")
+        report["fallback"] = f"CP-SAT returned {status_name} within {limits}{worse}; using the LPT hint"
     replicas: list[list[int]] = [[] for _ in fixed_load]
     for index in map(int, heavy):
         rank = (hint.rank_of[index] if use_hint

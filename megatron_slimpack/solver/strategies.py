@@ -428,7 +428,8 @@ def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostMo
     as_array = np.asarray(lengths, dtype=float)
     document_costs = rates.total(as_array, as_array * (as_array + 1) / 2)
     assignment = assign_to_replicas(
-        document_costs, parallel.dp, time_limit_s=config.solver_time_limit_s, seed=config.seed,
+        document_costs, parallel.dp, time_limit_s=config.solver_time_limit_s,
+        deterministic_limit=config.solver_deterministic_limit, seed=config.seed,
         workers=config.solver_workers, dp_merge=use_merge, merge_threshold=config.merge_threshold,
         min_group=group_sizes, merged_cost=merged_cost_function(lengths, cost, parallel, token_cap),
     )
