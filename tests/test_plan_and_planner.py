@@ -321,6 +321,16 @@ def test_cp_sat_timeout_falls_back_to_lpt_and_says_so(monkeypatch):
     assert sorted(i for r in result.replica_samples for i in r) == list(range(400))
 
 
+def test_a_deterministic_budget_stops_cp_sat_reproducibly_and_is_reported(monkeypatch):
+    """A wall-clock limit makes the plan depend on machine load; a deterministic budget does not."""
+    monkeypatch.setattr(dp_phase, "MAX_MODEL_ITEMS", 400)
+    costs = np.random.default_rng(2).lognormal(0, 1.0, size=400)
+    runs = [dp_phase.assign_to_replicas(costs, 8, time_limit_s=600, deterministic_limit=1e-4, dp_merge=False)
+            for _ in range(2)]
+    assert runs[0].replica_samples == runs[1].replica_samples
+    assert runs[0].solver["status"] != "OPTIMAL" and "(0.0001 deterministic)" in runs[0].solver["fallback"]
+
+
 def test_sand_with_long_documents_at_its_head_still_balances():
     # More long documents than CP-SAT decides individually: the sand starts with whole long
     # documents, and only the short ones at its end can close each replica's gap.
