@@ -242,7 +242,8 @@ def _plan_fn():
 
     cost = CostModel.analytic("tiny", "cpu")
     parallel = ParallelConfig(dp=2, pp=2)
-    config = SlimPackConfig(context_length=512, solver_time_limit_s=0.05)
+    # Plans are compared across separate runs: a deterministic budget, not the wall clock, stops CP-SAT.
+    config = SlimPackConfig(context_length=512, solver_time_limit_s=60, solver_deterministic_limit=0.05)
     planner = new_planner("slimpack")
     return lambda batch: planner.plan(batch.lengths, parallel, cost, config).validate()
 
