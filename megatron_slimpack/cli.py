@@ -34,6 +34,8 @@ def add_workload_options(parser: argparse.ArgumentParser, *, context: int, batch
     parser.add_argument("--steps", type=int, default=1, help="consecutive global batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--solver-time-limit", type=float, default=0.5, help="CP-SAT seconds per step")
+    parser.add_argument("--solver-deterministic-limit", type=float, default=None, metavar="UNITS",
+                        help="also stop CP-SAT after this much deterministic time: the same plans under any load")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -111,6 +113,7 @@ def cmd_plan(args) -> int:
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = SlimPackConfig(strategy=args.strategy, context_length=args.context_length, seed=args.seed,
                             solver_time_limit_s=args.solver_time_limit, max_micropack_tokens=args.max_micropack_tokens,
+                            solver_deterministic_limit=args.solver_deterministic_limit,
                             dp_merge=not args.no_dp_merge)
     from .solver.strategies import new_planner
 
@@ -176,6 +179,7 @@ def cmd_compare(args) -> int:
         workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args), gpus=args.gpus,
         context_length=args.context_length, global_batch_size=args.global_batch_size, steps=args.steps,
         strategies=args.strategies, seed=args.seed, solver_time_limit_s=args.solver_time_limit,
+        solver_deterministic_limit=args.solver_deterministic_limit,
         gantt_dir=args.gantt_dir, show_progress=not args.json,
     )
     if args.json:

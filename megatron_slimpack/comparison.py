@@ -82,7 +82,7 @@ def resolve_strategies(text: str) -> list[str]:
 def run_comparison(
     *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int,
     global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int = 0,
-    solver_time_limit_s: float = 0.5, gantt_dir: str | None = None, show_progress: bool = True,
+    solver_time_limit_s: float = 0.5, solver_deterministic_limit: float | None = None, gantt_dir: str | None = None, show_progress: bool = True,
     batches: list[list[int]] | None = None,
 ) -> ComparisonResult:
     if batches is None:
@@ -90,7 +90,8 @@ def run_comparison(
 
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]
-    config = SlimPackConfig(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s)
+    config = SlimPackConfig(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s,
+                            solver_deterministic_limit=solver_deterministic_limit)
     result = ComparisonResult({})
     for name in resolve_strategies(strategies):
         if show_progress:

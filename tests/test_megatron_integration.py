@@ -48,7 +48,8 @@ def test_flags_parse_with_defaults():
     args = parse("--slimpack", "--calculate-per-token-loss", "--slimpack-strategy", "slimpack-sym",
                  "--slimpack-slice-tokens", "2048", "--slimpack-max-micropack-tokens", "4096",
                  "--slimpack-solver-time-limit", "2", "--slimpack-plan-ahead", "3", "--no-slimpack-dp-merge",
-                 "--slimpack-dump-plans", "/tmp/plans", "--slimpack-base-merge", "2")
+                 "--slimpack-dump-plans", "/tmp/plans", "--slimpack-base-merge", "2",
+                 "--slimpack-solver-deterministic-limit", "0.25")
     assert (args.slimpack_slice_tokens, args.slimpack_max_micropack_tokens, args.slimpack_plan_ahead) == (2048, 4096, 3)
     assert args.slimpack_dp_merge is False and args.slimpack_solver_time_limit == 2.0
     from megatron_slimpack.megatron import SlimPackArgumentError, slimpack_config_from_args, validate_slimpack_args
@@ -60,6 +61,7 @@ def test_flags_parse_with_defaults():
     config = slimpack_config_from_args(args)
     assert (config.strategy, config.context_length, config.dp_merge, config.slice_tokens) == ("slimpack-sym", 4096, True, 2048)
     assert config.base_merge == 2 and slimpack_config_from_args(parse()).base_merge == 1
+    assert config.solver_deterministic_limit == 0.25 and parse().slimpack_solver_deterministic_limit is None
 
 
 def test_with_slimpack_args_chains_another_provider():
@@ -84,6 +86,8 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--slimpack-max-micropack-tokens", "8192"), "exceeds --seq-length"),
     (("--calculate-per-token-loss", "--slimpack-cost-model", "/no/such/profile.json"), "slimpack profile"),
     (("--calculate-per-token-loss", "--slimpack-plan-ahead", "-1"), "--slimpack-plan-ahead"),
+    (("--calculate-per-token-loss", "--slimpack-solver-deterministic-limit", "0"),
+     "--slimpack-solver-deterministic-limit must be > 0"),
     (("--calculate-per-token-loss", "--slimpack-base-merge", "3"), "--slimpack-base-merge must be a power of two"),
     (("--calculate-per-token-loss", "--tensor-model-parallel-size", "2", "--sequence-parallel"), "--sequence-parallel"),
 ])

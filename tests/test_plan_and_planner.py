@@ -734,3 +734,15 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
                                                            True)) for sized in (for_smallest, for_cap)]
     chosen = S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
     assert S.predicted_iteration_s(chosen) == min(both) == both[faster] < both[1 - faster]
+
+
+def test_cli_plan_passes_the_deterministic_budget_to_cp_sat(tmp_path, capsys):
+    from megatron_slimpack import cli
+
+    argv = ["plan", "--workload", "longtail:n=3000", "--context-length", "16384", "--global-batch-size", "64",
+            "--tp", "2", "--pp", "2", "--dp", "4", "--solver-time-limit", "60", "--solver-deterministic-limit", "1e-6",
+            "--json", "--out", str(tmp_path / "plan.json")]
+    assert cli.main(argv) == 0
+    phase1 = json.loads(capsys.readouterr().out)[0]["metadata"]["phase1"]
+    assert phase1["status"] == "UNKNOWN" and "(1e-06 deterministic)" in phase1["fallback"]
+    Plan.from_json(tmp_path / "plan.json").validate()

@@ -38,6 +38,10 @@ def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Token cap of one MicroPack (default: the largest that fits memory, at most --seq-length).")
     group.add_argument("--slimpack-solver-time-limit", type=float, default=0.5,
                        help="CP-SAT time limit in seconds for the DP phase of each step (default 0.5).")
+    group.add_argument("--slimpack-solver-deterministic-limit", type=float, default=None, metavar="UNITS",
+                       help="Also stop CP-SAT after this much deterministic time (its work units, about seconds), "
+                            "so a rerun plans the same batches the same way under any machine load (default: "
+                            "the wall-clock limit only).")
     group.add_argument("--slimpack-plan-ahead", type=int, default=1,
                        help="Global batches planned ahead in a background thread (default 1; 0 plans inline).")
     group.add_argument("--slimpack-dp-merge", dest="slimpack_dp_merge", action="store_true", default=True,
@@ -147,6 +151,9 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         problems.append(f"--slimpack-max-micropack-tokens {cap} exceeds --seq-length {seq_length}")
     if (getattr(args, "slimpack_solver_time_limit", 0.5) or 0) <= 0:
         problems.append("--slimpack-solver-time-limit must be > 0 seconds")
+    deterministic = getattr(args, "slimpack_solver_deterministic_limit", None)
+    if deterministic is not None and deterministic <= 0:
+        problems.append(f"--slimpack-solver-deterministic-limit must be > 0, got {deterministic}")
     if (getattr(args, "slimpack_plan_ahead", 1) or 0) < 0:
         problems.append("--slimpack-plan-ahead must be >= 0")
     cost = getattr(args, "slimpack_cost_model", "analytic")
@@ -169,6 +176,7 @@ def slimpack_config_from_args(args):
         max_micropack_tokens=args.slimpack_max_micropack_tokens, slice_tokens=args.slimpack_slice_tokens,
         dp_merge=args.slimpack_dp_merge, base_merge=getattr(args, "slimpack_base_merge", 1) or 1,
         solver_time_limit_s=args.slimpack_solver_time_limit,
+        solver_deterministic_limit=getattr(args, "slimpack_solver_deterministic_limit", None),
         seed=getattr(args, "seed", 0) or 0,
     )
 
