@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -371,14 +370,11 @@ def test_tables():
 
 
 # ---- speed -------------------------------------------------------------------------------------
-def test_big_plan_simulates_fast():
-    """4 replicas x 4 stages x ~200 forward and ~200 backward units (the planner's loop)."""
+def test_big_plan_simulates():
+    """4 replicas x 4 stages x ~200 forward and ~200 backward units (the planner's loop). Its speed
+    is measured in benchmarks/planner.py, not asserted here."""
     plan = random_plan(1, dp=4, pp=4, micropacks_per_replica=300, max_unit=2, max_len=8192, tp=8)
     units = sum(len(r.forward_units) + len(r.backward_units) for r in plan.replicas)
     assert units > 4 * 300
-    simulate(plan, LLAMA, detail=False)  # warm-up
-    began = time.perf_counter()
-    simulate(plan, LLAMA, detail=False)
-    elapsed = time.perf_counter() - began
-    # The target is well under 50 ms; the bound leaves room for a loaded shared machine.
-    assert elapsed < 0.5, f"{elapsed * 1e3:.0f} ms"
+    report = simulate(plan, LLAMA, detail=False)
+    assert 0 < report.lower_bound_s <= report.iteration_time_s * (1 + 1e-9)
