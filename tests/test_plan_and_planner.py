@@ -584,7 +584,7 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
 
 
 def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, fullest_stage_bytes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
@@ -592,10 +592,60 @@ def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
     step = power // 8
 
     def need(tokens: int) -> float:
-        return parallel.pp * COST.activation_bytes(tokens, tokens * tokens / 2, parallel, last_stage=True)
+        return fullest_stage_bytes(COST, parallel, tokens, tokens * tokens / 2, tokens)
 
     assert power < cap < 2 * power and (cap - power) % step == 0  # 7B tp2 on an H100: 32K and some eighths
     assert need(cap) <= activation_budget(COST, parallel) < need(cap + step)
+
+
+LLAMA_13B = ms.CostModel.analytic("llama-13b", "h100-sxm")
+TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=2, cp=4, recompute="none")  # 13B at 64K: two full sequences just fit
+
+
+def test_token_cap_counts_logits_only_on_the_last_stage():
+    """1F1B holds pp MicroPacks on stage 0 and one, with its logits, on the last stage. Charging
+    every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
+    Megatron's own packing runs there within memory (the simulator agrees)."""
+    from megatron_slimpack.simulator.dag import simulate
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, new_planner
+
+    context = 65536
+    config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
+    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
+    assert 2 * LLAMA_13B.activation_bytes(context, context ** 2 / 2, TIGHT_PP2, last_stage=True) > budget
+    assert auto_token_cap(LLAMA_13B, TIGHT_PP2, config) == context
+    lengths = [context] * 64
+    plan = new_planner("megatron-fixed").plan(lengths, TIGHT_PP2, LLAMA_13B, config).validate()
+    assert max(simulate(plan, LLAMA_13B, detail=False).peak_memory_bytes) <= LLAMA_13B.memory_budget_bytes()
+
+
+def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned():
+    """Packing to even costs slices documents that fit a MicroPack, and a chain holds all its
+    MicroPacks until its backward: at 64K on a tight pp2 layout no schedule of that packing fits
+    at the cap, and without the plain packing the planner fell to half-size MicroPacks."""
+    from megatron_slimpack.solver.pack_phase import PackOptions, SortedSamples, pack_micropacks
+    from megatron_slimpack.solver.strategies import (_ReplicaSearch, activation_budget, auto_token_cap, plan_replica,
+                                                     slice_candidates)
+    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    context = 65536
+    config = ms.SlimPackConfig(context_length=context)
+    lengths = GlobalBatchSampler(load_lengths("github", seed=0), context, 256, seed=0).next_batch().lengths
+    cap = auto_token_cap(LLAMA_13B, TIGHT_PP2, config)
+    rates = WorkRates.from_cost(LLAMA_13B, TIGHT_PP2, cap)
+    samples = samples_of(lengths)
+    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
+    even = pack_micropacks(SortedSamples(samples, rates), PackOptions(cap, cap, even_costs=True), rates)
+    assert any(piece.length < lengths[piece.sample_id] for pack in even for piece in pack.slices)  # sliced to even costs
+    search = _ReplicaSearch(LLAMA_13B, TIGHT_PP2, False, [0], budget)
+    assert not search.consider(even, {"micropack_tokens": cap}) and search.best is None
+    replica, makespan, choice = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
+    assert choice["micropack_tokens"] == cap == context
+    assert all(piece.length == lengths[piece.sample_id] for pack in replica.micropacks for piece in pack.slices)
+    halved = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False,
+                          sizes=[size for size in slice_candidates(cap, config) if size <= cap // 2])
+    assert makespan < 0.95 * halved[1]
 
 
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
@@ -709,14 +759,14 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
 
 
 @pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
-    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 32768, 8192, (1, 2), 0),
-    ("llama-70b", dict(dp=4, pp=4, tp=8, recompute="selective"), 131072, 16384, (2, 4), 1),
+    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 49152, 8192, (1, 2), 0),
+    ("llama-7b", dict(dp=4, pp=2, tp=2, recompute="none"), 32768, 8192, (1, 2), 1),
 ])
 def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout, context, short_max, groups, faster):
     """A context-long document fits a small merge group only next to small MicroPacks, or a larger
-    group next to cap-sized ones. Neither wins everywhere (7B: keeping it closer wins; 70B: small
-    MicroPacks cost the replica too much efficiency), so the planner plans both and keeps the plan
-    its own prediction (the busiest rank's makespans) says is faster."""
+    group next to cap-sized ones. Neither wins everywhere (with pp4 keeping it closer wins; with pp2
+    the small MicroPacks cost the replica more than the larger group idles), so the planner plans
+    both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
     from megatron_slimpack.solver import strategies as S
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)

@@ -118,20 +118,33 @@ def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:
     return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
 
+def fullest_stage_bytes(cost: CostModel, parallel: ParallelConfig, tokens: float, pairs: float,
+                        other_pack_tokens: float = 0.0) -> float:
+    """Activations on the fullest pipeline stage while `tokens` (with `pairs`) are in flight next to
+    the pp - 1 MicroPacks of `other_pack_tokens` that 1F1B keeps on stage 0. Stage s holds pp - s
+    packs; only the last stage (one pack) adds its logits, so the peak is on stage 0 or the last."""
+    last = cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
+    if parallel.pp == 1:
+        return last
+    others = (parallel.pp - 1) * cost.activation_bytes(other_pack_tokens, other_pack_tokens ** 2 / 2, parallel)
+    return max(cost.activation_bytes(tokens, pairs, parallel) + others, last)
+
+
 MIN_MICROPACK_TOKENS = 1024
 
 
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
-    """The largest MicroPack that lets stage 0 hold pp of them, at most the context: the largest
-    power of two that fits, then grown in eighths of it while they fit (activation memory is
-    linear in tokens, so the memory between two powers of two buys up to 7/8 more tokens)."""
+    """The largest MicroPack that lets stage 0 hold pp of them (and the last stage one with its
+    logits), at most the context: the largest power of two that fits, then grown in eighths of it
+    while they fit (activation memory is linear in tokens, so the memory between two powers of two
+    buys up to 7/8 more tokens)."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
     # Long documents' KV caches are the DP-Merge sizing's concern (merge_group_sizes), not the cap's.
     budget = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
     def need(cap: int) -> float:
-        return parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True)
+        return fullest_stage_bytes(cost, parallel, cap, cap * cap / 2, cap)
 
     cap = 1 << (config.context_length.bit_length() - 1)
     while cap > MIN_MICROPACK_TOKENS and need(cap) > budget:
@@ -164,8 +177,8 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
     if token_cap:
         in_flight = -(-length // token_cap) * token_cap
         kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
-        others = (parallel.pp - 1) * cost.activation_bytes(token_cap, token_cap * token_cap / 2, parallel)
-    return cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True) + kv + others
+        others = token_cap
+    return cost.static_memory_bytes(parallel) + fullest_stage_bytes(cost, parallel, in_flight, pairs, others) + kv
 
 
 def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, micropack_tokens: list[int],
@@ -248,53 +261,72 @@ def plan_replica(
     better than the best schedule so far, the size is skipped. Otherwise every unit count is
     segmented and given a quick pipeline estimate; the few best by estimate that fit memory are
     ordered and replayed, and the shortest replay wins. Large units hold many MicroPacks in flight
-    (1F1B keeps pp - s forward units per stage), so few units can be fast on paper and not fit."""
+    (1F1B keeps pp - s forward units per stage), so few units can be fast on paper and not fit.
+
+    With a pipeline, MicroPacks are first packed to even costs, which also slices documents that
+    fit one; a chain holds all its MicroPacks until its backward, so where no schedule of that
+    packing fits memory, the plain packing (slicing only documents longer than the size) is tried."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
-    if budget is None:
-        budget = activation_budget(cost, parallel)
+    search = _ReplicaSearch(cost, parallel, symmetric, dp_ranks,
+                            activation_budget(cost, parallel) if budget is None else budget)
     ordered = SortedSamples(samples, rates)
-    best: tuple[ReplicaPlan, float, dict] | None = None
-    leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
     for size in sizes or slice_candidates(token_cap, config):
-        if best is not None and packing_bound_s(ordered, size, cost, parallel) >= best[1]:
+        if search.best is not None and packing_bound_s(ordered, size, cost, parallel) >= search.best[1]:
             continue  # even perfectly full MicroPacks of this size cannot beat the best schedule
-        micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=parallel.pp > 1), rates)
-        costs = MicroPackCosts.of(micropacks, cost, parallel)
-        if best is not None and costs.busiest_stage_s(parallel.pp) >= best[1]:
-            continue
-        candidates = [(UnitCandidate.of(micropacks, costs, units, symmetric, cost, parallel, budget),
-                       {"micropack_tokens": size, "units": units})
-                      for units in unit_candidates(parallel.pp, len(micropacks))]
-        candidates.sort(key=lambda entry: entry[0].estimate_s)
-        replayed = 0
-        for candidate, choice in candidates:
-            if replayed == REPLAYED_CANDIDATES:
+        for even_costs in ((True, False) if parallel.pp > 1 else (False,)):
+            micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=even_costs), rates)
+            if search.consider(micropacks, {"micropack_tokens": size}):
                 break
-            if candidate.warmup_bytes + costs.largest_recompute_bytes > budget and leanest is not None:
-                continue  # its stage 0 cannot fit even before the first backward: not worth ordering
-            result = candidate.order(dp_ranks, budget - costs.largest_recompute_bytes)
-            peak = result.peak_activation_bytes + costs.largest_recompute_bytes
-            if leanest is None or peak < leanest[0]:
-                leanest = (peak, size)
-            if peak > budget:
-                continue
-            replayed += 1
-            if best is None or result.makespan_s < best[1]:
-                best = (result.replica, result.makespan_s, choice)
-        if first_fit and best is not None:
+        if first_fit and search.best is not None:
             break
-    if best is None:
-        assert leanest is not None
+    if search.best is None:
+        assert search.leanest is not None
+        peak, size = search.leanest
         raise ReplicaDoesNotFit(
             [s.sample_id for s in samples], len(dp_ranks),
-            f"memory: replica {dp_ranks} does not fit: its leanest schedule holds {format_bytes(leanest[0])} of "
-            f"activations and KV cache on a pipeline stage (MicroPacks of {leanest[1]} tokens) with "
-            f"{parallel.describe()}, but only {format_bytes(max(budget, 0.0))} is left after weights, gradients and "
-            f"optimizer state on "
+            f"memory: replica {dp_ranks} does not fit: its leanest schedule holds {format_bytes(peak)} of "
+            f"activations and KV cache on a pipeline stage (MicroPacks of {size} tokens) with "
+            f"{parallel.describe()}, but only {format_bytes(max(search.budget, 0.0))} is left after weights, "
+            f"gradients and optimizer state on "
             f"{cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
             f"a smaller MicroPack size (max_micropack_tokens) or a shorter context")
-    return best
+    return search.best
+
+
+class _ReplicaSearch:
+    """The best schedule found so far for one replica, and the leanest need seen (for the error)."""
+
+    def __init__(self, cost: CostModel, parallel: ParallelConfig, symmetric: bool, dp_ranks: list[int], budget: float):
+        self.cost, self.parallel, self.symmetric, self.dp_ranks, self.budget = cost, parallel, symmetric, dp_ranks, budget
+        self.best: tuple[ReplicaPlan, float, dict] | None = None
+        self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
+
+    def consider(self, micropacks, choice: dict) -> bool:
+        """Segment, order and replay the most promising unit counts of one packing; True when a
+        schedule of it fits memory (or it cannot beat the best one anyway)."""
+        costs = MicroPackCosts.of(micropacks, self.cost, self.parallel)
+        if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best[1]:
+            return True
+        candidates = [(UnitCandidate.of(micropacks, costs, units, self.symmetric, self.cost, self.parallel, self.budget),
+                       units) for units in unit_candidates(self.parallel.pp, len(micropacks))]
+        candidates.sort(key=lambda entry: entry[0].estimate_s)
+        replayed = 0
+        for candidate, units in candidates:
+            if replayed == REPLAYED_CANDIDATES:
+                break
+            if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
+                continue  # its stage 0 cannot fit even before the first backward: not worth ordering
+            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+            peak = result.peak_activation_bytes + costs.largest_recompute_bytes
+            if self.leanest is None or peak < self.leanest[0]:
+                self.leanest = (peak, choice["micropack_tokens"])
+            if peak > self.budget:
+                continue
+            replayed += 1
+            if self.best is None or result.makespan_s < self.best[1]:
+                self.best = (result.replica, result.makespan_s, {**choice, "units": units})
+        return replayed > 0
 
 
 def packing_bound_s(ordered: SortedSamples, size: int, cost: CostModel, parallel: ParallelConfig) -> float:
