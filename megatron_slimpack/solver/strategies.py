@@ -248,6 +248,14 @@ class ReplicaDoesNotFit(PlanError):
         self.group_size = group_size
 
 
+class ReplicasDoNotFit(PlanError):
+    """Every replica (or merge group) of one planning that did not fit memory."""
+
+    def __init__(self, failures: list[ReplicaDoesNotFit]):
+        super().__init__(str(failures[0]))
+        self.failures = failures
+
+
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, sizes: list[int] | None = None,
@@ -265,19 +273,23 @@ def plan_replica(
 
     With a pipeline, MicroPacks are first packed to even costs, which also slices documents that
     fit one; a chain holds all its MicroPacks until its backward, so where no schedule of that
-    packing fits memory, the plain packing (slicing only documents longer than the size) is tried."""
+    packing fits memory and it sliced such a document, the plain packing (slicing only documents
+    longer than the size) is tried too."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
     search = _ReplicaSearch(cost, parallel, symmetric, dp_ranks,
                             activation_budget(cost, parallel) if budget is None else budget)
     ordered = SortedSamples(samples, rates)
+    lengths = {sample.sample_id: sample.length for sample in samples}
     for size in sizes or slice_candidates(token_cap, config):
         if search.best is not None and packing_bound_s(ordered, size, cost, parallel) >= search.best[1]:
             continue  # even perfectly full MicroPacks of this size cannot beat the best schedule
-        for even_costs in ((True, False) if parallel.pp > 1 else (False,)):
-            micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=even_costs), rates)
-            if search.consider(micropacks, {"micropack_tokens": size}):
-                break
+        even = parallel.pp > 1
+        micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=even), rates)
+        if not search.consider(micropacks, {"micropack_tokens": size}) and even and any(
+                piece.start > 0 and lengths[piece.sample_id] <= size for pack in micropacks for piece in pack.slices):
+            plain = pack_micropacks(ordered, PackOptions(size, size), rates)
+            search.consider(plain, {"micropack_tokens": size})
         if first_fit and search.best is not None:
             break
     if search.best is None:
@@ -427,16 +439,18 @@ def predicted_iteration_s(plan: Plan) -> float:
 def _plan_growing_groups(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
                          token_cap: int, sizes: list[int], group_sizes: np.ndarray, symmetric: bool,
                          use_merge: bool) -> Plan:
-    # The group sizes come from a per-document estimate; where a replica's real schedule still
-    # does not fit, its sliced documents get twice the group and the batch is planned again.
+    # The group sizes come from a per-document estimate; where replicas' real schedules still do
+    # not fit, their sliced documents get twice the group and the batch is planned again (all the
+    # replicas that failed at once: replicas are alike, so one at a time took a planning each).
     while True:
         try:
             return _plan_with_groups(lengths, parallel, cost, config, token_cap, group_sizes, symmetric, use_merge)
-        except ReplicaDoesNotFit as error:
-            grown = _grown_groups(error, group_sizes, lengths, min(sizes), parallel.dp if use_merge else 1)
-            if grown is None:
-                raise
-            group_sizes = grown
+        except ReplicasDoNotFit as error:
+            for failure in error.failures:
+                grown = _grown_groups(failure, group_sizes, lengths, min(sizes), parallel.dp if use_merge else 1)
+                if grown is None:
+                    raise failure from None
+                group_sizes = grown
 
 
 def _grown_groups(error: ReplicaDoesNotFit, group_sizes: np.ndarray, lengths: list[int], smallest_micropack: int,
@@ -467,14 +481,19 @@ def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostMo
     )
     replicas: list[ReplicaPlan] = []
     predicted: list[dict] = []
+    failures: list[ReplicaDoesNotFit] = []  # every replica is still planned, so all are grown at once
     budget = activation_budget(cost, parallel)  # a merge member's static memory is its own, not the merged view's
     for group in assignment.merge_groups:
         merged = parallel.with_(cp=parallel.cp * len(group.dp_ranks))
         members = [samples[i] for i in group.sample_indices]
         size = len(group.dp_ranks)  # each member holds 1/size of a merged MicroPack: the cap scales
         merged_rates = WorkRates.from_cost(cost, merged, token_cap * size)
-        replica, makespan, choice = plan_replica(members, cost, merged, config, merged_rates, token_cap * size,
-                                                 group.dp_ranks, symmetric, budget=budget)
+        try:
+            replica, makespan, choice = plan_replica(members, cost, merged, config, merged_rates, token_cap * size,
+                                                     group.dp_ranks, symmetric, budget=budget)
+        except ReplicaDoesNotFit as failure:
+            failures.append(failure)
+            continue
         replicas.append(replica)
         predicted.append({"dp_ranks": group.dp_ranks, "makespan_s": float(makespan), **choice})
     # Replicas hold statistically alike batches: the MicroPack size is searched on the heaviest
@@ -489,12 +508,18 @@ def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostMo
         members = [samples[i] for i in assignment.replica_samples[rank]]
         # After the heaviest: its size, or where that does not fit (a longer chain) the largest
         # smaller one that does (a smaller size only costs more per token).
-        replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank], symmetric,
-                                                 sizes=chosen_sizes, first_fit=chosen_sizes is not None)
+        try:
+            replica, makespan, choice = plan_replica(members, cost, parallel, config, rates, token_cap, [rank],
+                                                     symmetric, sizes=chosen_sizes, first_fit=chosen_sizes is not None)
+        except ReplicaDoesNotFit as failure:
+            failures.append(failure)
+            continue
         if members and chosen_sizes is None:
             chosen_sizes = [size for size in slice_candidates(token_cap, config) if size <= choice["micropack_tokens"]]
         own[rank] = replica
         predicted.append({"dp_ranks": [rank], "makespan_s": float(makespan), **choice})
+    if failures:
+        raise ReplicasDoNotFit(failures)
     replicas += [own[rank] for rank in range(parallel.dp)]
     predicted.sort(key=lambda entry: (len(entry["dp_ranks"]) == 1, entry["dp_ranks"]))
     metadata = {
