@@ -584,7 +584,7 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
 
 
 def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, fullest_stage_bytes
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
@@ -592,37 +592,20 @@ def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
     step = power // 8
 
     def need(tokens: int) -> float:
-        return fullest_stage_bytes(COST, parallel, tokens, tokens * tokens / 2, tokens)
+        return parallel.pp * COST.activation_bytes(tokens, tokens * tokens / 2, parallel, last_stage=True)
 
     assert power < cap < 2 * power and (cap - power) % step == 0  # 7B tp2 on an H100: 32K and some eighths
     assert need(cap) <= activation_budget(COST, parallel) < need(cap + step)
 
 
 LLAMA_13B = ms.CostModel.analytic("llama-13b", "h100-sxm")
-TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=2, cp=4, recompute="none")  # 13B at 64K: two full sequences just fit
-
-
-def test_token_cap_counts_logits_only_on_the_last_stage():
-    """1F1B holds pp MicroPacks on stage 0 and one, with its logits, on the last stage. Charging
-    every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
-    Megatron's own packing runs there within memory (the simulator agrees)."""
-    from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, new_planner
-
-    context = 65536
-    config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
-    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
-    assert 2 * LLAMA_13B.activation_bytes(context, context ** 2 / 2, TIGHT_PP2, last_stage=True) > budget
-    assert auto_token_cap(LLAMA_13B, TIGHT_PP2, config) == context
-    lengths = [context] * 64
-    plan = new_planner("megatron-fixed").plan(lengths, TIGHT_PP2, LLAMA_13B, config).validate()
-    assert max(simulate(plan, LLAMA_13B, detail=False).peak_memory_bytes) <= LLAMA_13B.memory_budget_bytes()
+TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=2, cp=4, recompute="none")  # 13B: two 64K MicroPacks just fit
 
 
 def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned():
     """Packing to even costs slices documents that fit a MicroPack, and a chain holds all its
-    MicroPacks until its backward: at 64K on a tight pp2 layout no schedule of that packing fits
-    at the cap, and without the plain packing the planner fell to half-size MicroPacks."""
+    MicroPacks until its backward: with 64K MicroPacks on a tight pp2 layout no schedule of that
+    packing fits, and without the plain packing the planner fell to half-size MicroPacks."""
     from megatron_slimpack.solver.pack_phase import PackOptions, SortedSamples, pack_micropacks
     from megatron_slimpack.solver.strategies import (_ReplicaSearch, activation_budget, auto_token_cap, plan_replica,
                                                      slice_candidates)
@@ -630,7 +613,7 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
     context = 65536
-    config = ms.SlimPackConfig(context_length=context)
+    config = ms.SlimPackConfig(context_length=context, max_micropack_tokens=context)
     lengths = GlobalBatchSampler(load_lengths("github", seed=0), context, 256, seed=0).next_batch().lengths
     cap = auto_token_cap(LLAMA_13B, TIGHT_PP2, config)
     rates = WorkRates.from_cost(LLAMA_13B, TIGHT_PP2, cap)
@@ -685,6 +668,46 @@ def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_ag
     monkeypatch.setattr(strategies, "_grown_groups", lambda *_: None)  # no retry: the replica does not fit
     with pytest.raises(strategies.ReplicaDoesNotFit, match="does not fit"):
         strategies._plan_fitted(lengths, parallel, COST, config, False, True)
+
+
+def test_replicas_that_do_not_fit_are_grown_in_one_replanning(monkeypatch):
+    """Two 64K documents land on two replicas and need groups of four: both failures are collected
+    in each planning and both documents' groups grown before the batch is planned again (1, 2,
+    then 4 replicas: three plannings, where one failure per planning took five)."""
+    from megatron_slimpack.solver import strategies
+
+    parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
+    config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
+    lengths = [65536, 65536] + [2048] * 48
+    monkeypatch.setattr(strategies, "merge_group_sizes", lambda lengths, *_: np.ones(len(lengths), dtype=int))
+    plannings = []
+    plan_with_groups = strategies._plan_with_groups
+    monkeypatch.setattr(strategies, "_plan_with_groups", lambda *args: plannings.append(1) or plan_with_groups(*args))
+    plan = strategies._plan_fitted(lengths, parallel, COST, config, False, True).validate()
+    assert len(plannings) == 3
+    for document in (0, 1):
+        holder = next(r for r in plan.replicas if any(s.sample_id == document for m in r.micropacks for s in m.slices))
+        assert len(holder.dp_ranks) == 4
+
+
+def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_largest_sizes_that_do_are_used(
+        monkeypatch):
+    from megatron_slimpack.solver import strategies as S
+
+    cost, parallel = ms.CostModel.analytic("llama-70b", "h100-sxm"), ParallelConfig(dp=4, pp=8, tp=4, recompute="selective")
+    config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=18432, solver_time_limit_s=60,
+                               solver_deterministic_limit=0.1)
+    lengths = [131072] + [int(x) for x in np.random.default_rng(4).lognormal(8, 1.3, 300).clip(16, 16384)]
+    sizes = S.slice_candidates(18432, config)
+    with pytest.raises(PlanError, match="131072-token document"):
+        S.merge_group_sizes(lengths, cost, parallel, sizes[:1], True)
+    planned = []
+    grow = S._plan_growing_groups
+    monkeypatch.setattr(S, "_plan_growing_groups", lambda *args: planned.append(args[6].copy()) or grow(*args))
+    S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
+    expected = [S.merge_group_sizes(lengths, cost, parallel, fit, True) for fit in (sizes, sizes[:2])]
+    assert len(planned) == 2 and all(np.array_equal(a, b) for a, b in zip(planned, expected))
+    assert planned[1][0] > planned[0][0]
 
 
 def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
@@ -759,14 +782,14 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
 
 
 @pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
-    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 49152, 8192, (1, 2), 0),
-    ("llama-7b", dict(dp=4, pp=2, tp=2, recompute="none"), 32768, 8192, (1, 2), 1),
+    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 32768, 8192, (1, 2), 0),
+    ("llama-70b", dict(dp=4, pp=4, tp=8, recompute="selective"), 131072, 16384, (2, 4), 1),
 ])
 def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout, context, short_max, groups, faster):
     """A context-long document fits a small merge group only next to small MicroPacks, or a larger
-    group next to cap-sized ones. Neither wins everywhere (with pp4 keeping it closer wins; with pp2
-    the small MicroPacks cost the replica more than the larger group idles), so the planner plans
-    both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
+    group next to cap-sized ones. Neither wins everywhere (7B: keeping it closer wins; 70B: small
+    MicroPacks cost the replica too much efficiency), so the planner plans both and keeps the plan
+    its own prediction (the busiest rank's makespans) says is faster."""
     from megatron_slimpack.solver import strategies as S
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)

@@ -118,33 +118,20 @@ def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:
     return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
 
-def fullest_stage_bytes(cost: CostModel, parallel: ParallelConfig, tokens: float, pairs: float,
-                        other_pack_tokens: float = 0.0) -> float:
-    """Activations on the fullest pipeline stage while `tokens` (with `pairs`) are in flight next to
-    the pp - 1 MicroPacks of `other_pack_tokens` that 1F1B keeps on stage 0. Stage s holds pp - s
-    packs; only the last stage (one pack) adds its logits, so the peak is on stage 0 or the last."""
-    last = cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
-    if parallel.pp == 1:
-        return last
-    others = (parallel.pp - 1) * cost.activation_bytes(other_pack_tokens, other_pack_tokens ** 2 / 2, parallel)
-    return max(cost.activation_bytes(tokens, pairs, parallel) + others, last)
-
-
 MIN_MICROPACK_TOKENS = 1024
 
 
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
-    """The largest MicroPack that lets stage 0 hold pp of them (and the last stage one with its
-    logits), at most the context: the largest power of two that fits, then grown in eighths of it
-    while they fit (activation memory is linear in tokens, so the memory between two powers of two
-    buys up to 7/8 more tokens)."""
+    """The largest MicroPack that lets stage 0 hold pp of them, at most the context: the largest
+    power of two that fits, then grown in eighths of it while they fit (activation memory is
+    linear in tokens, so the memory between two powers of two buys up to 7/8 more tokens)."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
     # Long documents' KV caches are the DP-Merge sizing's concern (merge_group_sizes), not the cap's.
     budget = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
     def need(cap: int) -> float:
-        return fullest_stage_bytes(cost, parallel, cap, cap * cap / 2, cap)
+        return parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True)
 
     cap = 1 << (config.context_length.bit_length() - 1)
     while cap > MIN_MICROPACK_TOKENS and need(cap) > budget:
@@ -177,8 +164,8 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
     if token_cap:
         in_flight = -(-length // token_cap) * token_cap
         kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
-        others = token_cap
-    return cost.static_memory_bytes(parallel) + fullest_stage_bytes(cost, parallel, in_flight, pairs, others) + kv
+        others = (parallel.pp - 1) * cost.activation_bytes(token_cap, token_cap * token_cap / 2, parallel)
+    return cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True) + kv + others
 
 
 def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, micropack_tokens: list[int],
@@ -407,11 +394,14 @@ def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, 
     token_cap = auto_token_cap(cost, parallel, config)
     sizes = slice_candidates(token_cap, config)
     # A long document kept in a replica forces that replica's MicroPacks down to what fits next to
-    # its chain; merged into a larger group it leaves them at the cap but idles the group's ranks on
-    # it. Neither wins everywhere (70B tp4 pp8 dp4 at 128K: 1094 s merging for the cap, 1386 s for
-    # the smallest size), so both are planned and the faster prediction kept.
+    # its chain; merged into a larger group it leaves them near the cap but idles the group's ranks
+    # on it. Neither wins everywhere (70B tp4 pp8 dp4 at 128K: 1094 s merging for the cap, 1386 s
+    # for the smallest size), so both are planned and the faster prediction kept. Where no group
+    # holds a document next to cap-sized MicroPacks, the largest sizes that one does are used.
     plans, first_error, tried = [], None, []
-    for fit_sizes in (sizes, sizes[:1]):
+    for fit_sizes in (sizes, *(sizes[:count] for count in range(1, len(sizes)))):
+        if len(tried) == 2:
+            break
         try:
             group_sizes = merge_group_sizes(lengths, cost, parallel, fit_sizes, use_merge)
             if any(np.array_equal(group_sizes, seen) for seen in tried):
