@@ -82,7 +82,8 @@ def resolve_strategies(text: str) -> list[str]:
 def run_comparison(
     *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int,
     global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int = 0,
-    solver_time_limit_s: float = 0.5, solver_deterministic_limit: float | None = None, gantt_dir: str | None = None, show_progress: bool = True,
+    solver_time_limit_s: float = 0.5, solver_deterministic_limit: float | None = None,
+    gantt_dir: str | None = None, show_progress: bool = True,
     batches: list[list[int]] | None = None,
 ) -> ComparisonResult:
     if batches is None:
