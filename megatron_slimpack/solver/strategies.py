@@ -399,11 +399,10 @@ def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, 
     # for the smallest size), so both are planned and the faster prediction kept. Where no group
     # holds a document next to cap-sized MicroPacks, the largest sizes that one does are used.
     plans, first_error, tried = [], None, []
-    for fit_sizes in (sizes, *(sizes[:count] for count in range(1, len(sizes)))):
-        if len(tried) == 2:
-            break
+    for sizing in (lambda: merge_group_sizes(lengths, cost, parallel, sizes, use_merge),
+                   lambda: _sized_for_the_largest(lengths, cost, parallel, sizes, use_merge)):
         try:
-            group_sizes = merge_group_sizes(lengths, cost, parallel, fit_sizes, use_merge)
+            group_sizes = sizing()
             if any(np.array_equal(group_sizes, seen) for seen in tried):
                 continue
             tried.append(group_sizes)
@@ -414,6 +413,18 @@ def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, 
     if not plans:
         raise first_error
     return min(plans, key=predicted_iteration_s)
+
+
+def _sized_for_the_largest(lengths: list[int], cost: CostModel, parallel: ParallelConfig, sizes: list[int],
+                           use_merge: bool) -> np.ndarray:
+    """Merge groups sized for the cap, or where no group holds a document next to cap-sized
+    MicroPacks, for the fewest largest sizes that one does (groups only shrink as sizes are added)."""
+    for count in range(1, len(sizes)):
+        try:
+            return merge_group_sizes(lengths, cost, parallel, sizes[:count], use_merge)
+        except PlanError:
+            continue
+    return merge_group_sizes(lengths, cost, parallel, sizes, use_merge)
 
 
 def predicted_iteration_s(plan: Plan) -> float:
