@@ -584,7 +584,7 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
 
 
 def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, fullest_stage_bytes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
@@ -592,7 +592,7 @@ def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
     step = power // 8
 
     def need(tokens: int) -> float:
-        return parallel.pp * COST.activation_bytes(tokens, tokens * tokens / 2, parallel, last_stage=True)
+        return fullest_stage_bytes(COST, parallel, tokens, tokens * tokens / 2, tokens)
 
     assert power < cap < 2 * power and (cap - power) % step == 0  # 7B tp2 on an H100: 32K and some eighths
     assert need(cap) <= activation_budget(COST, parallel) < need(cap + step)
@@ -600,6 +600,22 @@ def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
 
 LLAMA_13B = ms.CostModel.analytic("llama-13b", "h100-sxm")
 TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=2, cp=4, recompute="none")  # 13B: two 64K MicroPacks just fit
+
+
+def test_token_cap_counts_logits_only_on_the_last_stage():
+    """1F1B holds pp MicroPacks on stage 0 and one, with its logits, on the last stage. Charging
+    every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
+    Megatron's own packing runs there within memory (the simulator agrees)."""
+    from megatron_slimpack.simulator.dag import simulate
+    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, new_planner
+
+    context = 65536
+    config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
+    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
+    assert 2 * LLAMA_13B.activation_bytes(context, context ** 2 / 2, TIGHT_PP2, last_stage=True) > budget
+    assert auto_token_cap(LLAMA_13B, TIGHT_PP2, config) == context
+    plan = new_planner("megatron-fixed").plan([context] * 64, TIGHT_PP2, LLAMA_13B, config).validate()
+    assert max(simulate(plan, LLAMA_13B, detail=False).peak_memory_bytes) <= LLAMA_13B.memory_budget_bytes()
 
 
 def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned():
@@ -621,7 +637,7 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     budget = activation_budget(LLAMA_13B, TIGHT_PP2)
     even = pack_micropacks(SortedSamples(samples, rates), PackOptions(cap, cap, even_costs=True), rates)
     assert any(piece.length < lengths[piece.sample_id] for pack in even for piece in pack.slices)  # sliced to even costs
-    search = _ReplicaSearch(LLAMA_13B, TIGHT_PP2, False, [0], budget)
+    search = _ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, TIGHT_PP2, False, [0], budget)
     assert not search.consider(even, {"micropack_tokens": cap}) and search.best is None
     replica, makespan, choice = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
     assert choice["micropack_tokens"] == cap == context
@@ -690,24 +706,63 @@ def test_replicas_that_do_not_fit_are_grown_in_one_replanning(monkeypatch):
         assert len(holder.dp_ranks) == 4
 
 
-def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_largest_sizes_that_do_are_used(
+def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_largest_size_that_does_is_planned(
         monkeypatch):
+    """The second merge sizing searches the largest MicroPack size (in SIZE_GRANULE steps) next to
+    which every document fits a group, whatever the ladder of sizes, and plans with it as the cap."""
     from megatron_slimpack.solver import strategies as S
 
     cost, parallel = ms.CostModel.analytic("llama-70b", "h100-sxm"), ParallelConfig(dp=4, pp=8, tp=4, recompute="selective")
     config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=18432, solver_time_limit_s=60,
                                solver_deterministic_limit=0.1)
     lengths = [131072] + [int(x) for x in np.random.default_rng(4).lognormal(8, 1.3, 300).clip(16, 16384)]
-    sizes = S.slice_candidates(18432, config)
     with pytest.raises(PlanError, match="131072-token document"):
-        S.merge_group_sizes(lengths, cost, parallel, sizes[:1], True)
+        S.merge_group_sizes(lengths, cost, parallel, [18432], True)
+    largest, groups = S.largest_merged_micropack(lengths, cost, parallel, 18432, True)
+    assert largest % S.SIZE_GRANULE == 0 and S.MIN_MICROPACK_TOKENS < largest < 18432
+    assert largest not in S.slice_candidates(18432, config)
+    assert np.array_equal(groups, S.merge_group_sizes(lengths, cost, parallel, [largest], True))
+    with pytest.raises(PlanError, match="131072-token document"):
+        S.merge_group_sizes(lengths, cost, parallel, [largest + S.SIZE_GRANULE], True)
     planned = []
     grow = S._plan_growing_groups
-    monkeypatch.setattr(S, "_plan_growing_groups", lambda *args: planned.append(args[6].copy()) or grow(*args))
+    monkeypatch.setattr(S, "_plan_growing_groups", lambda *args: planned.append((args[4], args[6].copy())) or grow(*args))
     S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
-    expected = [S.merge_group_sizes(lengths, cost, parallel, fit, True) for fit in (sizes, sizes[:2])]
-    assert len(planned) == 2 and all(np.array_equal(a, b) for a, b in zip(planned, expected))
-    assert planned[1][0] > planned[0][0]
+    for_smallest = S.merge_group_sizes(lengths, cost, parallel, S.slice_candidates(18432, config), True)
+    assert [cap for cap, _ in planned] == [18432, largest]
+    assert np.array_equal(planned[0][1], for_smallest) and np.array_equal(planned[1][1], groups)
+    assert groups[0] > for_smallest[0]
+
+
+def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does(monkeypatch):
+    """MicroPack sizes are tried largest first on a ladder a quarter to a third apart; where one
+    does not fit and the next does, the sizes between are bisected, and the largest that fits (here
+    next to a 128K document's chain) beats the ladder's."""
+    from megatron_slimpack.solver import strategies as S
+    from megatron_slimpack.solver.pack_phase import SortedSamples
+    from megatron_slimpack.solver.work import WorkRates
+
+    parallel = ParallelConfig(dp=1, pp=4, tp=4, recompute="selective")
+    context = 131072
+    config = ms.SlimPackConfig(context_length=context)
+    lengths = [context] + [int(x) for x in np.random.default_rng(6).lognormal(8, 1.3, 200).clip(16, 8192)]
+    samples, cap = samples_of(lengths), S.auto_token_cap(LLAMA_13B, parallel, config)
+    rates = WorkRates.from_cost(LLAMA_13B, parallel, cap)
+    ladder = S.slice_candidates(cap, config)
+
+    def fits(size):
+        search = S._ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, parallel, False, [0],
+                                  S.activation_budget(LLAMA_13B, parallel))
+        return search.try_size(size)
+
+    first_fit = next(index for index, size in enumerate(ladder) if fits(size))
+    assert first_fit > 0
+    too_large, below = ladder[first_fit - 1], ladder[first_fit]
+    _, makespan, choice = S.plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
+    assert below < choice["micropack_tokens"] < too_large and choice["micropack_tokens"] % S.SIZE_GRANULE == 0
+    monkeypatch.setattr(S, "REFINE_FRACTION", 1)  # sizes a ladder step apart are not bisected: the ladder alone
+    _, ladder_makespan, ladder_choice = S.plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
+    assert ladder_choice["micropack_tokens"] in ladder and makespan < ladder_makespan
 
 
 def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
@@ -782,14 +837,14 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
 
 
 @pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
-    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 32768, 8192, (1, 2), 0),
-    ("llama-70b", dict(dp=4, pp=4, tp=8, recompute="selective"), 131072, 16384, (2, 4), 1),
+    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 49152, 8192, (1, 2), 0),
+    ("llama-7b", dict(dp=4, pp=2, tp=2, recompute="none"), 65536, 8192, (2, 4), 1),
 ])
 def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout, context, short_max, groups, faster):
     """A context-long document fits a small merge group only next to small MicroPacks, or a larger
-    group next to cap-sized ones. Neither wins everywhere (7B: keeping it closer wins; 70B: small
-    MicroPacks cost the replica too much efficiency), so the planner plans both and keeps the plan
-    its own prediction (the busiest rank's makespans) says is faster."""
+    group next to the largest ones. Neither wins everywhere (with pp4 keeping it closer wins; with
+    pp2 the small MicroPacks cost the replica more than the larger group idles), so the planner
+    plans both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
     from megatron_slimpack.solver import strategies as S
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)
@@ -801,10 +856,11 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
     cap = S.auto_token_cap(cost, parallel, config)
     sizes = S.slice_candidates(cap, config)
     for_smallest = S.merge_group_sizes(lengths, cost, parallel, sizes, True)
-    for_cap = S.merge_group_sizes(lengths, cost, parallel, sizes[:1], True)
-    assert (for_smallest[0], for_cap[0]) == groups
-    both = [S.predicted_iteration_s(S._plan_growing_groups(lengths, parallel, cost, config, cap, sizes, sized, False,
-                                                           True)) for sized in (for_smallest, for_cap)]
+    largest, for_largest = S.largest_merged_micropack(lengths, cost, parallel, cap, True)
+    assert (for_smallest[0], for_largest[0]) == groups
+    both = [S.predicted_iteration_s(S._plan_growing_groups(lengths, parallel, cost, config, size,
+                                                           S.slice_candidates(size, config), sized, False, True))
+            for size, sized in ((cap, for_smallest), (largest, for_largest))]
     chosen = S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
     assert S.predicted_iteration_s(chosen) == min(both) == both[faster] < both[1 - faster]
 

@@ -118,20 +118,33 @@ def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:
     return cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
 
+def fullest_stage_bytes(cost: CostModel, parallel: ParallelConfig, tokens: float, pairs: float,
+                        other_pack_tokens: float = 0.0) -> float:
+    """Activations on the fullest pipeline stage while `tokens` (with `pairs`) are in flight next to
+    the pp - 1 MicroPacks of `other_pack_tokens` that 1F1B keeps on stage 0. Stage s holds pp - s
+    packs; only the last stage (one pack) adds its logits, so the peak is on stage 0 or the last."""
+    last = cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
+    if parallel.pp == 1:
+        return last
+    others = (parallel.pp - 1) * cost.activation_bytes(other_pack_tokens, other_pack_tokens ** 2 / 2, parallel)
+    return max(cost.activation_bytes(tokens, pairs, parallel) + others, last)
+
+
 MIN_MICROPACK_TOKENS = 1024
 
 
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
-    """The largest MicroPack that lets stage 0 hold pp of them, at most the context: the largest
-    power of two that fits, then grown in eighths of it while they fit (activation memory is
-    linear in tokens, so the memory between two powers of two buys up to 7/8 more tokens)."""
+    """The largest MicroPack that lets stage 0 hold pp of them (and the last stage one with its
+    logits), at most the context: the largest power of two that fits, then grown in eighths of it
+    while they fit (activation memory is linear in tokens, so the memory between two powers of two
+    buys up to 7/8 more tokens)."""
     if config.max_micropack_tokens:
         return config.max_micropack_tokens
     # Long documents' KV caches are the DP-Merge sizing's concern (merge_group_sizes), not the cap's.
     budget = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
 
     def need(cap: int) -> float:
-        return parallel.pp * cost.activation_bytes(cap, cap * cap / 2, parallel, last_stage=True)
+        return fullest_stage_bytes(cost, parallel, cap, cap * cap / 2, cap)
 
     cap = 1 << (config.context_length.bit_length() - 1)
     while cap > MIN_MICROPACK_TOKENS and need(cap) > budget:
@@ -160,12 +173,13 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
     pp - 1 other MicroPacks that 1F1B keeps in flight. A document within the cap is one MicroPack
     like any other: it has no KV cache and needs no more than the cap itself."""
     pairs = length * (length + 1) / 2
-    in_flight, kv, others = length, 0.0, 0.0
+    in_flight, kv, other_pack_tokens = length, 0.0, 0
     if token_cap:
         in_flight = -(-length // token_cap) * token_cap
         kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
-        others = (parallel.pp - 1) * cost.activation_bytes(token_cap, token_cap * token_cap / 2, parallel)
-    return cost.static_memory_bytes(parallel) + cost.activation_bytes(in_flight, pairs, parallel, True) + kv + others
+        other_pack_tokens = token_cap
+    return (cost.static_memory_bytes(parallel) + fullest_stage_bytes(cost, parallel, in_flight, pairs, other_pack_tokens)
+            + kv)
 
 
 def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, micropack_tokens: list[int],
@@ -224,6 +238,8 @@ def unit_candidates(pp: int, micropacks: int) -> list[int]:
 
 
 REPLAYED_CANDIDATES = 3  # candidates with the best quick estimates get a full replay
+SIZE_GRANULE = 256  # sizes found by bisection are multiples of this many tokens
+REFINE_FRACTION = 16  # bisection stops within 1/16 of the size that fits
 
 
 class ReplicaDoesNotFit(PlanError):
@@ -257,26 +273,20 @@ def plan_replica(
     segmented and given a quick pipeline estimate; the few best by estimate that fit memory are
     ordered and replayed, and the shortest replay wins. Large units hold many MicroPacks in flight
     (1F1B keeps pp - s forward units per stage), so few units can be fast on paper and not fit.
-
-    With a pipeline, MicroPacks are first packed to even costs, which also slices documents that
-    fit one; a chain holds all its MicroPacks until its backward, so where no schedule of that
-    packing fits memory and it sliced such a document, the plain packing (slicing only documents
-    longer than the size) is tried too."""
+    Where a size does not fit and the next one tried does, the sizes between them are bisected
+    (not with `first_fit`: the replicas after the heaviest start from its size)."""
     if not samples:  # a rank whose only work is its share of a merge group
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks)), 0.0, {}
-    search = _ReplicaSearch(cost, parallel, symmetric, dp_ranks,
+    search = _ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
                             activation_budget(cost, parallel) if budget is None else budget)
-    ordered = SortedSamples(samples, rates)
-    lengths = {sample.sample_id: sample.length for sample in samples}
+    too_large = None  # the smallest size tried with no schedule that fits
     for size in sizes or slice_candidates(token_cap, config):
-        if search.best is not None and packing_bound_s(ordered, size, cost, parallel) >= search.best[1]:
-            continue  # even perfectly full MicroPacks of this size cannot beat the best schedule
-        even = parallel.pp > 1
-        micropacks = pack_micropacks(ordered, PackOptions(size, size, even_costs=even), rates)
-        if not search.consider(micropacks, {"micropack_tokens": size}) and even and any(
-                piece.start > 0 and lengths[piece.sample_id] <= size for pack in micropacks for piece in pack.slices):
-            plain = pack_micropacks(ordered, PackOptions(size, size), rates)
-            search.consider(plain, {"micropack_tokens": size})
+        if not search.try_size(size):
+            too_large = size
+            continue
+        if too_large is not None and not first_fit:
+            search.refine(size, too_large)
+            too_large = None
         if first_fit and search.best is not None:
             break
     if search.best is None:
@@ -294,12 +304,48 @@ def plan_replica(
 
 
 class _ReplicaSearch:
-    """The best schedule found so far for one replica, and the leanest need seen (for the error)."""
+    """One replica's search over MicroPack sizes: the best schedule found so far, and the leanest
+    need seen (for the error)."""
 
-    def __init__(self, cost: CostModel, parallel: ParallelConfig, symmetric: bool, dp_ranks: list[int], budget: float):
+    def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
+                 symmetric: bool, dp_ranks: list[int], budget: float):
+        self.ordered, self.rates = ordered, rates
+        self.lengths = {sample.sample_id: sample.length for sample in ordered.samples}
         self.cost, self.parallel, self.symmetric, self.dp_ranks, self.budget = cost, parallel, symmetric, dp_ranks, budget
         self.best: tuple[ReplicaPlan, float, dict] | None = None
         self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
+
+    def try_size(self, size: int) -> bool:
+        """Pack to MicroPacks of `size` tokens and consider the packing; True when a schedule fits
+        memory or none can beat the best one (then neither can a smaller size's).
+
+        With a pipeline, MicroPacks are first packed to even costs, which also slices documents
+        that fit one; a chain holds all its MicroPacks until its backward, so where that packing
+        does not fit and it sliced such a document, the plain packing is tried too."""
+        if self.best is not None and packing_bound_s(self.ordered, size, self.cost, self.parallel) >= self.best[1]:
+            return True
+        even = self.parallel.pp > 1
+        micropacks = pack_micropacks(self.ordered, PackOptions(size, size, even_costs=even), self.rates)
+        if self.consider(micropacks, {"micropack_tokens": size}):
+            return True
+        if not (even and any(piece.start > 0 and self.lengths[piece.sample_id] <= size
+                             for pack in micropacks for piece in pack.slices)):
+            return False
+        return self.consider(pack_micropacks(self.ordered, PackOptions(size, size), self.rates),
+                             {"micropack_tokens": size})
+
+    def refine(self, fits: int, too_large: int) -> None:
+        """Bisect between a size that fits and the next larger one tried that does not: the ladder
+        of sizes is coarse (a quarter to a third apart), and where memory decides the size, the
+        largest that fits costs the least per token."""
+        while too_large - fits > max(fits // REFINE_FRACTION, SIZE_GRANULE):
+            middle = (fits + too_large) // 2 // SIZE_GRANULE * SIZE_GRANULE
+            if middle <= fits:
+                return
+            if self.try_size(middle):
+                fits = middle
+            else:
+                too_large = middle
 
     def consider(self, micropacks, choice: dict) -> bool:
         """Segment, order and replay the most promising unit counts of one packing; True when a
@@ -392,22 +438,22 @@ def shared_by_groups(plan: Plan, parallel: ParallelConfig, base: int) -> Plan:
 def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
                  symmetric: bool, use_merge: bool) -> Plan:
     token_cap = auto_token_cap(cost, parallel, config)
-    sizes = slice_candidates(token_cap, config)
     # A long document kept in a replica forces that replica's MicroPacks down to what fits next to
-    # its chain; merged into a larger group it leaves them near the cap but idles the group's ranks
-    # on it. Neither wins everywhere (70B tp4 pp8 dp4 at 128K: 1094 s merging for the cap, 1386 s
-    # for the smallest size), so both are planned and the faster prediction kept. Where no group
-    # holds a document next to cap-sized MicroPacks, the largest sizes that one does are used.
+    # its chain; merged into a larger group it leaves them at the largest size that fits next to the
+    # group's share but idles the group's ranks on it. Neither wins everywhere (70B tp4 pp8 dp4 at
+    # 128K: 1094 s merging for 16K MicroPacks, 1386 s for the smallest size), so both are planned
+    # and the faster prediction kept.
     plans, first_error, tried = [], None, []
-    for sizing in (lambda: merge_group_sizes(lengths, cost, parallel, sizes, use_merge),
-                   lambda: _sized_for_the_largest(lengths, cost, parallel, sizes, use_merge)):
+    for sizing in (lambda: (token_cap, merge_group_sizes(lengths, cost, parallel, slice_candidates(token_cap, config),
+                                                         use_merge)),
+                   lambda: largest_merged_micropack(lengths, cost, parallel, token_cap, use_merge)):
         try:
-            group_sizes = sizing()
-            if any(np.array_equal(group_sizes, seen) for seen in tried):
+            cap, group_sizes = sizing()
+            if any(cap == seen_cap and np.array_equal(group_sizes, seen) for seen_cap, seen in tried):
                 continue
-            tried.append(group_sizes)
-            plans.append(_plan_growing_groups(lengths, parallel, cost, config, token_cap, sizes, group_sizes,
-                                              symmetric, use_merge))
+            tried.append((cap, group_sizes))
+            plans.append(_plan_growing_groups(lengths, parallel, cost, config, cap, slice_candidates(cap, config),
+                                              group_sizes, symmetric, use_merge))
         except PlanError as error:
             first_error = first_error or error
     if not plans:
@@ -415,16 +461,27 @@ def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, 
     return min(plans, key=predicted_iteration_s)
 
 
-def _sized_for_the_largest(lengths: list[int], cost: CostModel, parallel: ParallelConfig, sizes: list[int],
-                           use_merge: bool) -> np.ndarray:
-    """Merge groups sized for the cap, or where no group holds a document next to cap-sized
-    MicroPacks, for the fewest largest sizes that one does (groups only shrink as sizes are added)."""
-    for count in range(1, len(sizes)):
+def largest_merged_micropack(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int,
+                             use_merge: bool) -> tuple[int, np.ndarray]:
+    """The largest MicroPack size, at most the cap, next to which every document fits memory (in a
+    merge group where it needs one), with those group sizes. Bisected in SIZE_GRANULE steps (the
+    need grows with the size): the cap is a memory bound for short documents only, and a fixed
+    ladder of sizes below it misses the one a long document allows by up to a third."""
+    try:
+        return token_cap, merge_group_sizes(lengths, cost, parallel, [token_cap], use_merge)
+    except PlanError as error:
+        first_error = error
+    fits, too_large = MIN_MICROPACK_TOKENS, token_cap
+    try:
+        fitted = merge_group_sizes(lengths, cost, parallel, [fits], use_merge)
+    except PlanError:
+        raise first_error from None
+    while (middle := (fits + too_large) // 2 // SIZE_GRANULE * SIZE_GRANULE) > fits:
         try:
-            return merge_group_sizes(lengths, cost, parallel, sizes[:count], use_merge)
+            fitted, fits = merge_group_sizes(lengths, cost, parallel, [middle], use_merge), middle
         except PlanError:
-            continue
-    return merge_group_sizes(lengths, cost, parallel, sizes, use_merge)
+            too_large = middle
+    return fits, fitted
 
 
 def predicted_iteration_s(plan: Plan) -> float:
@@ -516,7 +573,8 @@ def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostMo
             failures.append(failure)
             continue
         if members and chosen_sizes is None:
-            chosen_sizes = [size for size in slice_candidates(token_cap, config) if size <= choice["micropack_tokens"]]
+            chosen = choice["micropack_tokens"]  # may lie between two candidates (bisected)
+            chosen_sizes = [chosen] + [size for size in slice_candidates(token_cap, config) if size < chosen]
         own[rank] = replica
         predicted.append({"dp_ranks": [rank], "makespan_s": float(makespan), **choice})
     if failures:
