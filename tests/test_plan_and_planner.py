@@ -732,6 +732,9 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
     assert [cap for cap, _ in planned] == [18432, largest]
     assert np.array_equal(planned[0][1], for_smallest) and np.array_equal(planned[1][1], groups)
     assert groups[0] > for_smallest[0]
+    planned.clear()  # a slice size the user set is kept: one sizing, at the cap
+    S._plan_fitted(lengths, parallel, cost, config.with_(slice_tokens=4096), False, True).validate()
+    assert [cap for cap, _ in planned] == [18432]
 
 
 def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does(monkeypatch):

@@ -442,11 +442,13 @@ def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, 
     # its chain; merged into a larger group it leaves them at the largest size that fits next to the
     # group's share but idles the group's ranks on it. Neither wins everywhere (70B tp4 pp8 dp4 at
     # 128K: 1094 s merging for 16K MicroPacks, 1386 s for the smallest size), so both are planned
-    # and the faster prediction kept.
+    # and the faster prediction kept. A slice size the user set is kept: no second sizing.
     plans, first_error, tried = [], None, []
-    for sizing in (lambda: (token_cap, merge_group_sizes(lengths, cost, parallel, slice_candidates(token_cap, config),
-                                                         use_merge)),
-                   lambda: largest_merged_micropack(lengths, cost, parallel, token_cap, use_merge)):
+    sizings = [lambda: (token_cap, merge_group_sizes(lengths, cost, parallel, slice_candidates(token_cap, config),
+                                                     use_merge))]
+    if not config.slice_tokens:
+        sizings.append(lambda: largest_merged_micropack(lengths, cost, parallel, token_cap, use_merge))
+    for sizing in sizings:
         try:
             cap, group_sizes = sizing()
             if any(cap == seen_cap and np.array_equal(group_sizes, seen) for seen_cap, seen in tried):
