@@ -338,14 +338,7 @@ class _ReplicaSearch:
         """Bisect between a size that fits and the next larger one tried that does not: the ladder
         of sizes is coarse (a quarter to a third apart), and where memory decides the size, the
         largest that fits costs the least per token."""
-        while too_large - fits > max(fits // REFINE_FRACTION, SIZE_GRANULE):
-            middle = (fits + too_large) // 2 // SIZE_GRANULE * SIZE_GRANULE
-            if middle <= fits:
-                return
-            if self.try_size(middle):
-                fits = middle
-            else:
-                too_large = middle
+        largest_fitting(self.try_size, fits, too_large, REFINE_FRACTION)
 
     def consider(self, micropacks, choice: dict) -> bool:
         """Segment, order and replay the most promising unit counts of one packing; True when a
@@ -473,17 +466,33 @@ def largest_merged_micropack(lengths: list[int], cost: CostModel, parallel: Para
         return token_cap, merge_group_sizes(lengths, cost, parallel, [token_cap], use_merge)
     except PlanError as error:
         first_error = error
-    fits, too_large = MIN_MICROPACK_TOKENS, token_cap
-    try:
-        fitted = merge_group_sizes(lengths, cost, parallel, [fits], use_merge)
-    except PlanError:
-        raise first_error from None
-    while (middle := (fits + too_large) // 2 // SIZE_GRANULE * SIZE_GRANULE) > fits:
+    groups: dict[int, np.ndarray] = {}
+
+    def fits(size: int) -> bool:
         try:
-            fitted, fits = merge_group_sizes(lengths, cost, parallel, [middle], use_merge), middle
+            groups[size] = merge_group_sizes(lengths, cost, parallel, [size], use_merge)
+            return True
         except PlanError:
-            too_large = middle
-    return fits, fitted
+            return False
+
+    if not fits(MIN_MICROPACK_TOKENS):
+        raise first_error
+    size = largest_fitting(fits, MIN_MICROPACK_TOKENS, token_cap)
+    return size, groups[size]
+
+
+def largest_fitting(fits, low: int, high: int, fraction: int = 0) -> int:
+    """Bisect, in SIZE_GRANULE steps, for the largest size with `fits(size)` between `low` (fits)
+    and `high` (does not); with `fraction`, stop within low / fraction."""
+    while high - low > max(low // fraction if fraction else 0, SIZE_GRANULE):
+        middle = (low + high) // 2 // SIZE_GRANULE * SIZE_GRANULE
+        if middle <= low:
+            break
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def predicted_iteration_s(plan: Plan) -> float:
