@@ -113,6 +113,45 @@ def header(cells: list[dict], grid_size: int) -> str:
             "plans does not (so its mean can lie above its max).\n\n")
 
 
+def render(cells: list[dict], order: list[tuple]) -> str:
+    """paper_table.md: how it was made, the grid at a glance, then every strategy of every cell."""
+    return (header(cells, len(order))
+            + "SlimPack's speedup over megatron-fixed / over the fastest other strategy, per cell:\n\n"
+            + summary(cells, order) + "\n" + markdown(cells))
+
+
+def grid_order(bench: dict) -> list[tuple]:
+    """Every cell of the config as (model, context, gpus, dataset), in the table's order."""
+    return [(model, context, bench["cluster_gpus"][cluster][0], dataset) for model in bench["models"]
+            for context in bench["context_lengths"] for cluster in bench["clusters"] for dataset in bench["datasets"]]
+
+
+def summary(cells: list[dict], order: list[tuple], strategy: str = "slimpack") -> str:
+    """The grid at a glance: one row per (model, context), one column per (GPUs, dataset); each
+    entry is `strategy`'s speedup over megatron-fixed, then over the fastest other strategy
+    (its variants left out), or why there is none."""
+    columns = list(dict.fromkeys((gpus, dataset) for _, _, gpus, dataset in order))
+    rows = list(dict.fromkeys((model, context) for model, context, _, _ in order))
+    by_key = {cell_key(cell): cell for cell in cells}
+    lines = ["| model | context | " + " | ".join(f"{dataset}, {gpus} GPUs" for gpus, dataset in columns) + " |",
+             "|---|---:|" + "---:|" * len(columns)]
+    for model, context in rows:
+        entries = [_summary_entry(by_key.get((model, context, gpus, dataset)), strategy) for gpus, dataset in columns]
+        lines.append(f"| {model} | {context // 1024}K | " + " | ".join(entries) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _summary_entry(cell: dict | None, strategy: str) -> str:
+    if cell is None:
+        return "not run"
+    mine = cell["strategies"].get(strategy)
+    if mine is None:
+        return "no feasible layout" if strategy in cell["failures"] else "not run"
+    others = [f["mean_s"] for name, f in cell["strategies"].items() if not name.startswith(strategy)]
+    over_reference = f"{mine['speedup']:.2f}x" if mine["speedup"] else "-"
+    return f"{over_reference} / {min(others) / mine['mean_s']:.2f}x" if others else over_reference
+
+
 def markdown(cells: list[dict]) -> str:
     lines = ["| model | context | GPUs | dataset | strategy | layout | iteration s (mean) | spread (min-max) "
              "| speedup vs megatron-fixed | bubble | / lower bound | peak GiB | commit |",
@@ -210,8 +249,7 @@ def main() -> None:
         return [v for v in values if text is None or cast(v) in [cast(t) for t in text.split(",")]]
 
     clusters = [c for c in bench["clusters"] if args.gpus is None or str(bench["cluster_gpus"][c][0]) in args.gpus.split(",")]
-    order = [(m, c, bench["cluster_gpus"][k][0], d) for m in bench["models"] for c in bench["context_lengths"]
-             for k in bench["clusters"] for d in bench["datasets"]]
+    order = grid_order(bench)
     cells_wanted = [(model, context, cluster, dataset)
                     for model in pick(bench["models"], args.models)
                     for context in pick(bench["context_lengths"], args.contexts, int)
@@ -231,10 +269,10 @@ def main() -> None:
                 figures["commit"] = commit
             cells = merge_cells(cells, [cell], order)
             # Written after every cell: a long grid run keeps what it finished.
-            out.write_text(header(cells, len(order)) + markdown(cells))
+            out.write_text(render(cells, order))
             saved.write_text(json.dumps(cells, indent=1))
             plot(cells, out.with_name("paper_speedup.png"))
-    print(header(cells, len(order)) + markdown(cells))
+    print(render(cells, order))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""The paper grid's bookkeeping (benchmarks/paper_table.py): merging re-run cells strategy by
+strategy, and the at-a-glance summary of SlimPack's speedups."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def paper_table():
+    spec = importlib.util.spec_from_file_location("paper_table", ROOT / "benchmarks" / "paper_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _figures(mean_s: float, commit: str = "old") -> dict:
+    return {"layout": "tp1 pp1 cp1 dp8", "mean_s": mean_s, "min_s": mean_s, "max_s": mean_s, "bubble": 0.0,
+            "lower_bound_s": mean_s, "peak_gib": 1.0, "speedup": None, "commit": commit}
+
+
+def _cell(model: str, dataset: str, strategies: dict, failures: dict | None = None) -> dict:
+    return {"model": model, "context": 65536, "gpus": 128, "dataset": dataset, "steps": 10,
+            "strategies": strategies, "failures": failures or {}}
+
+
+ORDER = [("llama-7b", 65536, 128, "wikipedia"), ("llama-7b", 65536, 128, "github"),
+         ("llama-13b", 65536, 128, "wikipedia"), ("llama-13b", 65536, 128, "github")]
+
+
+def test_grid_order_covers_the_config(paper_table):
+    bench = paper_table.load_config(ROOT / "configs" / "bench" / "paper.yaml")
+    order = paper_table.grid_order(bench)
+    assert len(order) == len(set(order)) == (len(bench["models"]) * len(bench["context_lengths"])
+                                             * len(bench["clusters"]) * len(bench["datasets"]))
+    assert order[0] == (bench["models"][0], bench["context_lengths"][0], 128, bench["datasets"][0])
+
+
+def test_rerun_strategy_replaces_only_its_row_and_speedups_follow(paper_table):
+    old = [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(120.0), "wlb-llm": _figures(110.0),
+                                           "slimpack": _figures(100.0)})]
+    rerun = [_cell("llama-7b", "wikipedia", {"slimpack": _figures(96.0, commit="new")})]
+    [cell] = paper_table.merge_cells(old, rerun, ORDER)
+    assert cell["strategies"]["slimpack"]["commit"] == "new"
+    assert cell["strategies"]["wlb-llm"]["commit"] == "old"
+    assert cell["strategies"]["slimpack"]["speedup"] == pytest.approx(120.0 / 96.0)
+    assert cell["strategies"]["megatron-fixed"]["speedup"] == pytest.approx(1.0)
+
+
+def test_cells_are_kept_in_grid_order(paper_table):
+    later = _cell("llama-13b", "github", {"megatron-fixed": _figures(1.0)})
+    earlier = _cell("llama-7b", "github", {"megatron-fixed": _figures(1.0)})
+    merged = paper_table.merge_cells([later], [earlier], ORDER)
+    assert [paper_table.cell_key(c) for c in merged] == [ORDER[1], ORDER[3]]
+
+
+def test_summary_shows_both_speedups_failures_and_missing_cells(paper_table):
+    cells = paper_table.merge_cells([], [
+        _cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(150.0), "slimpipe": _figures(120.0),
+                                        "slimpack": _figures(100.0), "slimpack-sym": _figures(90.0)}),
+        _cell("llama-7b", "github", {"megatron-fixed": _figures(150.0)}, failures={"slimpack": "memory"}),
+        _cell("llama-13b", "wikipedia", {"wlb-llm": _figures(99.0), "slimpack": _figures(100.0)}),
+    ], ORDER)
+    lines = paper_table.summary(cells, ORDER).splitlines()
+    assert lines[0] == "| model | context | wikipedia, 128 GPUs | github, 128 GPUs |"
+    # SlimPack's own variants are not "other strategies"; a cell without the reference has no first figure.
+    assert lines[2] == "| llama-7b | 64K | 1.50x / 1.20x | no feasible layout |"
+    assert lines[3] == "| llama-13b | 64K | - / 0.99x | not run |"
