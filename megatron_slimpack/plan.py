@@ -136,10 +136,19 @@ def pack_figures(micropacks: list[MicroPack], table=None) -> PackFigures:
                        per_pack(length * end * later))
 
 
-def chains(micropacks: list[MicroPack], table=None) -> list[list[int]]:
-    """MicroPacks linked by sharing a sample, each chain in forward order, chains ordered by
-    their first MicroPack (`table`: their `slice_table`, if already at hand)."""
-    parent = list(range(len(micropacks)))
+def chain_heads(micropacks: list[MicroPack], table=None) -> np.ndarray:
+    """The first MicroPack of every MicroPack's chain: MicroPacks are linked by sharing a sample
+    (`table`: their `slice_table`, if already at hand)."""
+    heads = np.arange(len(micropacks))
+    counts, table = table if table is not None else slice_table(micropacks)
+    # Only a sample with a continuation slice (start > 0) links MicroPacks; the rest stay alone,
+    # so the union-find below walks only the few linked ones.
+    continued = np.unique(table[table[:, 1] > 0, 0])
+    if not len(continued):
+        return heads
+    linked = np.flatnonzero(np.isin(table[:, 0], continued))
+    pack_of = np.repeat(heads, counts)[linked].tolist()
+    parent = {index: index for index in pack_of}
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -147,28 +156,20 @@ def chains(micropacks: list[MicroPack], table=None) -> list[list[int]]:
             i = parent[i]
         return i
 
-    # Only a sample with a continuation slice (start > 0) links MicroPacks.
-    counts, table = table if table is not None else slice_table(micropacks)
-    continued = np.unique(table[table[:, 1] > 0, 0])
-    if len(continued):
-        linked = np.flatnonzero(np.isin(table[:, 0], continued))
-        pack_of = np.repeat(np.arange(len(micropacks)), counts)[linked]
-        owner: dict[int, int] = {}
-        for sample_id, index in zip(table[linked, 0].tolist(), pack_of.tolist()):
-            if sample_id in owner:
-                parent[find(index)] = find(owner[sample_id])
-            else:
-                owner[sample_id] = index
-    groups: dict[int, list[int]] = {}
-    for index in range(len(micropacks)):
-        groups.setdefault(find(index), []).append(index)
-    return sorted(groups.values(), key=lambda members: members[0])
+    first_pack: dict[int, int] = {}
+    for sample_id, index in zip(table[linked, 0].tolist(), pack_of):
+        root, other = find(index), find(first_pack.setdefault(sample_id, index))
+        parent[max(root, other)] = min(root, other)  # a chain's root is its first MicroPack
+    for index in parent:
+        heads[index] = find(index)
+    return heads
 
 
 def backward_sequence(micropacks: list[MicroPack], table=None) -> list[int]:
     """The order in which MicroPacks run backward: chains in forward order, each reversed, so a
     later slice's backward (which completes its prefix's KV gradients) always comes first."""
-    return [index for members in chains(micropacks, table) for index in reversed(members)]
+    heads = chain_heads(micropacks, table)
+    return np.lexsort((-np.arange(len(heads)), heads)).tolist()
 
 
 @dataclass

@@ -46,6 +46,16 @@ def test_megatron_fixed_cuts_at_exactly_the_context_length():
     assert sizes == {0: [8, 8], 1: [8, 1]}  # contiguous blocks; every sequence but the last is full
 
 
+def test_fixed_cuts_of_a_grid_search_stay_cached_across_its_layouts():
+    """The layout search plans every batch once per finalist layout; the cut of each is computed once."""
+    batches = [[5 + step, 10, 3, 7] for step in range(10)]  # the paper grid's 10 batches
+    baselines._cut.cache_clear()
+    for _layout in range(3):
+        for lengths in batches:
+            baselines.concatenate_and_cut(lengths, 8)
+    assert baselines._cut.cache_info().misses == len(batches)
+
+
 def test_megatron_fixed_boundary_document_becomes_two_independent_samples():
     plan = run("megatron-fixed", [6, 6], context=8)
     # Document 1 crosses the cut at 8: pieces of 2 and 4 tokens, separate samples each starting at 0.

@@ -173,6 +173,43 @@ def test_hand_built_plan_is_valid():
     small_plan().validate()
 
 
+def _backward_sequence_reference(micropacks):
+    """Chains by a plain graph walk: MicroPacks sharing a sample that is sliced (some slice starts
+    past 0) are linked; chains in order of their first MicroPack, each reversed."""
+    sliced = {s.sample_id for m in micropacks for s in m.slices if s.start > 0}
+    seen, order = set(), []
+    for first in range(len(micropacks)):
+        if first in seen:
+            continue
+        chain, frontier = {first}, [first]
+        while frontier:
+            samples = {s.sample_id for s in micropacks[frontier.pop()].slices} & sliced
+            for other, pack in enumerate(micropacks):
+                if other not in chain and samples & {s.sample_id for s in pack.slices}:
+                    chain.add(other)
+                    frontier.append(other)
+        seen |= chain
+        order += sorted(chain, reverse=True)
+    return order
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=4, unique=True), min_size=1, max_size=14))
+def test_backward_sequence_reverses_each_chain(packs):
+    """Chains are found through any shared sliced sample, also transitively (a pack holding the
+    tails of two documents joins their chains)."""
+    offsets: dict[int, int] = {}
+    micropacks = []
+    for pack in packs:
+        slices = []
+        for sample_id in pack:
+            start = offsets.get(sample_id, 0)
+            slices.append(Slice(sample_id, start, start + 3))
+            offsets[sample_id] = start + 3
+        micropacks.append(MicroPack(slices))
+    assert backward_sequence(micropacks) == _backward_sequence_reference(micropacks)
+
+
 @pytest.mark.parametrize("mutate, rule", [
     (lambda r: r.micropacks[1].slices.__setitem__(0, Slice(0, 5, 6)), "coverage"),
     (lambda r: r.micropacks.__setitem__(0, MicroPack([Slice(0, 4, 6), Slice(1, 0, 3)])) or

@@ -112,7 +112,12 @@ def concatenate_and_cut(lengths: list[int], context_length: int) -> tuple[tuple[
     return _cut(tuple(lengths), context_length)
 
 
-@functools.lru_cache(maxsize=8)
+# Room for every batch of a search: its finalist layouts each plan all of them in turn, and a
+# cache smaller than the batch count (the paper grid runs 10) would evict every one before reuse.
+BATCHES_CACHED = 16
+
+
+@functools.lru_cache(maxsize=BATCHES_CACHED)
 def _cut(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Piece, ...], ...]:
     sequences: list[list[Piece]] = [[]]
     filled = 0
@@ -622,7 +627,7 @@ def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
     return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=BATCHES_CACHED)
 def _sliced_sequences(lengths: tuple[int, ...], context_length: int, slice_tokens: int) -> tuple[list[MicroPack], ...]:
     """Each fixed-length sequence's slices (the same on every layout the search tries)."""
     return tuple(slice_sequence(sequence, slice_tokens) for sequence in _cut(lengths, context_length))

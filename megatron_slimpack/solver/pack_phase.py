@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -69,15 +69,15 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_c
     return _slices(sample, _balanced_bounds(length, count + EXTRA_SLICES, rates, by_seconds=False))
 
 
-def _slices(sample: Sample, bounds: list[int]) -> list[Slice]:
+def _slices(sample: Sample, bounds) -> list[Slice]:
     return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _longest(bounds: list[int]) -> int:
+def _longest(bounds) -> int:
     return max(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def _heaviest_slice(bounds: list[int], rates: WorkRates, token_cap: int) -> float:
+def _heaviest_slice(bounds, rates: WorkRates, token_cap: int) -> float:
     """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
     edges = np.asarray(bounds, dtype=float)
     starts, lengths = edges[:-1], np.diff(edges)
@@ -94,11 +94,13 @@ def _uniform_bounds(length: int, count: int) -> list[int]:
     return [length * j // count for j in range(count + 1)]
 
 
-def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool = True) -> list[int]:
+@lru_cache(maxsize=1 << 16)
+def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool = True) -> tuple[int, ...]:
     """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
     a*x + b*x^2/2; inverted at equal steps it balances work. A later, shorter slice runs at lower
     kernel efficiency, so the steps are then reweighted by each slice's size penalty (twice: the
-    penalties barely move after that) to balance seconds."""
+    penalties barely move after that) to balance seconds. (Cached: every MicroPack size the
+    planner tries cuts the same long documents, mostly into the same counts.)"""
     a = rates.forward_per_token + rates.backward_per_token
     b = rates.forward_per_pair + rates.backward_per_pair
     total = _prefix_work(length, rates)
@@ -111,7 +113,7 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool
         bounds.append(length)
         weights = 1.0 / rates.size_penalty(np.diff(np.asarray(bounds, dtype=float)))
         shares = weights / weights.sum()
-    return bounds
+    return tuple(bounds)
 
 
 BALANCING_ROUNDS = 3
