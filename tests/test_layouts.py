@@ -115,6 +115,31 @@ def test_best_layout_is_feasible_and_fastest_of_its_finalists(strategy):
         assert trained == sum(map(sum, batches))
 
 
+def test_the_search_pauses_the_cyclic_collector_only_while_it_plans(monkeypatch):
+    """Each batch is planned with the collector paused (it rescans every kept plan for nothing),
+    and the collector is back on afterwards, also where a layout fails to plan."""
+    import gc
+
+    from megatron_slimpack.solver import layouts
+
+    seen = []
+    planning = layouts._plan_and_simulate_now
+
+    def recording(*args):
+        seen.append(gc.isenabled())
+        return planning(*args)
+
+    monkeypatch.setattr(layouts, "_plan_and_simulate_now", recording)
+    context = 262144
+    lengths = [context, context // 2, 50000] + [4000] * 20
+    with pytest.raises(NoFeasibleLayout):  # every layout fails: the collector still comes back on
+        best_layout("megatron-fixed", [lengths], COST_70B, 32, context,
+                    layouts=[p for p in enumerate_layouts(COST_70B, 32, "megatron-fixed") if p.recompute == "none"])
+    assert gc.isenabled()
+    best_layout("megatron-fixed", [batch(2, 150, 32768)], COST_7B, 8, 32768, FAST)
+    assert seen and not any(seen) and gc.isenabled()
+
+
 def test_llama70b_at_256k_without_recompute_on_few_gpus_is_rejected_with_reasons():
     context = 262144
     lengths = [context, context // 2, 50000] + [4000] * 20

@@ -153,17 +153,21 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmups)]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])
+    # Tasks are shared tuples, and forwards are added as slices: the planner builds these orders
+    # for every unit count of every MicroPack size it tries.
+    forwards = [("F", unit) for unit in range(len(forward_units))]
+    backwards = [("B", unit) for unit in range(len(backward_units))]
     orders = []
     for stage in range(pp):
         order: list[tuple[str, int]] = []
         done = 0
-        for b, last_needed in enumerate(required):
-            # Stage s stays pp - 1 - s units ahead of the last stage, as in 1F1B.
-            target = min(len(forward_units), last_needed + 1 + (pp - 1 - stage) + extra[stage])
-            while done < target:
-                order.append(("F", done))
-                done += 1
-            order.append(("B", b))
+        lead = 1 + (pp - 1 - stage) + extra[stage]  # stage s stays pp - 1 - s units ahead of the last, as in 1F1B
+        for backward, last_needed in zip(backwards, required):
+            target = min(len(forwards), last_needed + lead)
+            if target > done:
+                order += forwards[done:target]
+                done = target
+            order.append(backward)
         orders.append(order)
     return orders
 
