@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -69,15 +70,15 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_c
     return _slices(sample, _balanced_bounds(length, count + EXTRA_SLICES, rates, by_seconds=False))
 
 
-def _slices(sample: Sample, bounds) -> list[Slice]:
+def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
     return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _longest(bounds) -> int:
+def _longest(bounds: Sequence[int]) -> int:
     return max(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def _heaviest_slice(bounds, rates: WorkRates, token_cap: int) -> float:
+def _heaviest_slice(bounds: Sequence[int], rates: WorkRates, token_cap: int) -> float:
     """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
     edges = np.asarray(bounds, dtype=float)
     starts, lengths = edges[:-1], np.diff(edges)
