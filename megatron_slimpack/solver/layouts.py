@@ -28,8 +28,6 @@ Search, cheapest checks first:
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,7 +37,8 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
-from .strategies import StepPlanner, auto_token_cap, check_plan_input, document_memory_bytes, new_planner
+from .strategies import (StepPlanner, auto_token_cap, check_plan_input, cyclic_gc_paused, document_memory_bytes,
+                         new_planner)
 from .work import causal_pairs
 
 
@@ -361,25 +360,9 @@ class _Run:
     reports: list[SimulationReport] = field(default_factory=list)
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused():
-    """Planning a batch allocates millions of small objects and makes next to no reference
-    cycles, while the search keeps every finalist's plans alive: each full pass of the cyclic
-    collector rescans all of them for nothing (15% of a llama-70b search's CPU). Paused for one
-    batch at a time, so what cycles there are go in the next pass. (The search runs offline; the
-    planner that runs beside training leaves the collector alone.)"""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int | None) -> Rejection | None:
     """Plan one batch (or, with step None, the planner's flush) and simulate it."""
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():  # 13.1 of 101.4 CPU s of a llama-70b search went to full passes
         return _plan_and_simulate_now(run, lengths, cost, step)
 
 

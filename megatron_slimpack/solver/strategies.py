@@ -82,9 +82,12 @@ def _load_baselines() -> None:
 
 
 @contextlib.contextmanager
-def _without_cyclic_gc():
+def cyclic_gc_paused():
     """Planning allocates ~10^5 small tuples (samples, slices) that hold no reference cycles; the
-    cyclic collector would rescan them over and over (a third of the planning time at 256K)."""
+    cyclic collector would rescan them over and over (a third of the planning time at 256K), and
+    with them everything else alive (a layout search keeps every finalist's plans). Paused for
+    one planning at a time, so what cycles there are go in the next pass. The planner that runs
+    beside training does not pause it: that would pause it for the training loop too."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -97,7 +100,7 @@ def _without_cyclic_gc():
 def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
     lengths = check_plan_input(lengths, config.context_length)
     parallel.check_model(cost.model)
-    with _without_cyclic_gc():
+    with cyclic_gc_paused():
         started = time.perf_counter()
         plan = get_strategy(config.strategy)(lengths, parallel, cost, config)
         plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
