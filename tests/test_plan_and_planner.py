@@ -483,6 +483,45 @@ def test_a_shortened_chain_lead_still_orders_every_unit_without_deadlock(chain_l
     assert max(peak_in_flight(orders, work)) <= max(peak_in_flight(pipelined, work))
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=12), pp=st.integers(1, 6),
+       lead=st.sampled_from([None, 0, 1, 3]), seed=st.integers(0, 10_000))
+def test_forward_targets_give_the_orders_and_peaks_of_a_plain_walk(sizes, pp, lead, seed):
+    """Units of several MicroPacks, backward units over a shuffled sequence, uneven bytes: the
+    orders built from `forward_targets` put every forward a backward needs before it, stage s
+    stays at least as far ahead as stage s + 1, and `peaks_of_targets` equals walking the orders
+    (`peak_in_flight`)."""
+    from megatron_slimpack.solver.orders import forward_targets, orders_of_targets, peak_in_flight, peaks_of_targets
+
+    rng = np.random.default_rng(seed)
+    count = sum(sizes)
+    bounds = np.cumsum([0] + sizes)
+    forward_units = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    sequence = rng.permutation(count).tolist()
+    cuts = np.sort(rng.choice(np.arange(1, count), size=int(rng.integers(0, count)), replace=False)) if count > 1 else []
+    cuts = [0, *map(int, cuts), count]
+    backward_units = [sequence[a:b] for a, b in zip(cuts, cuts[1:])]
+    warmups = [min(pp - stage - 1 + int(rng.integers(0, 2)), len(forward_units)) for stage in range(pp)]
+    targets = forward_targets(forward_units, backward_units, warmups, lead)
+    orders = orders_of_targets(targets)
+
+    unit_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
+    for stage, order in enumerate(orders):
+        run = [unit for kind, unit in order if kind == "F"]
+        assert run == list(range(len(run)))
+        assert (np.diff(targets[stage]) >= 0).all()  # a count of forwards run: it never goes back
+        for b, members in enumerate(backward_units):
+            assert max(unit_of[mp] for mp in members) < targets[stage][b]
+            if stage + 1 < pp:
+                assert targets[stage][b] >= targets[stage + 1][b]
+    held = [rng.uniform(0, 4e9, len(forward_units)).tolist(), rng.uniform(0, 4e9, len(forward_units)).tolist()]
+    frees = [rng.uniform(0, 4e9, len(backward_units)).tolist(), rng.uniform(0, 4e9, len(backward_units)).tolist()]
+    work = StageWork([[1.0] * len(forward_units)] * pp, [[1.0] * len(backward_units)] * pp, [], [],
+                     [held[stage == pp - 1] for stage in range(pp)], [frees[stage == pp - 1] for stage in range(pp)],
+                     [1e12] * pp)
+    assert peaks_of_targets(targets, work) == pytest.approx(peak_in_flight(orders, work), rel=1e-12)
+
+
 def relaxed_makespan(orders, work):
     """Reference for `replay`: every task ends at max(its stage's previous task, its input) plus
     its duration; relax all tasks in sweeps until nothing changes (longest path by fixed point)."""

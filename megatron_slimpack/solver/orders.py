@@ -13,6 +13,7 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -125,7 +126,16 @@ def build_stage_orders(
 
 def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]],
                  warmups: list[int], chain_lead: int | None = None) -> list[list[tuple[str, int]]]:
-    """Each stage s runs `warmups[s]` forwards (at least 1F1B's pp - s - 1 where it has that
+    """Each stage's task order under `forward_targets` (see there)."""
+    return orders_of_targets(forward_targets(forward_units, backward_units, warmups, chain_lead))
+
+
+def forward_targets(forward_units: list[list[int]], backward_units: list[list[int]],
+                    warmups: list[int], chain_lead: int | None = None) -> np.ndarray:
+    """How many forward units each stage has run before each backward unit, [stage][backward]:
+    the whole of a stage's order (`orders_of_targets`), small enough to judge many orders by.
+
+    Each stage s runs `warmups[s]` forwards (at least 1F1B's pp - s - 1 where it has that
     many), then alternates one backward and one forward. Before backward unit b the last stage has
     run every forward unit b needs, and stage s is pp - 1 - s units further ahead, as in 1F1B.
     A chain's forwards are pulled ahead of the backwards before it, at most `chain_lead` units
@@ -134,12 +144,7 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
     needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
     pp = len(warmups)
-    forward_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
-    # The last forward unit the last stage must have run before backward unit b.
-    required, latest = [], 0
-    for b, members in enumerate(backward_units):
-        latest = max(latest, b, max(forward_of[mp] for mp in members))
-        required.append(latest)
+    required = _last_forward_needed(forward_units, backward_units)
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
     # stage's next backward (or forward) while it runs forward after forward. Without neighbours
@@ -153,23 +158,60 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmups)]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])
+    # stage s stays pp - 1 - s units ahead of the last, as in 1F1B
+    lead = np.array([1 + (pp - 1 - stage) + extra[stage] for stage in range(pp)], dtype=np.int64)
+    return np.minimum(len(forward_units), np.asarray(required, dtype=np.int64)[None, :] + lead[:, None])
+
+
+def _last_forward_needed(forward_units: list[list[int]], backward_units: list[list[int]]) -> list[int]:
+    """The last forward unit the last stage must have run before backward unit b (at least b, and
+    never fewer than for b - 1), vectorised: MicroPacks number in the thousands."""
+    if not backward_units:
+        return []
+    unit_of = np.empty(sum(map(len, forward_units)), dtype=np.int64)
+    unit_of[np.fromiter(chain.from_iterable(forward_units), dtype=np.int64, count=len(unit_of))] = np.repeat(
+        np.arange(len(forward_units)), [len(members) for members in forward_units])
+    sizes = [len(members) for members in backward_units]
+    members = np.fromiter(chain.from_iterable(backward_units), dtype=np.int64, count=sum(sizes))
+    starts = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64)
+    latest = np.maximum(np.maximum.reduceat(unit_of[members], starts), np.arange(len(backward_units)))
+    return np.maximum.accumulate(latest).tolist()
+
+
+def orders_of_targets(targets: np.ndarray) -> list[list[tuple[str, int]]]:
+    """Stage orders from `forward_targets`: before backward b, the forwards up to targets[s][b]."""
     # Tasks are shared tuples, and forwards are added as slices: the planner builds these orders
     # for every unit count of every MicroPack size it tries.
-    forwards = [("F", unit) for unit in range(len(forward_units))]
-    backwards = [("B", unit) for unit in range(len(backward_units))]
+    count = int(targets.max()) if targets.size else 0
+    forwards = [("F", unit) for unit in range(count)]
+    backwards = [("B", unit) for unit in range(targets.shape[1])]
     orders = []
-    for stage in range(pp):
+    for row in targets.tolist():
         order: list[tuple[str, int]] = []
         done = 0
-        lead = 1 + (pp - 1 - stage) + extra[stage]  # stage s stays pp - 1 - s units ahead of the last, as in 1F1B
-        for backward, last_needed in zip(backwards, required):
-            target = min(len(forwards), last_needed + lead)
+        for backward, target in zip(backwards, row):
             if target > done:
                 order += forwards[done:target]
                 done = target
             order.append(backward)
         orders.append(order)
     return orders
+
+
+def peaks_of_targets(targets: np.ndarray, work: StageWork) -> list[float]:
+    """`peak_in_flight` of the orders `targets` describe, without building them: a stage holds
+    the most right before some backward, after the forwards run ahead of it."""
+    peaks, rows = [], {}
+    for stage, row in enumerate(targets):
+        forward_bytes, frees = work.forward_bytes[stage], work.backward_frees[stage]
+        key = (id(forward_bytes), id(frees))  # stages before the last share their lists
+        if key not in rows:
+            rows[key] = (np.concatenate([[0.0], np.cumsum(forward_bytes)]),
+                         np.concatenate([[0.0], np.cumsum(frees)[:-1]]))
+        allocated, freed = rows[key]
+        levels = allocated[row] - freed[:len(row)]
+        peaks.append(max(0.0, float(levels.max())) if len(row) else 0.0)
+    return peaks
 
 
 def peak_in_flight(orders: list[list[tuple[str, int]]], work: StageWork) -> list[float]:

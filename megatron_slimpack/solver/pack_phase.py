@@ -25,7 +25,7 @@ import numpy as np
 from ..costmodel import CostModel
 from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, pack_figures, slice_table, whole_slices
 from ..specs import ParallelConfig
-from .orders import StageWork, build_stage_orders, peak_in_flight, replay, segment
+from .orders import StageWork, forward_targets, orders_of_targets, peaks_of_targets, replay, segment, warmup_counts
 from .work import WorkRates, causal_pairs
 
 
@@ -355,30 +355,44 @@ class UnitCandidate:
         while the previous chain drains. Where that passes `budget_bytes`, the run-up is shortened
         (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
         before the chain's backward) are returned when none does."""
-        pipelined = self._ordered(dp_ranks, None)
+        warmups = warmup_counts(self.work, len(self.work.forward_time))
+        pipelined = self._ordered(dp_ranks, warmups, None)
         if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
             return pipelined
-        leanest = self._ordered(dp_ranks, 0)
+        leanest = self._ordered(dp_ranks, warmups, 0)
         if leanest.peak_activation_bytes > budget_bytes:
             return leanest
         pp = len(self.work.forward_time)
         for lead in sorted({pp, pp // 2} - {0}, reverse=True):
-            shortened = self._ordered(dp_ranks, lead)
+            shortened = self._ordered(dp_ranks, warmups, lead)
             if shortened.peak_activation_bytes <= budget_bytes:
                 return shortened
         return leanest
 
-    def _ordered(self, dp_ranks: list[int], chain_lead: int | None) -> "OrderedCandidate":
-        orders = build_stage_orders(self.forward_units, self.backward_units, self.work, chain_lead)
-        replica = ReplicaPlan(self.micropacks, self.forward_units, self.backward_units, orders, list(dp_ranks))
-        return OrderedCandidate(replica, self.work, max(peak_in_flight(orders, self.work)))
+    def _ordered(self, dp_ranks: list[int], warmups: list[int], chain_lead: int | None) -> "OrderedCandidate":
+        targets = forward_targets(self.forward_units, self.backward_units, warmups, chain_lead)
+        return OrderedCandidate(self, list(dp_ranks), targets, max(peaks_of_targets(targets, self.work)))
 
 
 @dataclass
 class OrderedCandidate:
-    replica: ReplicaPlan
-    work: StageWork
+    """A candidate with its forward targets fixed; its orders and their replay are built on first
+    use, since the search drops most candidates on their peak memory alone."""
+
+    candidate: UnitCandidate
+    dp_ranks: list[int]
+    targets: np.ndarray  # `forward_targets`: the stage orders in short
     peak_activation_bytes: float  # the most any stage holds at once (activations and KV of continued slices)
+
+    @property
+    def work(self) -> StageWork:
+        return self.candidate.work
+
+    @cached_property
+    def replica(self) -> ReplicaPlan:
+        candidate = self.candidate
+        return ReplicaPlan(candidate.micropacks, candidate.forward_units, candidate.backward_units,
+                           orders_of_targets(self.targets), self.dp_ranks)
 
     @cached_property
     def makespan_s(self) -> float:
