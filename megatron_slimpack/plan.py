@@ -495,23 +495,24 @@ def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int) -> None:
     if len(replica.stage_orders) != pp:
         raise PlanError(f"stage-orders: {where} has {len(replica.stage_orders)} stage orders for pp={pp}")
     forward_of = replica.forward_unit_of()
-    expected = [("F", u) for u in range(len(replica.forward_units))]
-    expected += [("B", v) for v in range(len(replica.backward_units))]
+    # Checked once per unit, not per stage: plans run to hundreds of thousands of tasks.
+    needs = [max(forward_of[mp] for mp in members) for members in replica.backward_units]
+    all_forwards, all_backwards = list(range(len(replica.forward_units))), list(range(len(needs)))
     for stage, order in enumerate(replica.stage_orders):
-        if sorted(order) != sorted(expected):
+        forwards = [u for kind, u in order if kind == "F"]
+        backwards = [v for kind, v in order if kind == "B"]
+        if forwards != all_forwards or backwards != all_backwards or len(forwards) + len(backwards) != len(order):
+            if sorted(order) == sorted([("F", u) for u in all_forwards] + [("B", v) for v in all_backwards]):
+                raise PlanError(f"stage-orders: {where} stage {stage} runs units out of their sequence order")
             raise PlanError(
                 f"stage-orders: {where} stage {stage} must run each forward and backward unit exactly once"
             )
-        forwards = [u for kind, u in order if kind == "F"]
-        backwards = [v for kind, v in order if kind == "B"]
-        if forwards != sorted(forwards) or backwards != sorted(backwards):
-            raise PlanError(f"stage-orders: {where} stage {stage} runs units out of their sequence order")
         done_forward = -1
         for kind, unit in order:
             if kind == "F":
                 done_forward = unit
                 continue
-            needed = max(forward_of[mp] for mp in replica.backward_units[unit])
+            needed = needs[unit]
             if needed > done_forward:
                 raise PlanError(
                     f"stage-orders: {where} stage {stage} runs backward unit {unit} before forward unit {needed}, "

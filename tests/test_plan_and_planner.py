@@ -218,7 +218,11 @@ def test_backward_sequence_reverses_each_chain(packs):
     (lambda r: r.forward_units.__setitem__(1, [2, 1]), "forward-units"),
     (lambda r: r.backward_units.__setitem__(0, [0, 1]), "backward-units"),
     (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("B", 0), ("F", 1), ("B", 1)]), "stage-orders"),
-    (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("F", 1), ("B", 0)]), "stage-orders"),
+    (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("F", 1), ("B", 0)]), "stage-orders: .* exactly once"),
+    (lambda r: r.stage_orders.__setitem__(0, [("F", 0), ("F", 1), ("B", 0), ("B", 1), ("B", 1)]),
+     "stage-orders: .* exactly once"),
+    (lambda r: r.stage_orders.__setitem__(0, [("F", 1), ("F", 0), ("B", 0), ("B", 1)]),
+     "stage-orders: .* out of their sequence order"),
     (lambda r: r.micropacks[2].slices.__setitem__(0, Slice(9, 0, 5)), "unknown-sample"),
 ])
 def test_validate_names_the_broken_rule(mutate, rule):
