@@ -69,7 +69,7 @@ def _groups_needed(prefix: np.ndarray, limits: np.ndarray, stop_after: int) -> n
         active = position < count
         if not active.any():
             break
-        end = np.searchsorted(prefix, prefix[position] + reach, side="right") - 1
+        end = prefix.searchsorted(prefix[position] + reach, side="right") - 1
         position = np.where(active, np.minimum(np.maximum(end, position + 1), count), position)
         groups += active
     return groups
@@ -83,7 +83,7 @@ def _greedy_bounds(prefix: np.ndarray, limit: float) -> np.ndarray:
     tolerance = limit * 1e-12
     while bounds[-1] < count:
         start = bounds[-1]
-        end = int(np.searchsorted(prefix, prefix[start] + limit + tolerance, side="right")) - 1
+        end = int(prefix.searchsorted(prefix[start] + limit + tolerance, side="right")) - 1
         bounds.append(min(max(end, start + 1), count))
     return np.array(bounds)
 

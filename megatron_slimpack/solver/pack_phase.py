@@ -169,8 +169,8 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     taken = 0  # documents taken from the small end
     for piece, piece_cost, penalty in zip(pieces, slice_costs.tolist(), scale.tolist()):
         room = target / penalty - piece_cost  # at the slice's own efficiency: the sand only adds tokens
-        fits_cost = np.searchsorted(small_first_cost, small_first_cost[taken] + room, side="right") - 1
-        fits_tokens = np.searchsorted(small_first_tokens, small_first_tokens[taken] + (options.token_cap - piece.length),
+        fits_cost = small_first_cost.searchsorted(small_first_cost[taken] + room, side="right") - 1
+        fits_tokens = small_first_tokens.searchsorted(small_first_tokens[taken] + (options.token_cap - piece.length),
                                       side="right") - 1
         until = max(taken, min(int(fits_cost), int(fits_tokens)))
         chain_packs.append([piece] + [short[len(short) - 1 - k] for k in range(taken, until)])
@@ -184,13 +184,13 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     others: list[list[Slice]] = []
     start, small_end = 0, rest  # short[small_end:rest] already went into earlier packs as sand
     while start < small_end:
-        by_cost = np.searchsorted(cost_prefix, cost_prefix[start] + target, side="right") - 1
-        by_tokens = np.searchsorted(token_prefix, token_prefix[start] + options.token_cap, side="right") - 1
+        by_cost = cost_prefix.searchsorted(cost_prefix[start] + target, side="right") - 1
+        by_tokens = token_prefix.searchsorted(token_prefix[start] + options.token_cap, side="right") - 1
         end = min(small_end, max(start + 1, min(int(by_cost), int(by_tokens))))
         room_cost = target - (cost_prefix[end] - cost_prefix[start])
         room_tokens = options.token_cap - (token_prefix[end] - token_prefix[start])
-        sand_cost = np.searchsorted(cost_prefix, cost_prefix[small_end] - room_cost, side="left")
-        sand_tokens = np.searchsorted(token_prefix, token_prefix[small_end] - room_tokens, side="left")
+        sand_cost = cost_prefix.searchsorted(cost_prefix[small_end] - room_cost, side="left")
+        sand_tokens = token_prefix.searchsorted(token_prefix[small_end] - room_tokens, side="left")
         sand = min(small_end, max(end, int(sand_cost), int(sand_tokens)))
         others.append(short[start:end] + short[sand:small_end])
         start, small_end = end, sand

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -313,10 +314,15 @@ class _ReplicaSearch:
     def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
                  symmetric: bool, dp_ranks: list[int], budget: float):
         self.ordered, self.rates = ordered, rates
-        self.lengths = {sample.sample_id: sample.length for sample in ordered.samples}
         self.cost, self.parallel, self.symmetric, self.dp_ranks, self.budget = cost, parallel, symmetric, dp_ranks, budget
         self.best: tuple[ReplicaPlan, float, dict] | None = None
         self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack size) of the smallest need seen
+
+    @cached_property
+    def lengths(self) -> dict[int, int]:
+        """Document lengths by sample id, built on first use: only a packing that slices a
+        document short enough to fit one MicroPack asks."""
+        return {sample.sample_id: sample.length for sample in self.ordered.samples}
 
     def try_size(self, size: int) -> bool:
         """Pack to MicroPacks of `size` tokens and consider the packing; True when a schedule fits
