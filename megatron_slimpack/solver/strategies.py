@@ -320,8 +320,8 @@ class _ReplicaSearch:
 
     @cached_property
     def lengths(self) -> dict[int, int]:
-        """Document lengths by sample id, built on first use: only a packing that slices a
-        document short enough to fit one MicroPack asks."""
+        """Document lengths by sample id, built on first use: only a pipelined packing that
+        sliced a document looks one up (`try_size`)."""
         return {sample.sample_id: sample.length for sample in self.ordered.samples}
 
     def try_size(self, size: int) -> bool:
