@@ -115,21 +115,21 @@ def test_best_layout_is_feasible_and_fastest_of_its_finalists(strategy):
         assert trained == sum(map(sum, batches))
 
 
-def test_the_search_pauses_the_cyclic_collector_only_while_it_plans(monkeypatch):
-    """Each batch is planned with the collector paused (it rescans every kept plan for nothing),
-    and the collector is back on afterwards, also where a layout fails to plan."""
+def test_the_search_pauses_the_cyclic_collector_and_turns_it_back_on(monkeypatch):
+    """Every batch is planned with the collector paused (it rescans every kept plan for nothing),
+    and the collector is back on after the search, also where every layout fails to plan."""
     import gc
 
     from megatron_slimpack.solver import layouts
 
     seen = []
-    planning = layouts._plan_and_simulate_now
+    planning = layouts._plan_and_simulate
 
     def recording(*args):
         seen.append(gc.isenabled())
         return planning(*args)
 
-    monkeypatch.setattr(layouts, "_plan_and_simulate_now", recording)
+    monkeypatch.setattr(layouts, "_plan_and_simulate", recording)
     context = 262144
     lengths = [context, context // 2, 50000] + [4000] * 20
     with pytest.raises(NoFeasibleLayout):  # every layout fails: the collector still comes back on
