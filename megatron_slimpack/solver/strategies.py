@@ -86,9 +86,10 @@ def _load_baselines() -> None:
 def cyclic_gc_paused():
     """Planning allocates ~10^5 small tuples (samples, slices) that hold no reference cycles; the
     cyclic collector would rescan them over and over (a third of the planning time at 256K), and
-    with them everything else alive (a layout search keeps every finalist's plans). Paused for
-    one planning at a time, so what cycles there are go in the next pass. The planner that runs
-    beside training does not pause it: that would pause it for the training loop too."""
+    with them everything else alive (a layout search keeps every finalist's plans). Paused for one
+    planning (`plan()`) or one layout search (`best_layout`); what cycles there are go in the next
+    pass after it. The planner that runs beside training does not pause it: that would pause it for
+    the training loop too."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
