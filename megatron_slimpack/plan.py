@@ -93,6 +93,24 @@ def slice_table(micropacks: list[MicroPack]) -> tuple[np.ndarray, np.ndarray]:
     return counts, flat.reshape(-1, 3)
 
 
+def last_forward_needed(forward_units: list[list[int]], backward_units: list[list[int]]) -> np.ndarray:
+    """For each backward unit, the last forward unit holding one of its MicroPacks: it may run only
+    after that forward (vectorised: MicroPacks number in the thousands)."""
+    sizes = [len(members) for members in backward_units]
+    if 0 in sizes:
+        raise ValueError("a backward unit is empty")
+    if not sizes:
+        return np.zeros(0, dtype=np.int64)
+    forward_members = np.fromiter(chain.from_iterable(forward_units), dtype=np.int64)
+    backward_members = np.fromiter(chain.from_iterable(backward_units), dtype=np.int64)
+    unit_of = np.full(int(max(forward_members.max(initial=-1), backward_members.max())) + 1, -1, dtype=np.int64)
+    unit_of[forward_members] = np.repeat(np.arange(len(forward_units)), [len(members) for members in forward_units])
+    owners = unit_of[backward_members]
+    if (owners < 0).any():
+        raise ValueError(f"MicroPack {int(backward_members[np.argmax(owners < 0)])} is in no forward unit")
+    return np.maximum.reduceat(owners, np.cumsum([0] + sizes[:-1]))
+
+
 def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, attention pairs) of every MicroPack, as float arrays (`table`: their
     `slice_table`, if already at hand)."""
@@ -198,9 +216,6 @@ class ReplicaPlan:
 
     def backward_sequence(self) -> list[int]:
         return backward_sequence(self.micropacks)
-
-    def forward_unit_of(self) -> dict[int, int]:
-        return {mp: unit for unit, members in enumerate(self.forward_units) for mp in members}
 
     def backward_unit_of(self) -> dict[int, int]:
         return {mp: unit for unit, members in enumerate(self.backward_units) for mp in members}
@@ -494,9 +509,8 @@ def _check_segmentation(rule: str, units: list[list[int]], sequence: list[int], 
 def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int) -> None:
     if len(replica.stage_orders) != pp:
         raise PlanError(f"stage-orders: {where} has {len(replica.stage_orders)} stage orders for pp={pp}")
-    forward_of = replica.forward_unit_of()
     # Checked once per unit, not per stage: plans run to hundreds of thousands of tasks.
-    needs = [max(forward_of[mp] for mp in members) for members in replica.backward_units]
+    needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     all_forwards, all_backwards = list(range(len(replica.forward_units))), list(range(len(needs)))
     for stage, order in enumerate(replica.stage_orders):
         forwards = [u for kind, u in order if kind == "F"]

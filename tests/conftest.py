@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_slimpack.plan import last_forward_needed
 from megatron_slimpack.runtime.processes import SpawnError, free_port, spawn
 from megatron_slimpack.runtime.timing import SavedBytesMeter
 
@@ -70,8 +71,7 @@ def random_segmentation(rng, sequence: list[int]) -> list[list[int]]:
 
 def random_stage_order(rng, replica) -> list[tuple[str, int]]:
     """A valid single-stage task order: a backward unit runs once its MicroPacks' forwards have."""
-    forward_of = replica.forward_unit_of()
-    needed = [max(forward_of[mp] for mp in unit) for unit in replica.backward_units]
+    needed = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     order, next_f, next_b = [], 0, 0
     while next_f < len(replica.forward_units) or next_b < len(replica.backward_units):
         can_b = next_b < len(replica.backward_units) and needed[next_b] < next_f

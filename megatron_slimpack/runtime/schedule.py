@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import Plan, PlanError, ReplicaPlan
+from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed
 from .attention import KVStore
 from .batch import TokenSource, build_batch
 from .executor import backward_step, forward_step, global_loss_tokens, split_into_leaves
@@ -99,7 +99,7 @@ def check_stage_orders(replica: ReplicaPlan) -> None:
     (each unit once, in sequence order, backward after the forwards it needs)."""
     orders = replica.stage_orders
     pp = len(orders)
-    forward_of = replica.forward_unit_of()
+    needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     expected = sorted([("F", u) for u in range(len(replica.forward_units))]
                       + [("B", v) for v in range(len(replica.backward_units))])
     for stage, order in enumerate(orders):
@@ -111,7 +111,7 @@ def check_stage_orders(replica: ReplicaPlan) -> None:
                 if unit != done_forward + 1:
                     raise ScheduleError(f"stage {stage} runs forward unit {unit} out of order")
                 done_forward = unit
-            elif max(forward_of[mp] for mp in replica.backward_units[unit]) > done_forward:
+            elif needs[unit] > done_forward:
                 raise ScheduleError(f"stage {stage} runs backward unit {unit} before the forwards it needs")
     done = [set() for _ in range(pp)]
     position = [0] * pp

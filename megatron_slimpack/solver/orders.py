@@ -13,9 +13,10 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
+
+from ..plan import last_forward_needed
 
 
 def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
@@ -144,7 +145,10 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
     pp = len(warmups)
-    required = _last_forward_needed(forward_units, backward_units)
+    # The last forward unit the last stage must have run before backward unit b: at least b, and
+    # never fewer than before b - 1.
+    needed_by_unit = last_forward_needed(forward_units, backward_units)
+    required = np.maximum.accumulate(np.maximum(needed_by_unit, np.arange(len(needed_by_unit)))).tolist()
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
     # stage's next backward (or forward) while it runs forward after forward. Without neighbours
@@ -161,21 +165,6 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     # stage s stays pp - 1 - s units ahead of the last, as in 1F1B
     lead = np.array([1 + (pp - 1 - stage) + extra[stage] for stage in range(pp)], dtype=np.int64)
     return np.minimum(len(forward_units), np.asarray(required, dtype=np.int64)[None, :] + lead[:, None])
-
-
-def _last_forward_needed(forward_units: list[list[int]], backward_units: list[list[int]]) -> list[int]:
-    """The last forward unit the last stage must have run before backward unit b (at least b, and
-    never fewer than for b - 1), vectorised: MicroPacks number in the thousands."""
-    if not backward_units:
-        return []
-    unit_of = np.empty(sum(map(len, forward_units)), dtype=np.int64)
-    unit_of[np.fromiter(chain.from_iterable(forward_units), dtype=np.int64, count=len(unit_of))] = np.repeat(
-        np.arange(len(forward_units)), [len(members) for members in forward_units])
-    sizes = [len(members) for members in backward_units]
-    members = np.fromiter(chain.from_iterable(backward_units), dtype=np.int64, count=sum(sizes))
-    starts = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64)
-    latest = np.maximum(np.maximum.reduceat(unit_of[members], starts), np.arange(len(backward_units)))
-    return np.maximum.accumulate(latest).tolist()
 
 
 def orders_of_targets(targets: np.ndarray) -> list[list[tuple[str, int]]]:
