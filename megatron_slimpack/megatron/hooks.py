@@ -172,20 +172,13 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
     planned = next(iterator)
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    config = getattr(chunks[0], "config", None)
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    no_sync = getattr(config, "no_sync_func", None)
-    import contextlib
-
-    context = no_sync() if (no_sync is not None and not forward_only) else contextlib.nullcontext()
-    with context:
-        result = slimpack_forward_backward(
-            model=chunks, forward_only=forward_only, plan=planned.plan,
-            token_source=planned.token_source(iterator.corpus), reduce_grads=finalize is None,
-            merge_process_groups=_merge_process_groups(planned.plan),
-            **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "merge_process_groups")})
-    if finalize is not None and not forward_only:
-        finalize(list(chunks), None)  # the loss is already per token of the global batch: no scaling
+    # The schedule owns the gradient reduction (Megatron's no_sync / grad_sync /
+    # finalize_model_grads protocol, once per step): nothing is added here.
+    result = slimpack_forward_backward(
+        model=chunks, forward_only=forward_only, plan=planned.plan,
+        token_source=planned.token_source(iterator.corpus),
+        merge_process_groups=_merge_process_groups(planned.plan),
+        **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "merge_process_groups")})
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
     dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
@@ -264,17 +257,42 @@ class MegatronPlannerIterator(_rerun_base()):
 
 
 class IndexedCorpus:
-    """Tokens of a Megatron indexed dataset (PREFIX.bin/.idx); each sequence of the dataset (one
-    document in preprocess_data.py output without --split-sentences) is a document."""
+    """Tokens of the training split of a Megatron indexed dataset (PREFIX.bin/.idx). Each sequence
+    of the dataset (one document in preprocess_data.py output without --split-sentences) is a
+    document; document i of the corpus is sequence `first + i` of the dataset.
 
-    def __init__(self, prefix: str):
+    `split` is Megatron's `--split` string: GPTDataset splits a prefix by sequence index, the
+    training split being sequences [round(a * n), round(b * n)) for the first row (a, b) of
+    megatron-core's split matrix. The same functions compute it here, so the planner never
+    samples a validation or test document. `split=None`: the whole prefix (--train-data-path)."""
+
+    def __init__(self, prefix: str, split: Optional[str] = None):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.dataset = IndexedDataset(prefix)
-        self.lengths = self.dataset.sequence_lengths.astype("int64")
+        lengths = self.dataset.sequence_lengths.astype("int64")
+        self.first, self.end = training_range(len(lengths), split)
+        if self.end <= self.first:
+            raise SlimPackArgumentError(
+                f"--split {split!r} leaves no training documents in {prefix} ({len(lengths)} sequences): give the "
+                "training split a larger share")
+        self.lengths = lengths[self.first:self.end]
 
     def tokens(self, document: int, start: int, end: int):
-        return self.dataset.get(int(document), offset=int(start), length=int(end - start)).astype("int64")
+        return self.dataset.get(self.first + int(document), offset=int(start), length=int(end - start)).astype("int64")
+
+
+def training_range(num_sequences: int, split: Optional[str]) -> tuple[int, int]:
+    """[first, end) sequence indices of the training split, as megatron-core's GPT dataset builder
+    computes them."""
+    if split is None:
+        return 0, num_sequences
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+    )
+
+    begin, end = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+    return int(round(begin * float(num_sequences))), int(round(end * float(num_sequences)))
 
 
 class MockCorpus:
@@ -293,6 +311,19 @@ class MockCorpus:
         return rng.integers(0, self.vocab_size, size=int(self.lengths[document]))[start:end]
 
 
+def _training_corpus(args) -> IndexedCorpus:
+    """The documents Megatron trains on: `--train-data-path PREFIX` whole, or the training split
+    (`--split`) of `--data-path PREFIX`."""
+    train_paths = list(getattr(args, "train_data_path", None) or [])
+    paths = train_paths or list(getattr(args, "data_path", None) or [])
+    if len(paths) != 1:
+        flag = "--train-data-path" if train_paths else "--data-path"
+        raise SlimPackArgumentError(
+            f"--slimpack reads document lengths from one dataset prefix; got {flag} {paths} "
+            "(blended datasets are not supported yet: give one prefix)")
+    return IndexedCorpus(paths[0], split=None if train_paths else (getattr(args, "split", None) or "969, 30, 1"))
+
+
 def build_planner_iterator(args) -> MegatronPlannerIterator:
     """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
     --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
@@ -306,12 +337,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     if getattr(args, "mock_data", False):
         corpus = MockCorpus(getattr(args, "padded_vocab_size", 32000), seed=getattr(args, "seed", 0) or 0)
     else:
-        paths = list(getattr(args, "data_path", None) or [])
-        if len(paths) != 1:
-            raise SlimPackArgumentError(
-                f"--slimpack reads document lengths from one dataset prefix; got --data-path {paths} "
-                "(blended datasets are not supported yet)")
-        corpus = IndexedCorpus(paths[0])
+        corpus = _training_corpus(args)
     model = ModelSpec(
         "megatron", args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads,
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,

@@ -55,16 +55,18 @@ class KVStore:
     def __init__(self):
         self._entries: dict[tuple[int, int], dict[int, KVEntry]] = {}
 
-    def prefix(self, sample_id: int, layer: int) -> list[KVEntry]:
-        return list(self._entries.get((sample_id, layer), {}).values())
+    def prefix(self, sample_id: int, layer: int, before: Optional[int] = None) -> list[KVEntry]:
+        """The sample's stored slices in this layer (those starting before `before`, if given)."""
+        slices = self._entries.get((sample_id, layer), {})
+        return [entry for start, entry in slices.items() if before is None or start < before]
 
     def put(self, sample_id: int, layer: int, start: int, key: Tensor, value: Tensor) -> KVEntry:
+        """Store a slice's K/V as leaves; idempotent: a forward re-run under activation recompute
+        gets the entry of the first run back, with the gradients later slices accumulated in it."""
         slices = self._entries.setdefault((sample_id, layer), {})
-        if start in slices:
-            raise RuntimeError(f"KV store already holds sample {sample_id} layer {layer} slice at {start}")
-        entry = KVEntry(key.detach().requires_grad_(), value.detach().requires_grad_())
-        slices[start] = entry
-        return entry
+        if start not in slices:
+            slices[start] = KVEntry(key.detach().requires_grad_(), value.detach().requires_grad_())
+        return slices[start]
 
     def free(self, sample_id: int, layer: int, start: int) -> None:
         slices = self._entries.get((sample_id, layer), {})
@@ -100,7 +102,7 @@ class KVStore:
 
 def slice_prefix(store: "KVStore | None", sample_id: int, layer: int, start: int) -> list[KVEntry]:
     """The K/V of a slice's earlier slices; refuses a slice whose earlier slices are missing."""
-    prefix = store.prefix(sample_id, layer) if store is not None else []
+    prefix = store.prefix(sample_id, layer, before=start) if store is not None else []
     held = sum(entry.length for entry in prefix)
     if held != start:
         raise RuntimeError(

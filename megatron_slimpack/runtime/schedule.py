@@ -253,7 +253,7 @@ class _StageRunner:
 
     def __init__(self, *, inner, pp_group, pp_rank: int, pp_size: int, hidden: int, dtype, device,
                  deallocate: bool, num_loss_tokens: int, forward_only: bool, store: KVStore, timeline,
-                 meter=None, memory_record=None):
+                 meter=None, memory_record=None, grad_scale_func=None):
         self.inner, self.pp_group, self.pp_rank = inner, pp_group, pp_rank
         self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
         self.prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not self.first else None
@@ -261,6 +261,7 @@ class _StageRunner:
         self.hidden, self.dtype, self.device = hidden, dtype, device
         self.deallocate = deallocate and not self.last
         self.num_loss_tokens, self.forward_only, self.store = num_loss_tokens, forward_only, store
+        self.grad_scale_func = grad_scale_func
         self.timeline, self.meter, self.memory_record = timeline, meter, memory_record
         self.pending = _Pending(timeline)
         self.live_bytes: dict[int, int] = {}
@@ -364,8 +365,16 @@ class _StageRunner:
                          f"F {self.pp_rank}->{self.pp_rank + 1}")
         return 0.0
 
+    def _loss_seed(self, like: Tensor) -> Tensor:
+        """The last stage's backward seed: 1 / global loss tokens, times the loss scale when the
+        optimizer has one (fp16; Megatron's backward_step applies config.grad_scale_func the same way)."""
+        seed = torch.tensor(1.0 / self.num_loss_tokens, dtype=like.dtype, device=like.device)
+        if self.grad_scale_func is None:
+            return seed
+        return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor
+
     def _backward_unit(self, unit, members, sizes, inputs, outputs, freed, detail) -> None:
-        grads: list = [1.0 / self.num_loss_tokens] * len(members)
+        grads: list = [None] * len(members)
         if not self.last:
             buffer = self._receive(sum(sizes), self.next_rank, unit, f"B {self.pp_rank + 1}->{self.pp_rank}")
             grads = list(buffer.split(sizes, dim=0))
@@ -374,8 +383,8 @@ class _StageRunner:
         for mp, grad, size in zip(members, grads, sizes):
             leaf = inputs.pop(mp, None)
             output = outputs.pop(mp)
-            if not isinstance(grad, Tensor):
-                grad = torch.tensor(grad, dtype=output.dtype, device=output.device)
+            if grad is None:
+                grad = self._loss_seed(output)
             input_grad = _backward(output, grad, leaf, mp in freed)
             freed.discard(mp)
             if not self.first:
@@ -498,7 +507,8 @@ def slimpack_forward_backward(
         inner=inner, pp_group=pp_group, pp_rank=pp_rank, pp_size=pp_size, hidden=config.hidden_size,
         dtype=getattr(config, "pipeline_dtype", None) or param.dtype, device=param.device,
         deallocate=bool(getattr(config, "deallocate_pipeline_outputs", False)), num_loss_tokens=num_loss_tokens,
-        forward_only=forward_only, store=store, timeline=timeline, meter=meter, memory_record=memory_record)
+        forward_only=forward_only, store=store, timeline=timeline, meter=meter, memory_record=memory_record,
+        grad_scale_func=getattr(config, "grad_scale_func", None))
 
     # Megatron DDP protocol (as forward_backward_pipelining_without_interleaving): gradient sync is
     # disabled (no_sync) around every backward but this stage's last one; then grad_sync_func (if
@@ -554,7 +564,10 @@ def slimpack_forward_backward(
                     grad_sync_func(model.parameters())
             if finalize_func is not None:
                 # The loss was divided by the global loss-token count already: no num_tokens scaling.
-                finalize_func([model], None)
+                if "force_all_reduce" in kwargs:  # Megatron's train_step passes it (0.16+)
+                    finalize_func([model], None, force_all_reduce=kwargs["force_all_reduce"])
+                else:
+                    finalize_func([model], None)
             elif reduce_grads:
                 if ddp:
                     model.finish_grad_sync()

@@ -1,0 +1,190 @@
+"""Run Megatron-LM's real trainer on CPU from a test (see README.md beside this file).
+
+    checkout = patched_checkout(tmp)                 # scratch pretrain_gpt.py + SlimPack's patch
+    prefix = build_dataset(tmp / "data", documents)  # a Megatron indexed dataset (megatron-core's writer)
+    run = train(checkout, prefix, tmp / "run", nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    run.losses, run.grad_norms                       # per iteration, full precision
+
+Megatron-LM's trainer is read from `../shared/megatron-lm/core_v0.16.1` next to the checkout
+(`SLIMPACK_MEGATRON_LM` overrides the path); it is never copied into the project.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+MEGATRON_LM = Path(os.environ.get("SLIMPACK_MEGATRON_LM", ROOT.parent / "shared" / "megatron-lm" / "core_v0.16.1"))
+VOCAB_SIZE = 512
+SEQ_LENGTH = 512
+
+# The tiny Llama-style GPT every run trains (fp32, dropout 0, CPU-only flags from the README of
+# ../shared/megatron-lm). Iteration counts, batch and parallelism come from each test.
+MODEL_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2",
+    "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(SEQ_LENGTH),
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--init-method-std", "0.05",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE),
+    "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--lr", "1e-3", "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0",
+    "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
+    "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+    "--no-persist-layer-norm", "--distributed-backend", "gloo", "--no-async-tensor-model-parallel-allreduce",
+]
+SLIMPACK_FLAGS = ["--calculate-per-token-loss", "--slimpack", "--slimpack-plan-ahead", "0",
+                  "--slimpack-solver-deterministic-limit", "0.5", "--slimpack-solver-time-limit", "30"]
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+def megatron_lm() -> Path:
+    if not (MEGATRON_LM / "pretrain_gpt.py").is_file():
+        raise HarnessError(
+            f"Megatron-LM's trainer is not at {MEGATRON_LM}: the real-trainer tests need ../shared/megatron-lm/"
+            "core_v0.16.1 beside the checkout (or SLIMPACK_MEGATRON_LM pointing at a core_v0.16.1 checkout)")
+    return MEGATRON_LM
+
+
+def patched_checkout(directory: Path) -> Path:
+    """A scratch copy of pretrain_gpt.py with SlimPack's patch applied by scripts/apply_patches.sh
+    (which reads the version from megatron/core/package_info.py: the installed wheel's)."""
+    import megatron.core.package_info as package_info
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(megatron_lm() / "pretrain_gpt.py", directory / "pretrain_gpt.py")
+    info = directory / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(package_info.__file__, info)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), str(directory)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise HarnessError(f"apply_patches.sh failed:\n{result.stdout}{result.stderr}")
+    shutil.rmtree(directory / "megatron")  # only the patched script stays: megatron comes from the wheel + shared/
+    return directory / "pretrain_gpt.py"
+
+
+def build_dataset(prefix: Path, documents: Sequence[Sequence[int]]) -> Path:
+    """A Megatron indexed dataset (PREFIX.bin/.idx), one sequence per document."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for document in documents:
+        builder.add_item(torch.tensor(list(document), dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def random_documents(count: int = 300, low: int = 5, high: int = 600, seed: int = 0) -> list[list[int]]:
+    """`count` documents of `low`..`high` tokens; ids avoid the tokenizer's end-of-document id."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(low, high + 1, size=count)
+    return [rng.integers(0, VOCAB_SIZE - 1, size=int(n)).tolist() for n in lengths]
+
+
+@dataclass
+class TrainRun:
+    """What one trainer run left: per-iteration figures (from the recorder), the token reads,
+    the initial weights and the log."""
+
+    directory: Path
+    log: str
+    records: list[dict] = field(default_factory=list)
+
+    def iterations(self) -> dict[int, dict]:
+        """iteration -> {'lm loss', 'grad norm'} (the loss from the last pipeline stage)."""
+        out: dict[int, dict] = {}
+        for record in self.records:
+            if record["kind"] != "iteration":
+                continue
+            entry = out.setdefault(record["iteration"], {})
+            if "lm loss" in record["losses"]:
+                entry["lm loss"] = record["losses"]["lm loss"]
+            if record["grad_norm"] is not None:
+                entry["grad norm"] = record["grad_norm"]
+        return out
+
+    @property
+    def losses(self) -> list[float]:
+        return [v["lm loss"] for _, v in sorted(self.iterations().items())]
+
+    @property
+    def grad_norms(self) -> list[float]:
+        return [v["grad norm"] for _, v in sorted(self.iterations().items())]
+
+    def token_reads(self) -> list[dict]:
+        return [r for r in self.records if r["kind"] == "tokens"]
+
+    def plans(self) -> list[Path]:
+        return sorted((self.directory / "plans").glob("plan_step*.json"))
+
+    def weights(self, rank: int = 0):
+        import torch
+
+        return torch.load(self.directory / "record" / f"weights.rank{rank}.pt")
+
+
+def train(script: Path, data_prefix: Path, directory: Path, *, nproc: int = 1, extra: Sequence[str] = (),
+          train_iters: int = 4, split: str = "90,10,0", slimpack: bool = True,
+          timeout_s: float = 600.0, env: Optional[dict] = None) -> TrainRun:
+    """Run pretrain_gpt.py under torch.distributed.run with `nproc` gloo ranks; raise with the log
+    on failure."""
+    directory.mkdir(parents=True, exist_ok=True)
+    record = directory / "record"
+    if record.exists():
+        shutil.rmtree(record)
+    flags = [*MODEL_FLAGS, "--train-iters", str(train_iters), "--data-path", str(data_prefix), "--split", split,
+             "--data-cache-path", str(directory / "cache")]
+    if slimpack:
+        flags += [*SLIMPACK_FLAGS, "--slimpack-dump-plans", str(directory / "plans")]
+    flags += list(extra)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), str(HERE / "launch.py"), str(script), *flags]
+    environment = {**os.environ, "SLIMPACK_TEST_RECORD": str(record), "OMP_NUM_THREADS": "1",
+                   "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(megatron_lm()), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   **(env or {})}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
+                                cwd=directory)
+    except subprocess.TimeoutExpired as error:
+        raise HarnessError(f"the trainer did not finish in {timeout_s} s:\n{_tail(error.stdout)}{_tail(error.stderr)}")
+    log = result.stdout + result.stderr
+    (directory / "log.txt").write_text(log)
+    if result.returncode != 0:
+        raise HarnessError(f"the trainer failed (exit {result.returncode}):\n{_tail(log, 12000)}")
+    records = []
+    for path in sorted(record.glob("rank*.jsonl")):
+        rank = int(path.stem[4:])
+        records += [{**json.loads(line), "rank": rank} for line in path.read_text().splitlines()]
+    return TrainRun(directory, log, records)
+
+
+def _tail(text, limit: int = 6000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-limit:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

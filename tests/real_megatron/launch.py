@@ -1,0 +1,109 @@
+"""Test-only entry point, run by `torch.distributed.run` once per rank:
+
+    python -m torch.distributed.run --nproc-per-node N launch.py SCRATCH/pretrain_gpt.py <megatron flags>
+
+It applies the CPU shim (cpu_shim.py), puts a recorder on three calls, and runs the patched
+`pretrain_gpt.py` as `__main__`: the real Megatron-LM trainer, unchanged, with SlimPack's patch.
+
+The recorder (directory `$SLIMPACK_TEST_RECORD`, one JSON-lines file per rank) writes what the
+trainer's own log rounds off or never shows:
+  * `train_step`: each iteration's reduced losses and grad norm at full precision;
+  * `PlannedBatch.token_source`: every token range the runtime read for a sample, with the ids;
+  * the first SlimPack step: this rank's model weights before any update (`weights.rank<R>.pt`).
+All three wrap the real functions and return what they return.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cpu_shim  # noqa: E402
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Recorder:
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.file = open(directory / f"rank{_rank()}.jsonl", "a", buffering=1)
+        self.weights_saved = False
+
+    def write(self, **record) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+
+def _install_recorder(recorder: _Recorder) -> None:
+    from megatron.training import training
+
+    from megatron_slimpack.megatron import data, hooks
+
+    train_step = training.train_step
+
+    def recorded_train_step(*args, **kwargs):
+        result = train_step(*args, **kwargs)
+        losses, skipped, grad_norm = result[0], result[1], result[5]
+        recorder.write(kind="iteration", iteration=int(training.get_args().curr_iteration) + 1,
+                       losses={k: float(v) for k, v in losses.items()}, skipped=int(skipped),
+                       grad_norm=None if grad_norm is None else float(grad_norm))
+        return result
+
+    training.train_step = recorded_train_step
+
+    token_source = data.PlannedBatch.token_source
+
+    def recorded_token_source(self, corpus):
+        source = token_source(self, corpus)
+        step = self.step
+        read = source.tokens
+
+        def tokens(sample_id, start, end):
+            ids = read(sample_id, start, end)
+            recorder.write(kind="tokens", step=int(step), sample=int(sample_id), start=int(start), end=int(end),
+                           ids=[int(t) for t in ids])
+            return ids
+
+        source.tokens = tokens
+        return source
+
+    data.PlannedBatch.token_source = recorded_token_source
+
+    forward_backward = hooks.slimpack_forward_backward_func
+
+    def recorded_forward_backward(*, model, **kwargs):
+        if not recorder.weights_saved:
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            inner = chunks[0]
+            while hasattr(inner, "module"):
+                inner = inner.module
+            torch.save({k: v.detach().clone() for k, v in inner.state_dict().items() if torch.is_tensor(v)},
+                       recorder.directory / f"weights.rank{_rank()}.pt")
+            recorder.weights_saved = True
+        return forward_backward(model=model, **kwargs)
+
+    hooks.slimpack_forward_backward_func = recorded_forward_backward
+
+
+def main() -> None:
+    script = Path(sys.argv[1]).resolve()
+    torch.set_num_threads(1)
+    cpu_shim.apply()
+    if os.environ.get("SLIMPACK_TEST_RECORD"):
+        _install_recorder(_Recorder(Path(os.environ["SLIMPACK_TEST_RECORD"])))
+    sys.argv = [str(script)] + sys.argv[2:]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
