@@ -17,11 +17,15 @@ from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
 __version__ = "0.1.0"
 
 
-def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig | None = None) -> Plan:
-    """Plan one global batch of document lengths with the configured strategy."""
+def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig | None = None,
+         sources=None) -> Plan:
+    """Plan one global batch of document lengths with the configured strategy. `sources`: the
+    (document, offset) each length was read from (default (i, 0)); the plan's `sample_sources`
+    say where every sample's tokens are, whatever the strategy renumbers."""
     from .solver.strategies import plan_global_batch
 
-    return plan_global_batch(lengths, parallel=parallel, cost=cost, config=config or SlimPackConfig())
+    return plan_global_batch(lengths, parallel=parallel, cost=cost, config=config or SlimPackConfig(),
+                             sources=sources)
 
 
 def simulate(plan: Plan, cost: CostModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
@@ -28,6 +28,73 @@ class Sample(NamedTuple):
 
     sample_id: int
     length: int
+
+
+class SampleSource(NamedTuple):
+    """Where a sample's tokens come from: tokens [offset, offset + length) of corpus document
+    `document` (length: the sample's). Strategies that cut or renumber documents (megatron-fixed,
+    slimpipe, wlb-llm) record each sample's origin here, so token sources never treat a sample id
+    as an index into the batch."""
+
+    document: int
+    offset: int
+
+
+def default_sources(count: int) -> list[SampleSource]:
+    """(i, 0) for the i-th input length: each length is a whole document of its own."""
+    return _sources_of(range(count), repeat(0))
+
+
+def _sources_of(documents: Iterable[int], offsets: Iterable[int]) -> list[SampleSource]:
+    # tuple.__new__ through map: a third of the NamedTuple constructor's time, for ~10^5 samples
+    return list(map(tuple.__new__, repeat(SampleSource), zip(documents, offsets)))
+
+
+def check_sources(sources, count: int) -> list[SampleSource]:
+    """`sources` (one (document, offset) pair per input length; None: `default_sources`) as
+    SampleSource tuples of Python ints, or PlanError."""
+    if sources is None:
+        return default_sources(count)
+    if len(sources) != count:
+        raise PlanError(f"sample-sources: {len(sources)} sources given for {count} lengths; give one "
+                        "(document, offset) pair per length")
+    try:
+        if not all(len(pair) == 2 for pair in sources):
+            raise TypeError("an entry is not a pair")
+        flat = np.fromiter(chain.from_iterable(sources), dtype=np.int64, count=2 * count)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise PlanError(f"sample-sources: sources must be (document, offset) integer pairs ({error})") from error
+    if count and flat.min() < 0:
+        index = int(np.argmax(flat < 0)) // 2
+        raise PlanError(f"sample-sources: source {index} is {tuple(flat[2 * index:2 * index + 2].tolist())}; "
+                        "documents and offsets are non-negative")
+    values = iter(flat.tolist())
+    return _sources_of(values, values)  # consecutive (document, offset) pairs
+
+
+def overlapping_documents(sources, lengths) -> list[int]:
+    """Documents of which two of `sources` (with `lengths`) overlap, sorted. A global batch holds
+    a document twice only when it spans an epoch boundary (small corpora); a plan records those of
+    its input (`Plan.repeated_documents`), whose pieces may then overlap."""
+    count = len(lengths)
+    if count < 2:
+        return []
+    table = np.fromiter(chain.from_iterable(sources), dtype=np.int64, count=2 * count).reshape(-1, 2)
+    return sorted(set(_overlaps(table[:, 0], table[:, 1], np.asarray(lengths, dtype=np.int64))[0].tolist()))
+
+
+def _overlaps(document: np.ndarray, offset: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(documents, index pairs) of the overlaps between neighbours in (document, offset) order (in
+    sorted order, a range that overlaps a later one overlaps its next neighbour)."""
+    order = np.lexsort((offset, document))
+    same = document[order][1:] == document[order][:-1]
+    overlap = np.flatnonzero(same & (offset[order][:-1] + length[order][:-1] > offset[order][1:]))
+    return document[order][overlap], np.stack([order[overlap], order[overlap + 1]], axis=1)
+
+
+# Strategies whose samples are not the input lengths (they cut documents or carry them across
+# steps): their plans must say where every sample comes from.
+RENUMBERING_STRATEGIES = frozenset({"megatron-fixed", "slimpipe", "wlb-llm"})
 
 
 class Slice(NamedTuple):
@@ -251,8 +318,23 @@ class Plan:
     strategy: str
     max_micropack_tokens: int | None = None  # per device: a k-replica merge group's MicroPacks hold up to k x this
     metadata: dict = field(default_factory=dict)
+    # sample_sources[i]: where samples[i]'s tokens come from (the token source reads only this).
+    # None: each sample is document `sample_id` from offset 0, allowed only for strategies whose
+    # samples are the input lengths (not RENUMBERING_STRATEGIES).
+    sample_sources: list[SampleSource] | None = None
+    # Documents the planner's input held more than once (overlapping pieces: a global batch across an
+    # epoch boundary of a small corpus); only their samples may overlap.
+    repeated_documents: list[int] = field(default_factory=list)
 
     FORMAT_VERSION = 1
+
+    def __post_init__(self):
+        if self.sample_sources is None:
+            if self.strategy in RENUMBERING_STRATEGIES:
+                raise PlanError(
+                    f"sample-sources: a {self.strategy} plan renumbers its samples and must give each sample's "
+                    "(document, offset) in sample_sources")
+            self.sample_sources = _sources_of(map(tuple.__getitem__, self.samples, repeat(0)), repeat(0))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -261,6 +343,12 @@ class Plan:
 
     def sample_lengths(self) -> dict[int, int]:
         return {s.sample_id: s.length for s in self.samples}
+
+    def source_of(self) -> dict[int, tuple[int, int, int]]:
+        """sample id -> (document, offset, length): the sample is tokens [offset, offset + length)
+        of corpus document `document`."""
+        return {sample.sample_id: (source.document, source.offset, sample.length)
+                for sample, source in zip(self.samples, self.sample_sources)}
 
     def replicas_of_rank(self, dp_rank: int) -> list[ReplicaPlan]:
         """What data-parallel rank `dp_rank` runs, in order: merge groups first, then its own."""
@@ -281,8 +369,11 @@ class Plan:
             "max_micropack_tokens": self.max_micropack_tokens,
             "parallel": self.parallel.to_dict(),
             "samples": [[s.sample_id, s.length] for s in self.samples],
+            "sample_sources": [[d, o] for d, o in self.sample_sources],
             "replicas": [r.to_dict() for r in self.replicas],
         }
+        if self.repeated_documents:
+            data["repeated_documents"] = list(self.repeated_documents)
         if include_metadata:
             data["metadata"] = self.metadata
         return data
@@ -292,16 +383,27 @@ class Plan:
         version = data.get("format_version")
         if version != cls.FORMAT_VERSION:
             raise PlanError(f"plan format version {version!r} is not supported (expected {cls.FORMAT_VERSION})")
+        strategy = str(data.get("strategy"))
+        if "sample_sources" not in data and strategy in RENUMBERING_STRATEGIES:
+            raise PlanError(
+                f"plan JSON without sample_sources (written before they were recorded): a {strategy} plan "
+                "renumbers its samples, so where their tokens come from is unknown; plan the batch again")
         try:
+            samples = [Sample(int(i), int(n)) for i, n in data["samples"]]
+            sources = data.get("sample_sources")
             return cls(
                 replicas=[ReplicaPlan.from_dict(r) for r in data["replicas"]],
-                samples=[Sample(int(i), int(n)) for i, n in data["samples"]],
+                samples=samples,
                 parallel=ParallelConfig.from_dict(data["parallel"]),
                 context_length=int(data["context_length"]),
                 strategy=str(data["strategy"]),
                 max_micropack_tokens=data.get("max_micropack_tokens"),
                 metadata=data.get("metadata", {}),
+                sample_sources=None if sources is None else [SampleSource(int(d), int(o)) for d, o in sources],
+                repeated_documents=[int(d) for d in data.get("repeated_documents", [])],
             )
+        except PlanError:
+            raise
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"malformed plan: {error!r}") from error
 
@@ -329,6 +431,7 @@ class Plan:
         with array operations; only a plan that fails them takes the per-slice pass, whose
         message names the rule and the offending sample and MicroPack."""
         ids, sizes = _check_samples(self.samples, self.context_length)
+        _check_sources(self.samples, self.sample_sources, self.repeated_documents)
         _check_ranks(self.replicas, self.parallel.dp)
         table = _SliceTable(self.replicas, ids, sizes, self.max_micropack_tokens)
         lengths = dict(zip(ids.tolist(), sizes.tolist())) if not table.valid else {}
@@ -428,6 +531,38 @@ def _check_samples(samples: Iterable[Sample], context_length: int) -> tuple[np.n
             )
         seen.add(sample.sample_id)
     raise PlanError("empty-batch: the plan has no samples")
+
+
+def _check_sources(samples: list[Sample], sources, repeated: list[int]) -> None:
+    """Every sample has a (document, offset) source, non-negative, and pieces of one document do
+    not overlap unless the input held it more than once (`repeated`) (array pass; the message
+    names the samples)."""
+    if sources is None or len(sources) != len(samples):
+        raise PlanError(f"sample-sources: the plan has {len(samples)} samples but "
+                        f"{'no' if sources is None else len(sources)} sample sources; every sample needs one")
+    count = len(samples)
+    if not count:
+        return
+    lengths = np.fromiter(chain.from_iterable(samples), dtype=np.int64, count=2 * count)[1::2]
+    try:
+        table = np.fromiter(chain.from_iterable(sources), dtype=np.int64, count=2 * count).reshape(-1, 2)
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"sample-sources: sources must be (document, offset) integer pairs ({error})") from error
+    document, offset = table[:, 0], table[:, 1]
+    if (table < 0).any():
+        index = int(np.argmax((table < 0).any(axis=1)))
+        raise PlanError(f"sample-sources: sample {samples[index].sample_id} has source {tuple(table[index].tolist())}; "
+                        "documents and offsets are non-negative")
+    documents, pairs = _overlaps(document, offset, lengths)
+    if len(repeated) and len(documents):
+        pairs = pairs[~np.isin(documents, np.asarray(repeated, dtype=np.int64))]
+    if len(pairs):
+        first, second = (int(i) for i in pairs[0])
+        raise PlanError(
+            f"sample-sources: samples {samples[first].sample_id} and {samples[second].sample_id} overlap in document "
+            f"{int(document[first])}: tokens [{int(offset[first])}, {int(offset[first] + lengths[first])}) and "
+            f"[{int(offset[second])}, {int(offset[second] + lengths[second])}) (only documents the input held twice, "
+            f"listed in repeated_documents, may overlap)")
 
 
 def _check_ranks(replicas: list[ReplicaPlan], dp: int) -> None:

@@ -105,12 +105,15 @@ def test_sorted_batching_sorts_packs_in_order_and_shuffles_groups():
 
 # ---- wlb-llm ----------------------------------------------------------------------------------
 def wlb_step(planner, lengths, dp=2, context=100):
+    """One step; document i of step s has the source (1000 s + i, 0), so plans say which they hold."""
     config = ms.SlimPackConfig(strategy="wlb-llm", context_length=context)
-    return planner.plan(lengths, ParallelConfig(dp=dp, tp=8), COST, config).validate()
+    sources = [(1000 * planner.step + index, 0) for index in range(len(lengths))]
+    return planner.plan(lengths, ParallelConfig(dp=dp, tp=8), COST, config, sources=sources).validate()
 
 
 def scheduled(plan):
-    return sorted(tuple(d) for d in plan.metadata["documents"])
+    """(step, index) of every document the plan schedules, from its sample sources."""
+    return sorted(divmod(document, 1000) for document, _ in plan.sample_sources)
 
 
 def test_wlb_llm_delays_outliers_until_a_queue_holds_one_per_micro_batch():
@@ -143,14 +146,16 @@ def test_wlb_llm_drops_nothing_over_many_steps():
     seen, given = [], []
     for step in range(4):
         lengths = [int(x) for x in np.clip(rng.lognormal(6.5, 1.3, 40), 1, 4096)]
-        given += [(step, i) for i in range(len(lengths))]
+        # No sources: the planner numbers documents in order of arrival over all steps.
+        given += [(len(given) + i, 0, length) for i, length in enumerate(lengths)]
         plan = planner.plan(lengths, parallel, COST, config).validate()
-        seen += [tuple(d) for d in plan.metadata["documents"]]
+        seen += [(d, o, s.length) for (d, o), s in zip(plan.sample_sources, plan.samples)]
         for replica in plan.replicas:
             assert len(replica.micropacks) <= plan.metadata["micro_batches_per_replica"]
     final = planner.flush(parallel, COST, config)
     if final is not None:
-        seen += [tuple(d) for d in final.validate().metadata["documents"]]
+        final.validate()
+        seen += [(d, o, s.length) for (d, o), s in zip(final.sample_sources, final.samples)]
     assert sorted(seen) == sorted(given)
 
 

@@ -14,7 +14,14 @@ and where their tokens live) and a planning function. It
   (the plan fixes every shape: cu_seqlens and units come from it, no shape exchange);
 * checkpoints exactly: `state_dict()` holds the sampler state *after the last batch consumed*
   (batches planned ahead but not consumed are drawn again after `load_state_dict`), so a resumed
-  run sees exactly the batches an uninterrupted run would have.
+  run sees exactly the batches an uninterrupted run would have; with a planning function from
+  `plan_function`, also its planner's state after that batch (WLB-LLM's delayed documents).
+
+`plan_function(planner, parallel, cost, config)` is the planning function a run gives it: each
+batch is planned with its samples' sources (`GlobalBatch.sources`), which the plan records per
+sample (`Plan.sample_sources`); `BatchTokenSource(corpus, plan)` reads tokens through exactly that
+mapping. `fast_forward(sampler, planner, ...)` brings sampler and planner to their state after N
+batches (a run resumed at step N), including a stateful strategy's delayed documents.
 """
 from __future__ import annotations
 
@@ -30,6 +37,34 @@ from ..workload import GlobalBatch, GlobalBatchSampler, TextCorpus
 PlanFunction = Callable[[GlobalBatch], Plan]
 
 
+def plan_function(planner, parallel, cost, config) -> PlanFunction:
+    """`plan_batch(batch) -> Plan` for a planner iterator: the batch's lengths (checked against the
+    context length) planned by `planner` (a `solver.strategies.StepPlanner`, e.g. from
+    `new_planner(config.strategy)`) with `sources=batch.sources`, then validated. The function
+    keeps the planner as `plan_batch.planner` (its state is the state after the batches planned)."""
+    from ..solver.strategies import check_plan_input
+
+    def plan_batch(batch: GlobalBatch) -> Plan:
+        lengths = check_plan_input(batch.lengths, config.context_length)
+        return planner.plan(lengths, parallel, cost, config, sources=batch.sources).validate()
+
+    plan_batch.planner = planner
+    return plan_batch
+
+
+def fast_forward(sampler: GlobalBatchSampler, planner, parallel, cost, config, steps: int) -> None:
+    """Draw `steps` batches from `sampler` and bring `planner` to its state after planning them
+    (`StepPlanner.advance`: nothing for stateless strategies; WLB-LLM's delay queues and carried
+    documents as planning would leave them), without building plans. A run resumed at step N calls
+    this with steps=N, then plans batch N as the uninterrupted run did."""
+    from ..solver.strategies import check_plan_input
+
+    for _ in range(int(steps)):
+        batch = sampler.next_batch()
+        planner.advance(check_plan_input(batch.lengths, config.context_length), parallel, cost, config,
+                        sources=batch.sources)
+
+
 @dataclass
 class PlannedBatch:
     """One step: the global batch, its plan and the planning figures."""
@@ -41,6 +76,7 @@ class PlannedBatch:
     exposed_s: float = 0.0  # how long next() waited for the planner on the source rank (not hidden)
     broadcast_s: float = 0.0  # time in the plan broadcast (includes waiting for the other ranks)
     sampler_state: dict = field(default_factory=dict)  # sampler state after this batch
+    planner_state: dict = field(default_factory=dict)  # the plan function's planner state after it
 
     @property
     def hidden_s(self) -> float:
@@ -53,23 +89,26 @@ class PlannedBatch:
         return [replica.stage_orders[pp_rank] for replica in self.replica_plans(dp_rank)]
 
     def token_source(self, corpus) -> "BatchTokenSource":
-        return BatchTokenSource(corpus, self.batch)
+        return BatchTokenSource(corpus, self.plan)
 
 
 class BatchTokenSource:
-    """The runtime's `TokenSource` over a global batch: sample i of the batch is tokens
-    [offset, offset + length) of corpus document `sources[i][0]` (offset `sources[i][1]`);
-    `tokens(i, start, end)` returns [start, end + 1) of that piece, clipped at the piece's end
-    (a piece split off a long document at the context length is its own sample)."""
+    """The runtime's `TokenSource` over a plan: sample s of the plan is tokens [offset, offset +
+    length) of corpus document `document`, as the plan records it (`Plan.sample_sources`; a piece
+    that a strategy cut or carried over from an earlier batch included). `tokens(s, start, end)`
+    returns [start, end + 1) of that piece, clipped at the piece's end (a piece split off a
+    document is its own sample: its last token has no label)."""
 
-    def __init__(self, corpus, batch: GlobalBatch):
+    def __init__(self, corpus, plan: Plan):
         self.corpus = corpus
-        self.lengths = dict(zip(batch.sample_ids, batch.lengths))
-        self.sources = dict(zip(batch.sample_ids, batch.sources))
+        self.where = plan.source_of()
 
     def tokens(self, sample_id: int, start: int, end: int):
-        document, offset = self.sources[sample_id]
-        stop = min(end + 1, self.lengths[sample_id])
+        try:
+            document, offset, length = self.where[sample_id]
+        except KeyError:
+            raise KeyError(f"sample {sample_id} is not in the plan this token source was built from") from None
+        stop = min(end + 1, length)
         return self.corpus.tokens(document, offset + start, offset + stop)
 
 
@@ -118,6 +157,7 @@ class PlannerIterator:
         self.is_source = self.rank == 0
         self._consumed = 0
         self._state = sampler.state_dict()  # after the last consumed batch
+        self._planner_state = self._planner_state_now()  # likewise
         self.history: list[PlannedBatch] = []
         self._queue: Optional[queue.Queue] = None
         self._worker: Optional[threading.Thread] = None
@@ -127,6 +167,14 @@ class PlannerIterator:
     def _remaining(self, drawn: int) -> bool:
         return self.steps is None or drawn < self.steps
 
+    def _planner(self):
+        """The stateful planner behind `plan_fn` (`plan_function` keeps it), if any."""
+        return getattr(self.plan_fn, "planner", None)
+
+    def _planner_state_now(self) -> dict:
+        planner = self._planner()
+        return planner.state_dict() if planner is not None else {}
+
     def _plan_one(self) -> PlannedBatch:
         batch = self.sampler.next_batch()
         state = self.sampler.state_dict()
@@ -134,7 +182,8 @@ class PlannerIterator:
         plan = self.plan_fn(batch)
         elapsed = time.perf_counter() - began
         plan.metadata.setdefault("planning_time_s", elapsed)
-        return PlannedBatch(batch.step, batch, plan, elapsed, sampler_state=state)
+        return PlannedBatch(batch.step, batch, plan, elapsed, sampler_state=state,
+                            planner_state=self._planner_state_now())
 
     def _put(self, item) -> None:
         """Queue `item`, giving up when close() asks the worker to stop (never blocks forever)."""
@@ -204,6 +253,7 @@ class PlannerIterator:
         item.broadcast_s = time.perf_counter() - began - waited
         self._consumed += 1
         self._state = item.sampler_state
+        self._planner_state = item.planner_state
         self.history.append(item)
         return item
 
@@ -213,7 +263,8 @@ class PlannerIterator:
         if self.is_source:
             payload = ["done"] if item is _DONE else [{
                 "step": item.step, "plan": item.plan.to_json(), "planning_time_s": item.planning_time_s,
-                "sampler_state": item.sampler_state, "batch": _batch_to_dict(item.batch),
+                "sampler_state": item.sampler_state, "planner_state": item.planner_state,
+                "batch": _batch_to_dict(item.batch),
             }]
         else:
             payload = [None]
@@ -224,7 +275,8 @@ class PlannerIterator:
         if self.is_source:
             return item
         return PlannedBatch(data["step"], _batch_from_dict(data["batch"]), Plan.from_json(data["plan"]),
-                            data["planning_time_s"], sampler_state=data["sampler_state"])
+                            data["planning_time_s"], sampler_state=data["sampler_state"],
+                            planner_state=data.get("planner_state", {}))
 
     # ---- figures and checkpointing ------------------------------------------------------------
     def planning_summary(self) -> dict:
@@ -236,14 +288,19 @@ class PlannerIterator:
                 "hidden_fraction": (planning - exposed) / planning if planning > 0 else 1.0}
 
     def state_dict(self) -> dict:
-        return {"consumed": self._consumed, "sampler": dict(self._state)}
+        return {"consumed": self._consumed, "sampler": dict(self._state), "planner": self._planner_state}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue after the batches consumed when `state` was saved (call before iterating)."""
+        """Continue after the batches consumed when `state` was saved (call before iterating); the
+        planner behind a `plan_function` gets its state after them too."""
         self.close()
         self.sampler.load_state_dict(state["sampler"])
+        planner = self._planner()
+        if planner is not None and "planner" in state:
+            planner.load_state_dict(state["planner"])
         self._consumed = int(state["consumed"])
         self._state = dict(state["sampler"])
+        self._planner_state = self._planner_state_now() if planner is not None else {}
 
 
 def _batch_to_dict(batch: GlobalBatch) -> dict:
@@ -264,4 +321,5 @@ def samples_of(batch: GlobalBatch) -> list[Sample]:
     return batch.samples()
 
 
-__all__ = ["PlannedBatch", "BatchTokenSource", "PlannerIterator", "PlannerError", "TextCorpus"]
+__all__ = ["PlannedBatch", "BatchTokenSource", "PlannerIterator", "PlannerError", "TextCorpus", "plan_function",
+           "fast_forward"]

@@ -328,11 +328,11 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
     --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
     from ..costmodel import CostModel
-    from ..solver.strategies import check_plan_input, new_planner
+    from ..solver.strategies import new_planner
     from ..specs import ModelSpec, ParallelConfig
     from ..workload import GlobalBatchSampler
     from .args import slimpack_config_from_args
-    from .data import PlannerIterator
+    from .data import PlannerIterator, fast_forward, plan_function
 
     if getattr(args, "mock_data", False):
         corpus = MockCorpus(getattr(args, "padded_vocab_size", 32000), seed=getattr(args, "seed", 0) or 0)
@@ -352,17 +352,14 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
                               tp=args.tensor_model_parallel_size, recompute=recompute)
     config = slimpack_config_from_args(args)
     planner = new_planner(config.strategy)
-
-    def plan_batch(batch):
-        return planner.plan(check_plan_input(batch.lengths, config.context_length), parallel, cost, config).validate()
-
     sampler = GlobalBatchSampler(corpus.lengths, args.seq_length, args.global_batch_size,
                                  seed=getattr(args, "seed", 0) or 0)
-    # Resuming from a checkpoint (Megatron sets args.iteration when it loads one): the sampler is
-    # deterministic, so drawing (not planning) the batches already trained on continues exactly.
-    for _ in range(int(getattr(args, "iteration", 0) or 0)):
-        sampler.next_batch()
-    iterator = PlannerIterator(sampler, plan_batch, plan_ahead=args.slimpack_plan_ahead)
+    # Resuming from a checkpoint (Megatron sets args.iteration when it loads one), as Megatron
+    # resumes its own samplers from the consumed samples: the sampler is deterministic, and a
+    # stateful strategy (wlb-llm's delay queues) is brought to its state after those batches.
+    fast_forward(sampler, planner, parallel, cost, config, int(getattr(args, "iteration", 0) or 0))
+    iterator = PlannerIterator(sampler, plan_function(planner, parallel, cost, config),
+                               plan_ahead=args.slimpack_plan_ahead)
     return MegatronPlannerIterator(iterator, corpus, args.slimpack_dump_plans)
 
 

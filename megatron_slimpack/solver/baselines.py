@@ -32,11 +32,12 @@ import numpy as np
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
+from ..plan import (MicroPack, Plan, PlanError, ReplicaPlan, Sample, SampleSource, Slice, backward_sequence,
+                    check_sources, overlapping_documents, samples_of)
 from ..specs import ParallelConfig
 from .orders import stage_orders
 from .pack_phase import PackOptions, cut_document
-from .strategies import StepPlanner, register, register_stateful
+from .strategies import StepPlanner, register, register_stateful, with_input_sources
 from .work import WorkRates
 
 # ==== shared building blocks ====================================================================
@@ -83,11 +84,23 @@ def deal_round_robin(items: list, dp: int) -> list[list]:
 def assemble_plan(
     per_rank: list[list[MicroPack]], samples: list[Sample], parallel: ParallelConfig, cost: CostModel,
     config: SlimPackConfig, token_cap: int | None, metadata: dict,
+    sources: tuple[list[SampleSource], list[int]] | None = None,
 ) -> Plan:
-    """One 1F1B replica plan per data-parallel rank."""
+    """One 1F1B replica plan per data-parallel rank. `sources`: (where samples[i] comes from, for
+    every i; the documents the input holds twice), as `input_sources` gives them (None: each
+    sample is the input length of its id)."""
     replicas = [schedule_1f1b(micropacks, parallel, [rank]) for rank, micropacks in enumerate(per_rank)]
     metadata = {"cost_model": cost.describe(), "micro_batches_per_rank": [len(m) for m in per_rank], **metadata}
-    return Plan(replicas, samples, parallel, config.context_length, config.strategy, token_cap, metadata)
+    sample_sources, repeated = sources if sources is not None else (None, [])
+    return Plan(replicas, samples, parallel, config.context_length, config.strategy, token_cap, metadata,
+                sample_sources, repeated)
+
+
+def input_sources(lengths: list[int], sources) -> tuple[list[SampleSource], list[int]]:
+    """(each input length's source, default (i, 0); the documents of which the input holds
+    overlapping pieces)."""
+    sources = check_sources(sources, len(lengths))
+    return sources, overlapping_documents(sources, lengths)
 
 
 # ==== megatron-fixed ============================================================================
@@ -139,13 +152,24 @@ def _cut(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Piece, ..
 def _piece_metadata(sequences: list[list[Piece]]) -> dict:
     return {
         "num_sequences": len(sequences),
-        # sample id -> [document index in the batch, first token of the piece in that document]
+        # sample id -> [index of its length in the batch, first token of the piece in it] (read by
+        # fidelity.py; the token source reads Plan.sample_sources, which also holds the corpus offset)
         "pieces": [[piece.document, piece.offset] for sequence in sequences for piece in sequence],
     }
 
 
+def _piece_sources(sequences, lengths: list[int], sources) -> tuple[list[SampleSource], list[int]]:
+    """Each piece's (document, offset): its input length's source, `piece.offset` tokens further
+    (and the documents the input holds twice)."""
+    sources, repeated = input_sources(lengths, sources)
+    new = tuple.__new__
+    return [new(SampleSource, (sources[piece.document][0], sources[piece.document][1] + piece.offset))
+            for sequence in sequences for piece in sequence], repeated
+
+
 @register("megatron-fixed")
-def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                        sources=None) -> Plan:
     """Megatron-LM's default data path (GPTDataset + 1F1B).
 
     Reproduces: documents concatenated in the given (sampled) order and cut at exactly
@@ -161,7 +185,8 @@ def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: Cost
     samples = [piece.sample for sequence in sequences for piece in sequence]
     micropacks = [whole_documents([piece.sample for piece in sequence]) for sequence in sequences]
     per_rank = deal_contiguous(micropacks, parallel.dp)
-    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, _piece_metadata(sequences))
+    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, _piece_metadata(sequences),
+                         _piece_sources(sequences, lengths, sources))
 
 
 # ==== bfd =======================================================================================
@@ -187,7 +212,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 @register("bfd")
-def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+             sources=None) -> Plan:
     """Best-fit-decreasing token packing (TRL `pack_dataset(strategy="bfd")`, NeMo packed SFT).
 
     Reproduces: whole documents (never split) packed into bins of `context_length` tokens by
@@ -200,7 +226,8 @@ def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, conf
     bins.sort(key=lambda members: -sum(lengths[i] for i in members))
     micropacks = [whole_documents([samples[i] for i in members]) for members in bins]
     per_rank = deal_round_robin(micropacks, parallel.dp)
-    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, {"num_bins": len(bins)})
+    return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, {"num_bins": len(bins)},
+                         input_sources(lengths, sources))
 
 
 # ==== sorted ====================================================================================
@@ -220,7 +247,8 @@ def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[l
 
 
 @register("sorted")
-def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                sources=None) -> Plan:
     """LongAlign's sorted batching.
 
     Reproduces: documents sorted by length (ascending, stable), packed greedily in that order
@@ -241,7 +269,8 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
         for rank, members in enumerate(group):
             per_rank[rank].append(whole_documents([samples[i] for i in members]))
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length,
-                         {"num_sequences": len(sequences), "group_order_seed": config.seed})
+                         {"num_sequences": len(sequences), "group_order_seed": config.seed},
+                         input_sources(lengths, sources))
 
 
 # ==== wlb-llm ===================================================================================
@@ -249,11 +278,22 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
 
 @dataclass(frozen=True)
 class PendingDocument:
-    """A document waiting to be scheduled: `lengths[index]` of the batch of step `step`."""
+    """A document waiting to be scheduled: `lengths[index]` of the batch of step `step`, tokens
+    [offset, offset + length) of corpus document `document` (its source, kept while it waits)."""
 
     step: int
     index: int
     length: int
+    document: int = 0
+    offset: int = 0
+
+    def to_list(self) -> list[int]:
+        return [self.step, self.index, self.length, self.document, self.offset]
+
+    @classmethod
+    def from_list(cls, values) -> "PendingDocument":
+        step, index, length, document, offset = (int(v) for v in values)
+        return cls(step, index, length, document, offset)
 
 
 @dataclass
@@ -289,10 +329,14 @@ class WlbLlmPlanner(StepPlanner):
     - Micro-batches are dealt to data-parallel replicas greedily by cost (heaviest first to the
       least-loaded replica that has fewer than M), so replicas are balanced too; classic 1F1B.
     Nothing is dropped: a plan contains exactly the documents it schedules (sample ids 0..k-1,
-    origin [step, index] in `metadata["documents"]`); delayed ones stay in `pending`. At the end
-    of a run, `flush()` plans everything still pending as one more step (enough micro-batches
-    for all of it, no delay). If a step would otherwise schedule nothing (every new document
-    delayed and no queue full), it is planned like `flush()` so that training makes progress.
+    each with its source (document, offset) in `Plan.sample_sources`, also for a document delayed
+    from an earlier batch); delayed ones stay in `pending`. Without `sources`, the documents are
+    numbered in order of arrival over all steps (the first batch's are (i, 0)). At the end of a
+    run, `flush()` plans everything still pending as one more step (enough micro-batches for all
+    of it, no delay). If a step would otherwise schedule nothing (every new document delayed and
+    no queue full), it is planned like `flush()` so that training makes progress.
+    `advance()` updates the queues as `plan()` would without building the plan (a resumed run);
+    `state_dict()` / `load_state_dict()` save and restore the queues, carried documents and step.
     """
 
     LEVEL_FRACTIONS = (0.5, 0.25)  # level 0: > context/2; level 1: (context/4, context/2]
@@ -300,6 +344,7 @@ class WlbLlmPlanner(StepPlanner):
     def __init__(self):
         super().__init__()
         self.step = 0
+        self.arrived = 0  # documents given so far (numbers them when no sources are given)
         self.queues: list[deque[PendingDocument]] = [deque() for _ in self.LEVEL_FRACTIONS]
         self.carried: list[PendingDocument] = []
 
@@ -309,29 +354,44 @@ class WlbLlmPlanner(StepPlanner):
         """Documents delayed so far and not yet scheduled."""
         return [d for queue in self.queues for d in queue] + list(self.carried)
 
+    def state_dict(self) -> dict:
+        """Step counter, documents seen, delay queues and carried documents (with their sources)."""
+        return {
+            "strategy": "wlb-llm", "step": self.step, "arrived": self.arrived,
+            "queues": [[d.to_list() for d in queue] for queue in self.queues],
+            "carried": [d.to_list() for d in self.carried],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("strategy") != "wlb-llm" or len(state.get("queues", ())) != len(self.LEVEL_FRACTIONS):
+            raise PlanError(f"wlb-llm: not a wlb-llm planner state with {len(self.LEVEL_FRACTIONS)} delay queues: "
+                            f"{sorted(state)}")
+        self.step = int(state["step"])
+        self.arrived = int(state["arrived"])
+        self.queues = [deque(PendingDocument.from_list(d) for d in queue) for queue in state["queues"]]
+        self.carried = [PendingDocument.from_list(d) for d in state["carried"]]
+
     def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
         """Each length's delay queue (None: packed at once), the thresholds computed once."""
         thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.LEVEL_FRACTIONS)]
         return [next((level for level, threshold in thresholds if length > threshold), None) for length in lengths]
 
     # ---- planning ------------------------------------------------------------------------
-    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
-        context = config.context_length
-        rates = WorkRates.from_cost(cost, parallel, context)
-        per_replica = max(1, math.ceil(sum(lengths) / (context * parallel.dp)))
-        micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
-        fresh: list[PendingDocument] = []
-        for index, (length, level) in enumerate(zip(lengths, self._levels(lengths, context))):
-            document = PendingDocument(self.step, index, length)
-            (fresh if level is None else self.queues[level]).append(document)
-        released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
-        carried, self.carried = self.carried, []
-        self.carried = _pack_by_cost(carried, micro_batches, rates, context)  # they waited: first
-        self.carried += _pack_by_cost(fresh, micro_batches, rates, context)
-        metadata = {"micro_batches_per_replica": per_replica, "released_per_level": released}
-        if not any(mb.documents for mb in micro_batches):
+    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+             sources=None) -> Plan:
+        micro_batches, per_replica, rates, metadata = self._pack_step(lengths, parallel, cost, config, sources)
+        if micro_batches is None:
             return self._plan_pending(parallel, cost, config, rates, metadata)
         return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
+
+    def advance(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                sources=None) -> None:
+        """The state after planning this batch (queues, carried documents, step), without the plan:
+        the packing decides what is carried over, the plan's assembly and schedule are skipped."""
+        micro_batches, _, _, _ = self._pack_step(lengths, parallel, cost, config, sources)
+        if micro_batches is None:
+            self._take_pending()
+        self.step += 1
 
     def flush(self, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan | None:
         """Plan every pending document as one last step (None when nothing is pending)."""
@@ -340,11 +400,42 @@ class WlbLlmPlanner(StepPlanner):
         rates = WorkRates.from_cost(cost, parallel, config.context_length)
         return self._plan_pending(parallel, cost, config, rates, {"flush": True})
 
-    def _plan_pending(self, parallel, cost, config, rates, metadata) -> Plan:
-        """All pending documents, packed by cost into just enough micro-batches."""
+    def _pack_step(self, lengths, parallel, cost, config, sources):
+        """Queue, release and pack one batch; (micro-batches, per replica, rates, metadata), the
+        micro-batches None when nothing was scheduled (then everything pending is planned)."""
+        if sources is None:
+            sources = [(self.arrived + i, 0) for i in range(len(lengths))]
+        else:
+            sources = check_sources(sources, len(lengths))
+        self.arrived += len(lengths)
+        context = config.context_length
+        rates = WorkRates.from_cost(cost, parallel, context)
+        per_replica = max(1, math.ceil(sum(lengths) / (context * parallel.dp)))
+        micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
+        fresh: list[PendingDocument] = []
+        for index, (length, level, (document, offset)) in enumerate(
+                zip(lengths, self._levels(lengths, context), sources)):
+            pending = PendingDocument(self.step, index, length, document, offset)
+            (fresh if level is None else self.queues[level]).append(pending)
+        released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
+        carried, self.carried = self.carried, []
+        self.carried = _pack_by_cost(carried, micro_batches, rates, context)  # they waited: first
+        self.carried += _pack_by_cost(fresh, micro_batches, rates, context)
+        metadata = {"micro_batches_per_replica": per_replica, "released_per_level": released}
+        if not any(mb.documents for mb in micro_batches):
+            return None, per_replica, rates, metadata
+        return micro_batches, per_replica, rates, metadata
+
+    def _take_pending(self) -> list[PendingDocument]:
+        """Every pending document; the queues and the carried list are emptied."""
         documents = self.pending
         self.queues = [deque() for _ in self.LEVEL_FRACTIONS]
         self.carried = []
+        return documents
+
+    def _plan_pending(self, parallel, cost, config, rates, metadata) -> Plan:
+        """All pending documents, packed by cost into just enough micro-batches."""
+        documents = self._take_pending()
         context = config.context_length
         per_replica = max(1, math.ceil(sum(d.length for d in documents) / (context * parallel.dp)))
         while True:
@@ -383,13 +474,18 @@ class WlbLlmPlanner(StepPlanner):
         pending = self.pending
         metadata = {
             **metadata, "step": self.step,
-            "documents": [[d.step, d.index] for d in documents],
             "micro_batch_costs_s": [[mb.cost for mb in mbs] for mbs in per_rank],
             "delayed_documents": len(pending), "delayed_tokens": sum(d.length for d in pending),
         }
         self.step += 1
         samples = list(sample_of.values())
-        return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata)
+        new = tuple.__new__
+        sources = [new(SampleSource, (d.document, d.offset)) for d in documents]
+        # Its samples are whole input documents, some from earlier batches: any two that overlap are
+        # one document drawn twice (an epoch boundary of a small corpus).
+        repeated = overlapping_documents(sources, [d.length for d in documents])
+        return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata,
+                             (sources, repeated))
 
 
 def _pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatch], rates: WorkRates,
@@ -508,7 +604,7 @@ def _cp_groups(sample_id_groups: list[list[list[int]]]) -> list[dict[tuple[int, 
 
 @register("megatron-hybrid-cp")
 def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
-                            config: SlimPackConfig) -> Plan:
+                            config: SlimPackConfig, *, sources=None) -> Plan:
     """Megatron-Core's hybrid context parallelism (`hybrid_cp_schedule.BalancedCPScheduler`).
 
     Reproduces: the installed megatron-core's scheduler is called as a library
@@ -549,7 +645,8 @@ def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: 
         _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
     except AssertionError as error:
         raise PlanError(f"megatron-hybrid-cp: BalancedCPScheduler failed on this batch: {error}") from error
-    return _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens)
+    return with_input_sources(_hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens),
+                              sources, len(lengths))
 
 
 def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens) -> Plan:
@@ -607,7 +704,8 @@ def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[Micro
 
 
 @register("slimpipe")
-def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                  sources=None) -> Plan:
     """SlimPipe (SC'25): uniform slicing with a slice-level 1F1B pipeline.
 
     Reproduces: the sequences of `megatron-fixed` (same concatenation, cuts, pieces and
@@ -624,7 +722,8 @@ def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
     sliced = _sliced_sequences(tuple(lengths), config.context_length, slice_tokens)
     per_rank = [[mp for micropacks in block for mp in micropacks] for block in deal_contiguous(sliced, parallel.dp)]
     metadata = {**_piece_metadata(sequences), "slice_tokens": slice_tokens}
-    return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata)
+    return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata,
+                         _piece_sources(sequences, lengths, sources))
 
 
 @functools.lru_cache(maxsize=BATCHES_CACHED)

@@ -11,39 +11,63 @@ import contextlib
 import gc
 import time
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import Plan, PlanError, ReplicaPlan, Sample, samples_of
+from ..plan import Plan, PlanError, ReplicaPlan, Sample, check_sources, overlapping_documents, samples_of
 from ..specs import ParallelConfig
 from .dp_phase import assign_to_replicas
 from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
 from .work import WorkRates
 
-Strategy = Callable[[list[int], ParallelConfig, CostModel, SlimPackConfig], Plan]
+# strategy(lengths, parallel, cost, config, *, sources=None) -> Plan; `sources`: one (document,
+# offset) pair per length (None: (i, 0) for the i-th), recorded per sample in `Plan.sample_sources`.
+Strategy = Callable[..., Plan]
+Sources = Optional[Sequence[tuple[int, int]]]
 
 
 class StepPlanner:
     """Plans consecutive global batches. Stateless strategies are plain functions wrapped here;
     a stateful one (e.g. WLB-LLM's outlier-delay queues, whose delayed documents roll into later
-    steps) subclasses it and keeps its state between `plan` calls."""
+    steps) subclasses it and keeps its state between `plan` calls.
+
+    Every planner can be brought to its state after N batches without planning them (`advance`,
+    e.g. when a training run resumes at step N) and saves/restores that state as JSON-able
+    `state_dict()` / `load_state_dict()` (empty for stateless strategies)."""
 
     def __init__(self, function: Strategy | None = None):
         self.function = function
 
-    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+             sources: Sources = None) -> Plan:
+        """The plan of one global batch; `sources[i]` = (document, offset) of `lengths[i]` (default
+        (i, 0)), recorded for every sample of the plan in `Plan.sample_sources`."""
         assert self.function is not None
-        return self.function(lengths, parallel, cost, config)
+        return self.function(lengths, parallel, cost, config, sources=sources)
+
+    def advance(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                sources: Sources = None) -> None:
+        """Update the state exactly as `plan` on this batch would, without building the plan
+        (stateless strategies: nothing to do)."""
+
+    def state_dict(self) -> dict:
+        """The planner's state between batches, JSON-able (stateless strategies: empty)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise PlanError(f"{type(self).__name__} is stateless but was given the state {sorted(state)}")
 
 
 STRATEGIES: dict[str, Callable[[], StepPlanner]] = {}
 
 
 def register(name: str):
-    """Register a stateless strategy function."""
+    """Register a stateless strategy function `f(lengths, parallel, cost, config, *, sources=None)`
+    (it records every sample's (document, offset) source in the plan)."""
     def wrap(function: Strategy) -> Strategy:
         STRATEGIES[name] = lambda: StepPlanner(function)
         return function
@@ -99,12 +123,16 @@ def cyclic_gc_paused():
             gc.enable()
 
 
-def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan:
+def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
+                      sources=None) -> Plan:
+    """One global batch with `config.strategy`; `sources`: (document, offset) of each length
+    (default (i, 0)), carried into `Plan.sample_sources`."""
     lengths = check_plan_input(lengths, config.context_length)
+    sources = None if sources is None else check_sources(sources, len(lengths))
     parallel.check_model(cost.model)
     with cyclic_gc_paused():
         started = time.perf_counter()
-        plan = get_strategy(config.strategy)(lengths, parallel, cost, config)
+        plan = get_strategy(config.strategy)(lengths, parallel, cost, config, sources=sources)
         plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
         return plan.validate()
 
@@ -113,6 +141,18 @@ def check_plan_input(lengths, context_length: int) -> list[int]:
     from ..workload import check_lengths
 
     return check_lengths(lengths, context_length)
+
+
+def with_input_sources(plan: Plan, sources, count: int) -> Plan:
+    """`plan` (whose samples are the input lengths: sample id i is lengths[i]) with sample i's
+    source `sources[i]` (None: the default (i, 0), which the Plan already holds) and the documents
+    the input holds twice."""
+    if sources is not None:
+        sources = check_sources(sources, count)
+        ids = [sample_id for sample_id, _ in plan.samples]
+        plan.sample_sources = sources if ids == list(range(count)) else [sources[i] for i in ids]
+        plan.repeated_documents = overlapping_documents(plan.sample_sources, [n for _, n in plan.samples])
+    return plan
 
 
 # ---- SlimPack -------------------------------------------------------------------------------
@@ -402,7 +442,7 @@ def merged_cost_function(lengths: list[int], cost: CostModel, parallel: Parallel
 
 def plan_slimpack(
     lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
-    *, symmetric: bool = False, dp_merge: bool | None = None,
+    *, symmetric: bool = False, dp_merge: bool | None = None, sources=None,
 ) -> Plan:
     """SlimPack's plan of one global batch. With `config.base_merge` k > 1, or where no plan of
     the layout fits memory (then k = 2, 4, ...), every MicroPack is shared by a DP-Merge group of
@@ -417,7 +457,8 @@ def plan_slimpack(
         view = parallel.with_(dp=parallel.dp // base, cp=parallel.cp * base)
         try:
             plan = _plan_fitted(lengths, view, cost, config, symmetric, use_merge)
-            return plan if base == 1 else shared_by_groups(plan, parallel, base)
+            plan = plan if base == 1 else shared_by_groups(plan, parallel, base)
+            return with_input_sources(plan, sources, len(lengths))
         except PlanError as error:
             first_error = first_error or error
             base *= 2
@@ -435,7 +476,7 @@ def shared_by_groups(plan: Plan, parallel: ParallelConfig, base: int) -> Plan:
     replicas += [ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], [rank]) for rank in range(parallel.dp)]
     metadata = {**plan.metadata, "base_merge": base}
     return Plan(replicas, plan.samples, parallel, plan.context_length, plan.strategy, plan.max_micropack_tokens,
-                metadata)
+                metadata, plan.sample_sources)
 
 
 def _plan_fitted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
@@ -613,15 +654,15 @@ def _plan_with_groups(lengths: list[int], parallel: ParallelConfig, cost: CostMo
 
 
 @register("slimpack")
-def _slimpack(lengths, parallel, cost, config):
-    return plan_slimpack(lengths, parallel, cost, config)
+def _slimpack(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, sources=sources)
 
 
 @register("slimpack-sym")
-def _slimpack_symmetric(lengths, parallel, cost, config):
-    return plan_slimpack(lengths, parallel, cost, config, symmetric=True)
+def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, symmetric=True, sources=sources)
 
 
 @register("slimpack-nomerge")
-def _slimpack_no_merge(lengths, parallel, cost, config):
-    return plan_slimpack(lengths, parallel, cost, config, dp_merge=False)
+def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, dp_merge=False, sources=sources)

@@ -7,7 +7,8 @@ the CPU, the RNG is the CPU generator, streams and synchronisation are no-ops). 
 found by running `pretrain()` until it trained (facts in ../shared/megatron-lm/README.md):
 
   1. `torch.cuda.device_count` -> 1, `set_device` -> no-op, `current_device` -> 0 (a device
-     index the function mode below maps to the CPU), `synchronize` / `empty_cache` -> no-op;
+     index the function mode below maps to the CPU), `synchronize` / `empty_cache` -> no-op,
+     memory figures -> 0, Megatron's `get_device_arch_version` -> 9 (argument checks for TP > 1);
   2. CUDA streams and events -> dummies (the DDP / optimizer code only orders work on them);
   3. CUDA RNG state and seeding -> the CPU generator (`torch.cuda.get_rng_state` and friends,
      and megatron-core's own `_get_cuda_rng_state` / `_set_cuda_rng_state` used by checkpointed
@@ -136,7 +137,9 @@ def apply() -> None:
 
     fused_kernels.load = lambda args: None
 
-    from megatron.training import initialize, training
+    from megatron.training import arguments, initialize, training
+
+    arguments.get_device_arch_version = lambda: 9
 
     original = initialize.initialize_megatron
 
