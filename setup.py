@@ -19,7 +19,9 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        # The real-trainer tests import megatron.training (../shared/megatron-lm), which needs these;
+        # triton is imported, unguarded, by megatron-core's inference engine (never called in training).
+        "test": ["pytest", "pytest-timeout", "hypothesis", "six", "regex", "pydantic", "IPython", "triton"],
     },
     entry_points={"console_scripts": ["slimpack=megatron_slimpack.cli:main"]},
 )

@@ -24,7 +24,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MEGATRON_LM = Path(os.environ.get("SLIMPACK_MEGATRON_LM", ROOT.parent / "shared" / "megatron-lm" / "core_v0.16.1"))
-VOCAB_SIZE = 512
+# NullTokenizer adds one id (end of document): 511 + 1 = 512 is a multiple of Megatron's vocabulary
+# padding (128 x tp) at tp 1 and 2, so every layout has the same output layer.
+VOCAB_SIZE = 511
 SEQ_LENGTH = 512
 
 # The tiny Llama-style GPT every run trains (fp32, dropout 0, CPU-only flags from the README of
@@ -32,7 +34,7 @@ SEQ_LENGTH = 512
 MODEL_FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2",
-    "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(SEQ_LENGTH),
+    "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", "4096",
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--init-method-std", "0.05",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE),
