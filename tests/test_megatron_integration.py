@@ -111,109 +111,75 @@ def test_validation_is_silent_without_slimpack_and_checks_the_version():
 
 # ---- install / uninstall ------------------------------------------------------------------
 @pytest.fixture
-def fake_megatron_training(monkeypatch):
-    """Stand-ins for megatron.training, megatron.training.training and gpt_builders in sys.modules."""
-    import megatron
+def real_megatron_training(monkeypatch):
+    """Megatron-LM's real trainer modules (megatron.training.training, gpt_builders) from
+    ../shared/megatron-lm, imported in this process; install() swaps their attributes and the
+    fixture restores them. (Training through them runs in test_real_megatron.py.)"""
+    sys.path.insert(0, str(ROOT / "tests" / "real_megatron"))
+    import harness
 
-    training = types.ModuleType("megatron.training.training")
-    marker = {}
+    monkeypatch.syspath_prepend(str(harness.megatron_lm()))
+    import gpt_builders
+    from megatron.training import global_vars
+    from megatron.training import training
 
-    def get_forward_backward_func(*args, **kwargs):
-        return marker.setdefault("megatron_schedule", lambda **call: ("megatron", call))
-
-    def build_train_valid_test_data_iterators(provider):
-        return "train-iterator", "valid-iterator", "test-iterator"
-
-    def get_model_config(model):
-        return model.config
-
-    training.get_forward_backward_func = get_forward_backward_func
-    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
-    training.get_model_config = get_model_config
-    package = types.ModuleType("megatron.training")
-    package.training = training
-    package.get_args = lambda: marker["args"]
-    builders = types.ModuleType("gpt_builders")
-    builders.GPTModel = object
-    monkeypatch.setitem(sys.modules, "megatron.training", package)
-    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
-    monkeypatch.setitem(sys.modules, "gpt_builders", builders)
-    monkeypatch.setattr(megatron, "training", package, raising=False)
     originals = {name: getattr(training, name) for name in
                  ("get_forward_backward_func", "build_train_valid_test_data_iterators", "get_model_config")}
-    yield types.SimpleNamespace(training=training, builders=builders, originals=originals, marker=marker)
+    yield types.SimpleNamespace(training=training, builders=gpt_builders, originals=originals,
+                                global_vars=global_vars)
     from megatron_slimpack.megatron import hooks
 
     hooks.uninstall()
+    global_vars._GLOBAL_ARGS = None
 
 
-def test_install_swaps_exactly_the_documented_seams(fake_megatron_training):
+def test_install_swaps_exactly_the_documented_seams(real_megatron_training):
     from megatron_slimpack.megatron import hooks
 
-    fake = fake_megatron_training
-    before = {name: getattr(fake.training, name) for name in dir(fake.training)}
-    before_builders = {name: getattr(fake.builders, name) for name in dir(fake.builders)}
+    real = real_megatron_training
+    before = {name: getattr(real.training, name) for name in dir(real.training)}
+    before_builders = {name: getattr(real.builders, name) for name in dir(real.builders)}
     state = hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
     assert state.convention == "pretrain-extra-args"  # megatron-core 0.16.1
     assert sorted(hooks.installed_seams()) == sorted([
         "megatron.training.training.get_forward_backward_func",
         "megatron.training.training.build_train_valid_test_data_iterators",
         "megatron.training.training.get_model_config", "gpt_builders.GPTModel"])
-    changed = {n for n in before if getattr(fake.training, n) is not before[n]}
+    changed = {n for n in before if getattr(real.training, n) is not before[n]}
     assert changed == set(hooks.TRAINING_SEAMS)
-    assert {n for n in before_builders if getattr(fake.builders, n) is not before_builders[n]} == {"GPTModel"}
+    assert {n for n in before_builders if getattr(real.builders, n) is not before_builders[n]} == {"GPTModel"}
     with pytest.raises(hooks.SlimPackInstallError, match="already"):
         hooks.install()
     hooks.uninstall()
     assert not hooks.is_installed()
-    assert all(getattr(fake.training, n) is before[n] for n in before)
-    assert all(getattr(fake.builders, n) is before_builders[n] for n in before_builders)
+    assert all(getattr(real.training, n) is before[n] for n in before)
+    assert all(getattr(real.builders, n) is before_builders[n] for n in before_builders)
     hooks.uninstall()  # a second uninstall is a no-op
 
 
-def test_installed_seams_behave(fake_megatron_training):
-    from megatron_slimpack.megatron import hooks
-
-    fake = fake_megatron_training
-    hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
-    config = types.SimpleNamespace(variable_seq_lengths=False, calculate_per_token_loss=False)
-    assert fake.training.get_model_config(types.SimpleNamespace(config=config)) is config
-    assert config.variable_seq_lengths and config.calculate_per_token_loss
-    schedule = fake.training.get_forward_backward_func()
-    # Megatron's own iterators (evaluation) still go to Megatron's schedule.
-    assert schedule(data_iterator="valid-iterator", model=None)[0] == "megatron"
-    hooks.uninstall()
-    hooks.install(parse())  # --slimpack off: every seam defers to Megatron
-    config = types.SimpleNamespace(variable_seq_lengths=False, calculate_per_token_loss=False)
-    fake.training.get_model_config(types.SimpleNamespace(config=config))
-    assert not config.variable_seq_lengths
-    assert fake.training.get_forward_backward_func() is fake.marker["megatron_schedule"]
-    assert fake.training.build_train_valid_test_data_iterators(None) == ("train-iterator", "valid-iterator", "test-iterator")
-
-
-def test_install_without_args_reads_megatron_args_lazily(fake_megatron_training):
-    """0.16/0.17 convention: install() before pretrain(); validation on first use."""
+def test_install_without_args_reads_megatron_args_lazily(real_megatron_training):
+    """0.16/0.17 convention: install() before pretrain(); validation on first use of a seam."""
     from megatron_slimpack.megatron import SlimPackArgumentError, hooks
 
-    fake = fake_megatron_training
+    real = real_megatron_training
     hooks.install()
-    fake.marker["args"] = parse("--slimpack")  # no --calculate-per-token-loss
+    real.global_vars.set_args(parse("--slimpack"))  # no --calculate-per-token-loss
     with pytest.raises(SlimPackArgumentError, match="--calculate-per-token-loss"):
-        fake.training.get_forward_backward_func()
+        real.training.get_forward_backward_func()
 
 
-def test_install_rejects_bad_args_and_missing_seams(fake_megatron_training):
+def test_install_rejects_bad_args_and_missing_seams(real_megatron_training, monkeypatch):
     from megatron_slimpack.megatron import SlimPackArgumentError, hooks
 
+    real = real_megatron_training
     with pytest.raises(SlimPackArgumentError):
         hooks.install(parse("--slimpack"))
     assert not hooks.is_installed()
-    del fake_megatron_training.training.get_model_config
+    monkeypatch.delattr(real.training, "get_model_config")
     with pytest.raises(hooks.SlimPackInstallError, match="does not match"):
         hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
     assert not hooks.is_installed()
-    assert fake_megatron_training.training.get_forward_backward_func is \
-        fake_megatron_training.originals["get_forward_backward_func"]
+    assert real.training.get_forward_backward_func is real.originals["get_forward_backward_func"]
 
 
 def test_convention_by_version():
@@ -450,12 +416,14 @@ def test_planner_iterator_from_megatron_args_on_an_indexed_dataset(tmp_path):
 
 
 def test_seams_exist_in_a_real_megatron_lm_checkout():
-    """With SLIMPACK_MEGATRON_LM=/path/to/Megatron-LM: the names install() swaps exist there."""
+    """The names install() swaps exist in Megatron-LM's trainer source (../shared/megatron-lm, or
+    the checkout SLIMPACK_MEGATRON_LM names), read without importing it."""
     import ast
 
-    root = os.environ.get("SLIMPACK_MEGATRON_LM")
-    if not root:
-        pytest.skip("set SLIMPACK_MEGATRON_LM to a Megatron-LM checkout")
+    sys.path.insert(0, str(ROOT / "tests" / "real_megatron"))
+    import harness
+
+    root = harness.megatron_lm()
     from megatron_slimpack.megatron.hooks import TRAINING_SEAMS
 
     tree = ast.parse((Path(root) / "megatron" / "training" / "training.py").read_text())

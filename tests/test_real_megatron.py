@@ -107,7 +107,7 @@ def has_sliced_document(plan: dict) -> bool:
 # ---- layouts: the same training as DP=1 PP=1 ---------------------------------------------------
 LAYOUTS = {
     # defect 1: DP=2 grad norm was exactly 2x (finalize_model_grads ran twice)
-    "dp2": dict(nproc=2),
+    "dp2": dict(nproc=2, extra=["--eval-interval", "2", "--eval-iters", "1"]),  # evaluation: Megatron's schedule
     "pp2-tied": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2"]),
     "tp2": dict(nproc=2, extra=["--tensor-model-parallel-size", "2"]),
     "dp2-base-merge-2": dict(nproc=2, extra=["--slimpack-base-merge", "2"]),
@@ -129,6 +129,8 @@ def test_the_reference_run_slices_documents(workspace):
 def test_layout_trains_like_one_rank(workspace, layout):
     run = workspace.run(layout, **LAYOUTS[layout])
     assert_same_training(run, workspace.reference())
+    if layout == "dp2":
+        assert run.log.count("validation loss") >= 2  # Megatron's own schedule on its validation iterator
     if layout == "dp2-base-merge-2":
         assert all(any(len(r["dp_ranks"]) == 2 for r in plan["replicas"]) for plan in plans_of(run))
 
@@ -172,6 +174,14 @@ def test_low_precision_matches_fp32(workspace, precision):
     reference = workspace.reference()
     assert relative_difference(run.losses, reference.losses) < 5e-3
     assert relative_difference(run.grad_norms, reference.grad_norms) < 3e-2
+
+
+def test_the_patch_changes_nothing_without_slimpack(workspace):
+    """The patched pretrain_gpt.py without --slimpack trains exactly as Megatron-LM's own."""
+    runs = [harness.train(script, workspace.prefix, workspace.root / name, split=SPLIT, slimpack=False, train_iters=3)
+            for name, script in (("stock", harness.megatron_lm() / "pretrain_gpt.py"), ("patched-off", workspace.script))]
+    assert runs[0].losses == runs[1].losses and runs[0].grad_norms == runs[1].grad_norms
+    assert not runs[1].plans()
 
 
 # ---- the loss itself, against documents run whole ----------------------------------------------

@@ -23,8 +23,10 @@ Every replacement reads the arguments when it is *called* (`args` given to `inst
 * 0.18+ (`args = parse_and_validate_args(extra_args_provider=...)` before `pretrain`): call
   `install(args)`; arguments are validated at once.
 
-`megatron.training` is not part of the megatron-core wheel (it lives in a Megatron-LM checkout)
-and cannot start without CUDA: tests inject a stand-in module into `sys.modules`.
+`megatron.training` is not part of the megatron-core wheel (it lives in a Megatron-LM checkout).
+tests/test_real_megatron.py trains through the real one (core_v0.16.1, `../shared/megatron-lm`)
+on CPU with a test-only shim; only the 0.18+ calling convention (`install(args)`), whose trainer
+needs Python >= 3.12, is tested without it.
 """
 from __future__ import annotations
 
@@ -143,8 +145,9 @@ def uninstall() -> None:
 
 # ---- seam 1: the schedule ------------------------------------------------------------------
 def _get_forward_backward_func(*args, **kwargs):
+    enabled = _enabled()  # validates the arguments first, before Megatron's own lookup
     original = _original("get_forward_backward_func")(*args, **kwargs)
-    if not _enabled():
+    if not enabled:
         return original
 
     def forward_backward(**call):
@@ -215,23 +218,20 @@ def _build_train_valid_test_data_iterators(*args, **kwargs):
     return build_planner_iterator(_args()), valid, test
 
 
-def _rerun_base():
-    try:  # Megatron's rerun state machine asserts that train iterators are RerunDataIterators
-        from megatron.core.rerun_state_machine import RerunDataIterator
+def _rerun_data_iterator():
+    # Megatron's rerun state machine asserts that train iterators are RerunDataIterators (0.16+).
+    from megatron.core.rerun_state_machine import RerunDataIterator
 
-        return RerunDataIterator
-    except ImportError:  # pragma: no cover - megatron-core without the rerun machine
-        return object
+    return RerunDataIterator
 
 
-class MegatronPlannerIterator(_rerun_base()):
+class MegatronPlannerIterator(_rerun_data_iterator()):
     """The planner iterator plus the corpus its token sources read (see megatron/data.py), as a
     Megatron `RerunDataIterator` (replay of a step's planned batch works as for any iterator).
     `planner_state_dict()` is the sampler position for an exact resume."""
 
     def __init__(self, planner, corpus, dump_dir: Optional[str] = None):
-        if hasattr(super(), "__init__") and _rerun_base() is not object:
-            super().__init__(planner)
+        super().__init__(planner)
         self.planner = planner
         self.corpus = corpus
         self.dump_dir = Path(dump_dir) if dump_dir else None
@@ -240,7 +240,7 @@ class MegatronPlannerIterator(_rerun_base()):
         return self
 
     def __next__(self):
-        planned = super().__next__() if _rerun_base() is not object else next(self.planner)
+        planned = super().__next__()
         if self.dump_dir is not None and self.planner.is_source and not getattr(self, "replaying", False):
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             planned.plan.to_json(self.dump_dir / f"plan_step{planned.step:07d}.json")
