@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from megatron_slimpack.runtime import attention
-from megatron_slimpack.runtime.attention import BackendUnavailable, resolve_backend, torch_kernel
+from megatron_slimpack.runtime import attention, kernels
+from megatron_slimpack.runtime.kernels import BackendUnavailable, resolve_backend, torch_kernel
 
 
 def test_torch_kernel_is_bottom_right_causal():
@@ -20,12 +20,12 @@ def test_torch_kernel_is_bottom_right_causal():
 
 
 def test_backend_choice():
-    assert resolve_backend("auto") in attention.available_backends()
+    assert resolve_backend("auto") in kernels.available_backends()
     assert resolve_backend("torch") == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend("cudnn")
     for name, package in (("te", "transformer_engine"), ("flash", "flash_attn")):
-        if not attention._installed(package):
+        if not kernels._installed(package):
             with pytest.raises(BackendUnavailable, match=package):
                 resolve_backend(name)
 

@@ -373,30 +373,6 @@ def _get_model_config(*args, **kwargs):
 
 
 # ---- seam 4: the layer spec ------------------------------------------------------------------
-def sliced_layer_spec(spec, backend: str = "auto"):
-    """`spec` (a layer ModuleSpec or a block spec with `layer_specs`) with the SlimPack core attention."""
-    import copy
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from ..runtime.attention import SlicedDotProductAttention, TESlicedDotProductAttention, resolve_backend
-
-    spec = copy.deepcopy(spec)
-    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
-    backend = resolve_backend(backend)
-    for layer in layers:
-        attention = getattr(layer.submodules, "self_attention", None)
-        if attention is None or not hasattr(attention.submodules, "core_attention"):
-            continue
-        if backend == "te" and TESlicedDotProductAttention is not None:
-            core = ModuleSpec(module=TESlicedDotProductAttention)
-        else:
-            core = ModuleSpec(module=SlicedDotProductAttention, params={"backend": "torch" if backend == "te" else backend})
-        attention.submodules = dataclasses.replace(attention.submodules, core_attention=core)
-    return spec
-
-
 def slimpack_gpt_model(config, transformer_layer_spec, *args, **kwargs):
     """Stands in for `gpt_builders.GPTModel`: the same constructor, a SlimPackGPTModel with the
     sliced core attention (Megatron's GPTModel when --slimpack is off)."""
@@ -406,9 +382,11 @@ def slimpack_gpt_model(config, transformer_layer_spec, *args, **kwargs):
 
     if getattr(config, "apply_rope_fusion", False):
         raise SlimPackArgumentError("--slimpack needs --no-rope-fusion")
-    return SlimPackGPTModel(config, sliced_layer_spec(transformer_layer_spec), *args, **kwargs)
+    from ..runtime.attention import with_sliced_core_attention
+
+    return SlimPackGPTModel(config, with_sliced_core_attention(transformer_layer_spec), *args, **kwargs)
 
 
 __all__ = ["install", "uninstall", "is_installed", "installed_seams", "convention_for", "SlimPackInstallError",
            "slimpack_forward_backward_func", "build_planner_iterator", "MegatronPlannerIterator",
-           "sliced_layer_spec", "slimpack_gpt_model", "TRAINING_SEAMS"]
+           "slimpack_gpt_model", "TRAINING_SEAMS"]

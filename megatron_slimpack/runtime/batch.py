@@ -14,7 +14,9 @@ import torch
 from torch import Tensor
 
 from ..plan import MicroPack
-from .attention import KVStore, SlicedSeqParams
+from .kernels import cu_seqlens
+from .kv_store import KVStore
+from .seq_params import SlicedSeqParams
 
 
 class TokenSource(Protocol):
@@ -55,10 +57,6 @@ class MicroPackBatch:
         return int(self.loss_mask.sum())
 
 
-def _cumulative(lengths: list[int], device) -> Tensor:
-    return torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-
-
 def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | None,
                 device: torch.device | str = "cpu") -> MicroPackBatch:
     tokens, labels, loss_mask, positions, keeps_kv = [], [], [], [], []
@@ -81,13 +79,13 @@ def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | N
         keeps_kv.append(continues)
     lengths = [s.length for s in micropack.slices]
     kv_lengths = [s.end for s in micropack.slices]  # prefix [0, start) + the slice
-    cu_q = _cumulative(lengths, device)
+    cu_q = cu_seqlens(lengths, device)
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
         max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
         sample_ids=[s.sample_id for s in micropack.slices], starts=[s.start for s in micropack.slices],
         keeps_kv=keeps_kv, kv_store=kv_store,
-        cu_seqlens_attn_kv=_cumulative(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
+        cu_seqlens_attn_kv=cu_seqlens(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
     )
     as_row = lambda parts, dtype: torch.cat(parts).to(device=device, dtype=dtype).unsqueeze(0)  # noqa: E731
     return MicroPackBatch(

@@ -61,16 +61,17 @@ Kernels: what is and isn't supported
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..plan import MicroPack
-from .attention import segment_attention
+from .batch import MicroPackBatch, build_batch
+from .kernels import cu_seqlens, segment_attention
+from .kv_store import stored_and_prefixed
+from .seq_params import CPLayout, PositionRuns, SlicedSeqParams
 
 
 # ---- token split ---------------------------------------------------------------------------
@@ -111,28 +112,6 @@ def split_micropack(lengths: Sequence[int], group_size: int) -> list[list[list[i
     return out
 
 
-@dataclass
-class CPLayout:
-    """How one MicroPack's tokens are spread over a merge group, seen from one member."""
-
-    group: Optional[object]  # torch.distributed ProcessGroup (None: size 1, for tests)
-    group_size: int
-    group_rank: int
-    local_counts: list[int]  # tokens each member holds (all members)
-    gather_index: Tensor  # natural pack order -> row of the padded, gathered buffer
-    full_cu_seqlens: Tensor  # slices' full lengths, cumulative (natural pack order)
-    local_positions: Tensor  # absolute position of each local token
-    runs: Optional["PositionRuns"] = None  # built on first use (GPU kernels)
-
-    @property
-    def padded(self) -> int:
-        return max(self.local_counts)
-
-
-def _cumulative(lengths: list[int], device) -> Tensor:
-    return torch.tensor([0] + list(lengths), dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
-
-
 def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
                  device: torch.device | str = "cpu") -> tuple[CPLayout, Tensor, list[int]]:
     """The member's layout, the natural-pack-order indices of its local tokens, and its local
@@ -143,7 +122,7 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
             f"a MicroPack of {micropack.num_tokens} tokens cannot be split over a merge group of {group_size} "
             "ranks (every member needs at least one token): the planner must not merge it")
     shares = split_micropack(lengths, group_size)
-    offsets = _cumulative(lengths, "cpu").tolist()
+    offsets = cu_seqlens(lengths, "cpu").tolist()
     per_rank: list[list[int]] = [[] for _ in range(group_size)]
     for slice_index, by_rank in enumerate(shares):
         for rank, local in enumerate(by_rank):
@@ -158,7 +137,7 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
                              dtype=torch.long)
     layout = CPLayout(
         group=group, group_size=group_size, group_rank=group_rank, local_counts=counts,
-        gather_index=gather_index.to(device), full_cu_seqlens=_cumulative(lengths, device),
+        gather_index=gather_index.to(device), full_cu_seqlens=cu_seqlens(lengths, device),
         local_positions=positions.to(device),
     )
     local_per_slice = [len(by_rank[group_rank]) for by_rank in shares]
@@ -168,13 +147,11 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
 def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size: int, group_rank: int,
                    device: torch.device | str = "cpu"):
     """This member's share of a MicroPack as model inputs (a `MicroPackBatch` of local tokens)."""
-    from .batch import MicroPackBatch, build_batch
-
     full = build_batch(micropack, source, kv_store, "cpu")
     layout, local, local_per_slice = build_layout(micropack, group, group_size, group_rank, device)
     fp = full.packed_seq_params
-    cu_q = _cumulative(local_per_slice, device)
-    params = type(fp)(
+    cu_q = cu_seqlens(local_per_slice, device)
+    params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
         max_seqlen_q=max(local_per_slice), max_seqlen_kv=max(local_per_slice),
         sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
@@ -248,41 +225,6 @@ def torch_position_kernel(q, k, v, cu_q, cu_kv, q_positions, scale, dropout_p):
     return torch.cat(outputs)
 
 
-# ---- any bottom-right causal varlen kernel, through position runs --------------------------
-@dataclass
-class PositionRuns:
-    """A member's local queries as maximal runs of consecutive positions, per segment: run
-    [a, b) of segment i attends keys [0, b) of that segment's (prefix + slice) keys, which is
-    exactly bottom-right causal for a run of b - a queries against b keys. The keys of each run
-    are gathered (`key_index`) so that one varlen call covers every run."""
-
-    cu_q: Tensor        # run boundaries over the local queries
-    cu_kv: Tensor       # run boundaries over the gathered keys
-    key_index: Tensor   # rows of the packed (prefix + slice) keys, run after run
-    max_q: int
-    max_kv: int
-
-    @classmethod
-    def of(cls, cu_q: Tensor, cu_kv: Tensor, q_positions: Tensor) -> "PositionRuns":
-        positions = q_positions.detach().cpu().numpy().astype(np.int64)
-        bounds_q = cu_q.detach().cpu().numpy().astype(np.int64)
-        key_starts = cu_kv.detach().cpu().numpy().astype(np.int64)[:-1]
-        segment = np.repeat(np.arange(len(bounds_q) - 1), np.diff(bounds_q))
-        opens = np.ones(len(positions), dtype=bool)
-        opens[1:] = (segment[1:] != segment[:-1]) | (positions[1:] != positions[:-1] + 1)
-        first = np.flatnonzero(opens)
-        last = np.concatenate([first[1:], [len(positions)]]) - 1
-        keys = positions[last] + 1 if len(positions) else np.zeros(0, dtype=np.int64)  # b of each run
-        run_key_start = key_starts[segment[first]] if len(positions) else keys
-        offsets = np.concatenate([[0], np.cumsum(keys)])
-        key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
-        device = q_positions.device
-        to = lambda a: torch.as_tensor(a, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(to(np.concatenate([first, [len(positions)]])), to(offsets),
-                   torch.as_tensor(key_index, dtype=torch.long, device=device),
-                   int((last - first + 1).max(initial=0)), int(keys.max(initial=0)))
-
-
 def runs_attention(attend, q: Tensor, k: Tensor, v: Tensor, runs: PositionRuns) -> Tensor:
     """Position-causal attention of local queries through `attend(q, k, v, cu_q, cu_kv, max_q,
     max_kv)`, a bottom-right causal varlen kernel (TE THD, flash-attn varlen, the torch one)."""
@@ -293,38 +235,21 @@ def runs_attention(attend, q: Tensor, k: Tensor, v: Tensor, runs: PositionRuns) 
 
 
 # ---- the CP path of the sliced core attention ----------------------------------------------
-def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
-    """`SlicedAttentionMixin._sliced` for a member's share of a merged MicroPack.
+def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, params: SlicedSeqParams) -> Tensor:
+    """The sliced core attention for a member's share of a merged MicroPack.
 
     query/key/value: the member's local tokens [T_local, heads, dim]. Returns [T_local, H*D].
     """
-    from .attention import _InjectKVGrad, slice_prefix
-
-    layout: CPLayout = params.cp
-    store, layer = params.kv_store, module.layer_number
+    layout = params.cp
     full = gather_full(torch.stack([key, value], dim=1), layout)  # [T, 2, G, D], natural order
-    full_key, full_value = full[:, 0], full[:, 1]
-    bounds = layout.full_cu_seqlens.tolist()
-    owners, pieces = [], []
-    for i, (sample_id, start) in enumerate(zip(params.sample_ids, params.starts)):
-        begin, end = bounds[i], bounds[i + 1]
-        prefix = slice_prefix(store, sample_id, layer, start)
-        pieces.append(prefix)
-        if params.keeps_kv[i]:
-            entry = store.put(sample_id, layer, start, full_key[begin:end], full_value[begin:end])
-            owners.append((begin, end, sample_id, start, entry))
-    if owners and torch.is_grad_enabled():
-        # The hand-off acts on the gathered K/V, before the reduce-scatter: later slices' dK/dV
-        # accumulated on this member reach the owning members together with this slice's own.
-        full_key, full_value = _InjectKVGrad.apply(full_key, full_value, store, layer, owners)
-    keys, values = [], []
-    for i, prefix in enumerate(pieces):
-        keys += [entry.key for entry in prefix] + [full_key[bounds[i]:bounds[i + 1]]]
-        values += [entry.value for entry in prefix] + [full_value[bounds[i]:bounds[i + 1]]]
+    # The hand-off acts on the gathered K/V, before the reduce-scatter: later slices' dK/dV
+    # accumulated on this member reach the owning members together with this slice's own.
+    keys, values = stored_and_prefixed(params.kv_store, module.layer_number, full[:, 0], full[:, 1],
+                                       layout.full_cu_seqlens.tolist(), params.sample_ids, params.starts,
+                                       params.keeps_kv)
     cu_kv = params.cu_seqlens_attn_kv
     if cu_kv is None:
         raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with build_cp_batch)")
     if layout.runs is None:  # the same for every layer of the MicroPack
         layout.runs = PositionRuns.of(params.cu_seqlens_q, cu_kv, layout.local_positions)
-    return module._attend_positions(query, torch.cat(keys), torch.cat(values), params.cu_seqlens_q, cu_kv,
-                                    layout.local_positions, layout.runs)
+    return runs_attention(module._attend, query, keys, values, layout.runs)

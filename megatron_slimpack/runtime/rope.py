@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import SlicedSeqParams
+from .seq_params import SlicedSeqParams
 
 
 def slice_positions(params: SlicedSeqParams) -> Tensor:

@@ -1,0 +1,96 @@
+"""The metadata that travels with a MicroPack into megatron-core's layers (design.md section 3).
+
+`SlicedSeqParams` is a `PackedSeqParams` (THD) describing the *current* tokens only
+(cu_seqlens_q == cu_seqlens_kv, so megatron's RoPE and reshapes stay right), plus which slice each
+segment is, where its K/V prefix lives and the kernel's own key lengths (prefix + slice). For a
+DP-Merge member's share of a MicroPack (context_parallel.py), `cp` holds the `CPLayout` (how the
+shares fit together) and `token_positions` the local tokens' absolute positions; `PositionRuns`
+is the member's queries as runs of consecutive positions, built once per MicroPack.
+
+Pure data: no module of the runtime is imported here, so every other one can import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from .kv_store import KVStore
+
+
+@dataclass
+class SlicedSeqParams(PackedSeqParams):
+    """THD metadata of one MicroPack: the standard fields describe its current tokens; the
+    extra fields say which slice each segment is and where its K/V prefix lives."""
+
+    sample_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    keeps_kv: list[bool] = field(default_factory=list)  # a later slice of the sample follows
+    kv_store: Optional[KVStore] = None
+    cu_seqlens_attn_kv: Optional[Tensor] = None  # prefix + slice per segment: the kernel's keys
+    max_seqlen_attn_kv: Optional[int] = None
+    # DP-Merge (context_parallel.py): the current tokens are this member's share of the
+    # MicroPack; their absolute positions, and how the shares fit together.
+    token_positions: Optional[Tensor] = None
+    cp: Optional["CPLayout"] = None  # how a merged MicroPack's tokens are shared
+
+    def __post_init__(self):
+        if not (len(self.sample_ids) == len(self.starts) == len(self.keeps_kv)):
+            raise ValueError("SlicedSeqParams: sample_ids, starts and keeps_kv must have one entry per slice")
+
+
+@dataclass
+class CPLayout:
+    """How one MicroPack's tokens are spread over a merge group, seen from one member."""
+
+    group: Optional[dist.ProcessGroup]  # None: a group of one, for tests
+    group_size: int
+    group_rank: int
+    local_counts: list[int]  # tokens each member holds (all members)
+    gather_index: Tensor  # natural pack order -> row of the padded, gathered buffer
+    full_cu_seqlens: Tensor  # slices' full lengths, cumulative (natural pack order)
+    local_positions: Tensor  # absolute position of each local token
+    runs: Optional["PositionRuns"] = None  # built on first use (GPU kernels)
+
+    @property
+    def padded(self) -> int:
+        return max(self.local_counts)
+
+
+@dataclass
+class PositionRuns:
+    """A member's local queries as maximal runs of consecutive positions, per segment: run
+    [a, b) of segment i attends keys [0, b) of that segment's (prefix + slice) keys, which is
+    exactly bottom-right causal for a run of b - a queries against b keys. The keys of each run
+    are gathered (`key_index`) so that one varlen call covers every run."""
+
+    cu_q: Tensor        # run boundaries over the local queries
+    cu_kv: Tensor       # run boundaries over the gathered keys
+    key_index: Tensor   # rows of the packed (prefix + slice) keys, run after run
+    max_q: int
+    max_kv: int
+
+    @classmethod
+    def of(cls, cu_q: Tensor, cu_kv: Tensor, q_positions: Tensor) -> "PositionRuns":
+        positions = q_positions.detach().cpu().numpy().astype(np.int64)
+        bounds_q = cu_q.detach().cpu().numpy().astype(np.int64)
+        key_starts = cu_kv.detach().cpu().numpy().astype(np.int64)[:-1]
+        segment = np.repeat(np.arange(len(bounds_q) - 1), np.diff(bounds_q))
+        opens = np.ones(len(positions), dtype=bool)
+        opens[1:] = (segment[1:] != segment[:-1]) | (positions[1:] != positions[:-1] + 1)
+        first = np.flatnonzero(opens)
+        last = np.concatenate([first[1:], [len(positions)]]) - 1
+        keys = positions[last] + 1 if len(positions) else np.zeros(0, dtype=np.int64)  # b of each run
+        run_key_start = key_starts[segment[first]] if len(positions) else keys
+        offsets = np.concatenate([[0], np.cumsum(keys)])
+        key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
+        device = q_positions.device
+        to = lambda a: torch.as_tensor(a, dtype=torch.int32, device=device)  # noqa: E731
+        return cls(to(np.concatenate([first, [len(positions)]])), to(offsets),
+                   torch.as_tensor(key_index, dtype=torch.long, device=device),
+                   int((last - first + 1).max(initial=0)), int(keys.max(initial=0)))
