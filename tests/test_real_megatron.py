@@ -161,7 +161,8 @@ def test_gradient_clipping(workspace):
     reference = workspace.run("clip-dp1", extra=clip)
     run = workspace.run("clip-dp2", nproc=2, extra=clip)
     assert min(reference.grad_norms) > 0.2, "the clip must be active in every iteration"
-    assert relative_difference(reference.losses[1:], workspace.reference().losses[1:]) > 1e-4
+    # Adam makes clipping a small change of the update, but one beyond the comparison's tolerance
+    assert relative_difference(reference.losses[1:], workspace.reference().losses[1:]) > 2 * RELATIVE
     assert_same_training(run, reference)
 
 
