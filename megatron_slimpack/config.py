@@ -1,7 +1,47 @@
 """`SlimPackConfig`: the planner's knobs, one dataclass shared by the Python API, CLI and flags."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+
+@dataclass(frozen=True)
+class PlannerTunables:
+    """How hard the SlimPack planner searches, not what it plans for: the defaults are the values
+    docs/history.md measured plans with (tests/golden/plans.json holds their plans)."""
+
+    # Phase 1: the heaviest documents CP-SAT decides one by one; the rest is sand poured after it.
+    max_model_items: int = 160
+    # Phase 1: integer resolution of costs inside CP-SAT (seconds times this).
+    cost_scale: int = 1_000_000
+    # Phase 1: sand documents per replica dealt one at a time (the heavy head of the sand); the
+    # rest is poured in contiguous runs.
+    dealt_sand_per_replica: int = 256
+    # The smallest MicroPack (tokens) the planner tries.
+    min_micropack_tokens: int = 1024
+    # Unit candidates of one packing, best quick estimates first, that get a full replay.
+    replayed_candidates: int = 3
+    # MicroPack sizes found by bisection are multiples of this many tokens.
+    size_granule: int = 256
+    # The heaviest replica's bisection between two ladder sizes stops within 1/this of the size
+    # that fits (1: no bisection between sizes a ladder step apart).
+    refine_fraction: int = 16
+    # With a pipeline, a slice may cost this much more than a typical full MicroPack.
+    even_cost_tolerance: float = 1.1
+    # Slices added at most to balance seconds or meet an even cost (each try costs a cut).
+    extra_slices: int = 8
+    # Reweighting rounds that balance a document's slices on seconds rather than work.
+    balancing_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            least = 0 if item.name == "extra_slices" else 1
+            if item.type in ("int", int):
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"PlannerTunables.{item.name} must be an integer >= {least}, got {value!r}")
+            elif not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+                raise ValueError(f"PlannerTunables.{item.name} must be a finite number >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,6 +66,8 @@ class SlimPackConfig:
     solver_deterministic_limit: float | None = None
     seed: int = 0
     solver_workers: int = 1
+    # The search's effort knobs (not exposed as flags).
+    tunables: PlannerTunables = field(default_factory=PlannerTunables)
 
     def with_(self, **changes) -> "SlimPackConfig":
         return replace(self, **changes)

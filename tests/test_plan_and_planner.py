@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_slimpack as ms
+from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
 from megatron_slimpack.solver import dp_phase
 from megatron_slimpack.solver.orders import StageWork, build_stage_orders, replay, segment
@@ -109,14 +110,14 @@ def test_a_small_cap_does_not_cut_a_long_document_into_thousands_of_slices():
     the work-balanced one and gets at most a few more slices."""
     import dataclasses
 
-    from megatron_slimpack.solver.pack_phase import EXTRA_SLICES, PackOptions, cut_document
+    from megatron_slimpack.solver.pack_phase import PackOptions, cut_document
     from megatron_slimpack.solver.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8, cp=2)
     rates = WorkRates.from_cost(COST, parallel, 32768)
     work_balanced = cut_document(Sample(0, 262144), PackOptions(4096, 4096), dataclasses.replace(rates, half_tokens=0.0))
     pieces = cut_document(Sample(0, 262144), PackOptions(4096, 4096), rates)
-    assert len(work_balanced) <= len(pieces) <= len(work_balanced) + EXTRA_SLICES
+    assert len(work_balanced) <= len(pieces) <= len(work_balanced) + PlannerTunables().extra_slices
     assert sum(p.length for p in pieces) == 262144 and max(p.length for p in pieces) <= 4096
 
 
@@ -125,7 +126,7 @@ def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
     should cost about the same. A 16000-token document fits the 16384-token cap whole but costs a
     quarter more than a full pack of short documents (its attention); with `even_costs` it is
     sliced, and no MicroPack costs more than the tolerance over the median."""
-    from megatron_slimpack.solver.pack_phase import EVEN_COST_TOLERANCE, MicroPackCosts, PackOptions, pack_micropacks
+    from megatron_slimpack.solver.pack_phase import MicroPackCosts, PackOptions, pack_micropacks
     from megatron_slimpack.solver.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8)
@@ -139,7 +140,7 @@ def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
         seconds = costs.forward[0] + costs.backward[0]
         spread[even] = seconds.max() / np.median(seconds)
     assert spread[False] > 1.2
-    assert spread[True] <= EVEN_COST_TOLERANCE
+    assert spread[True] <= PlannerTunables().even_cost_tolerance
 
 
 def test_asymmetric_units_differ_from_symmetric_on_heterogeneous_packs():
@@ -354,20 +355,20 @@ def test_cp_sat_balances_and_reports_status():
     assert sorted(i for r in result.replica_samples for i in r) == list(range(500))
 
 
-def test_cp_sat_timeout_falls_back_to_lpt_and_says_so(monkeypatch):
-    monkeypatch.setattr(dp_phase, "MAX_MODEL_ITEMS", 400)
+def test_cp_sat_timeout_falls_back_to_lpt_and_says_so():
     costs = np.random.default_rng(2).lognormal(0, 1.0, size=400)
-    result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1e-6, dp_merge=False)
+    result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1e-6, dp_merge=False,
+                                         tunables=PlannerTunables(max_model_items=400))
     assert "fallback" in result.solver and "LPT" in result.solver["fallback"]
     assert result.solver["source"] == "hint"
     assert sorted(i for r in result.replica_samples for i in r) == list(range(400))
 
 
-def test_a_deterministic_budget_stops_cp_sat_reproducibly_and_is_reported(monkeypatch):
+def test_a_deterministic_budget_stops_cp_sat_reproducibly_and_is_reported():
     """A wall-clock limit makes the plan depend on machine load; a deterministic budget does not."""
-    monkeypatch.setattr(dp_phase, "MAX_MODEL_ITEMS", 400)
     costs = np.random.default_rng(2).lognormal(0, 1.0, size=400)
-    runs = [dp_phase.assign_to_replicas(costs, 8, time_limit_s=600, deterministic_limit=1e-4, dp_merge=False)
+    runs = [dp_phase.assign_to_replicas(costs, 8, time_limit_s=600, deterministic_limit=1e-4, dp_merge=False,
+                                        tunables=PlannerTunables(max_model_items=400))
             for _ in range(2)]
     assert runs[0].replica_samples == runs[1].replica_samples
     assert runs[0].solver["status"] != "OPTIMAL" and "(0.0001 deterministic)" in runs[0].solver["fallback"]
@@ -376,7 +377,7 @@ def test_a_deterministic_budget_stops_cp_sat_reproducibly_and_is_reported(monkey
 def test_sand_with_long_documents_at_its_head_still_balances():
     # More long documents than CP-SAT decides individually: the sand starts with whole long
     # documents, and only the short ones at its end can close each replica's gap.
-    costs = np.array([10.0] * (dp_phase.MAX_MODEL_ITEMS + 45) + [0.1] * 1000)
+    costs = np.array([10.0] * (PlannerTunables().max_model_items + 45) + [0.1] * 1000)
     result = dp_phase.assign_to_replicas(costs, 8, time_limit_s=0.5, dp_merge=False)
     assert result.solver["imbalance"] < 1.001, result.solver
     assert sorted(i for r in result.replica_samples for i in r) == list(range(len(costs)))
@@ -595,12 +596,12 @@ def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():
 
 
 def test_micropack_sizes_to_try_include_three_quarter_steps():
-    from megatron_slimpack.solver.strategies import slice_candidates
+    from megatron_slimpack.solver.ladder import SizeLadder
 
     config = ms.SlimPackConfig(context_length=131072)
-    assert slice_candidates(18432, config) == [18432, 13824, 9216, 6912, 4608, 3456, 2304]
-    assert slice_candidates(2048, config) == [2048, 1536, 1024]
-    assert slice_candidates(18432, ms.SlimPackConfig(context_length=131072, slice_tokens=8192)) == [8192]
+    assert SizeLadder.below_cap(18432, config).micropack_tokens == (18432, 13824, 9216, 6912, 4608, 3456, 2304)
+    assert SizeLadder.below_cap(2048, config).micropack_tokens == (2048, 1536, 1024)
+    assert SizeLadder.below_cap(18432, config.with_(slice_tokens=8192)).micropack_tokens == (8192,)
 
 
 def test_document_too_long_for_one_replica_goes_to_a_memory_driven_merge_group():
@@ -622,7 +623,7 @@ def test_planner_keeps_pipelined_units_within_memory():
     """1F1B keeps pp - s forward units in flight per stage: few large units are fast on paper but
     hold many MicroPacks at once. The planner must only pick unit counts whose stage orders fit."""
     from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
-    from megatron_slimpack.solver.strategies import activation_budget
+    from megatron_slimpack.solver.memory import activation_budget
 
     parallel = ParallelConfig(dp=2, pp=2, tp=2, recompute="selective")
     rng = np.random.default_rng(5)
@@ -639,15 +640,19 @@ def test_planner_keeps_pipelined_units_within_memory():
 
 
 def test_replica_that_cannot_fit_memory_names_the_need_and_the_knobs():
-    from megatron_slimpack.solver.strategies import plan_replica
+    from megatron_slimpack.solver.outcomes import DoesNotFit
+    from megatron_slimpack.solver.replica import plan_replica
     from megatron_slimpack.solver.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=2, tp=8)
     samples = [Sample(i, 8192) for i in range(8)]
     config = ms.SlimPackConfig(context_length=65536)
     rates = WorkRates.from_cost(COST, parallel, 8192)
-    with pytest.raises(PlanError, match=r"memory: replica \[0\] does not fit: .* activation recompute"):
+    with pytest.raises(PlanError, match=r"memory: replica \[0\] does not fit: .* activation recompute") as caught:
         plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, budget=1e6)
+    assert isinstance(caught.value, DoesNotFit)
+    assert caught.value.sample_ids == tuple(range(8)) and caught.value.group_ranks == 1
+    assert caught.value.bytes_available == COST.memory_budget_bytes() < caught.value.bytes_needed
 
 
 def test_pack_figures_count_continued_prefix_and_masked_entries():
@@ -664,7 +669,7 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
 
 
 def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, fullest_stage_bytes
+    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap, fullest_stage_bytes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
@@ -687,7 +692,8 @@ def test_token_cap_counts_logits_only_on_the_last_stage():
     every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
     Megatron's own packing runs there within memory (the simulator agrees)."""
     from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver.strategies import activation_budget, auto_token_cap, new_planner
+    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
+    from megatron_slimpack.solver.strategies import new_planner
 
     context = 65536
     config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
@@ -702,9 +708,10 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     """Packing to even costs slices documents that fit a MicroPack, and a chain holds all its
     MicroPacks until its backward: with 64K MicroPacks on a tight pp2 layout no schedule of that
     packing fits, and without the plain packing the planner fell to half-size MicroPacks."""
+    from megatron_slimpack.solver.ladder import SizeLadder
+    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
     from megatron_slimpack.solver.pack_phase import PackOptions, SortedSamples, pack_micropacks
-    from megatron_slimpack.solver.strategies import (_ReplicaSearch, activation_budget, auto_token_cap, plan_replica,
-                                                     slice_candidates)
+    from megatron_slimpack.solver.replica import ReplicaSearch, plan_replica
     from megatron_slimpack.solver.work import WorkRates
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
@@ -717,20 +724,21 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     budget = activation_budget(LLAMA_13B, TIGHT_PP2)
     even = pack_micropacks(SortedSamples(samples, rates), PackOptions(cap, cap, even_costs=True), rates)
     assert any(piece.length < lengths[piece.sample_id] for pack in even for piece in pack.slices)  # sliced to even costs
-    search = _ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, TIGHT_PP2, False, [0], budget)
-    assert not search.consider(even, {"micropack_tokens": cap}) and search.best is None
-    replica, makespan, choice = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
-    assert choice["micropack_tokens"] == cap == context
+    search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, TIGHT_PP2, False, [0], budget)
+    assert not search.consider(even, cap) and search.best is None
+    replica, outcome = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
+    assert outcome.micropack_tokens == cap == context
     assert all(piece.length == lengths[piece.sample_id] for pack in replica.micropacks for piece in pack.slices)
-    halved = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False,
-                          sizes=[size for size in slice_candidates(cap, config) if size <= cap // 2])
-    assert makespan < 0.95 * halved[1]
+    ladder = SizeLadder.below_cap(cap, config)
+    halved = SizeLadder(tuple(tokens for tokens in ladder.micropack_tokens if tokens <= cap // 2))
+    _, halved_outcome = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False, ladder=halved)
+    assert outcome.makespan_s < 0.95 * halved_outcome.makespan_s
 
 
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
     """A document within the token cap is one MicroPack like any other (no KV cache): if the cap
     fits memory, so does it. Only longer ones, whose slices are all in flight, may need a group."""
-    from megatron_slimpack.solver.strategies import auto_token_cap, merge_group_sizes
+    from megatron_slimpack.solver.memory import auto_token_cap, merge_group_sizes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536)
@@ -741,45 +749,74 @@ def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
     assert sizes[3] > 1
 
 
+def best_without_base_merge(lengths, parallel, cost, config):
+    """What the search plans before any base-merge fallback: every sizing at base merge 1, the
+    fastest prediction kept (a PlannedBatch)."""
+    import itertools
+
+    from megatron_slimpack.solver.search import SlimPackSearch
+
+    search = SlimPackSearch(lengths, parallel, cost, config)
+    first = itertools.takewhile(lambda attempt: attempt.base_merge == 1, search.attempts())
+    return search.best_at(1, [attempt.sizing for attempt in first])
+
+
+def merge_nothing_for_memory(monkeypatch):
+    """Replace the per-document merge group estimate by one that merges nothing."""
+    from megatron_slimpack.solver import memory, search
+
+    def ones(lengths, *_):
+        return np.ones(len(lengths), dtype=int)
+
+    monkeypatch.setattr(memory, "merge_group_sizes", ones)  # behind largest_merged_micropack
+    monkeypatch.setattr(search, "merge_group_sizes", ones)
+
+
 def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_again(monkeypatch):
     """Merge groups are sized by a per-document estimate; when a replica's real schedule still
     does not fit, its sliced documents get twice the group. Here the estimate is replaced by one
     that merges nothing (and merging for balance is off), so only the retry can make the 64K
     document fit."""
     from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver import strategies
+    from megatron_slimpack.solver import search
+    from megatron_slimpack.solver.ladder import SizeLadder
+    from megatron_slimpack.solver.memory import auto_token_cap, merge_group_sizes
+    from megatron_slimpack.solver.outcomes import DoesNotFit
+    from megatron_slimpack.solver.strategies import plan_slimpack
 
     parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
     lengths = [65536] + [2048] * 24
-    sizes = strategies.slice_candidates(strategies.auto_token_cap(COST, parallel, config), config)
-    assert strategies.merge_group_sizes(lengths, COST, parallel, sizes, dp_merge=True)[0] > 1
-    monkeypatch.setattr(strategies, "merge_group_sizes", lambda lengths, *_: np.ones(len(lengths), dtype=int))
+    ladder = SizeLadder.below_cap(auto_token_cap(COST, parallel, config), config)
+    assert merge_group_sizes(lengths, COST, parallel, list(ladder.micropack_tokens), dp_merge=True)[0] > 1
+    merge_nothing_for_memory(monkeypatch)
 
-    plan = strategies.plan_slimpack(lengths, parallel, COST, config).validate()
+    plan = plan_slimpack(lengths, parallel, COST, config).validate()
     holder = next(r for r in plan.replicas if any(s.sample_id == 0 for m in r.micropacks for s in m.slices))
     assert len(holder.dp_ranks) >= 2
     assert max(simulate(plan, COST).peak_memory_bytes) <= COST.memory_budget_bytes()
 
-    monkeypatch.setattr(strategies, "_grown_groups", lambda *_: None)  # no retry: the replica does not fit
-    with pytest.raises(strategies.ReplicaDoesNotFit, match="does not fit"):
-        strategies._plan_fitted(lengths, parallel, COST, config, False, True)
+    monkeypatch.setattr(search, "grown_groups", lambda *_: None)  # no retry: the replica does not fit
+    with pytest.raises(DoesNotFit, match="does not fit") as caught:
+        best_without_base_merge(lengths, parallel, COST, config)
+    assert 0 in caught.value.sample_ids and caught.value.group_ranks == 1
+    assert caught.value.bytes_needed > caught.value.bytes_available == COST.memory_budget_bytes()
 
 
 def test_replicas_that_do_not_fit_are_grown_in_one_replanning(monkeypatch):
     """Two 64K documents land on two replicas and need groups of four: both failures are collected
     in each planning and both documents' groups grown before the batch is planned again (1, 2,
     then 4 replicas: three plannings, where one failure per planning took five)."""
-    from megatron_slimpack.solver import strategies
+    from megatron_slimpack.solver.search import SlimPackSearch
 
     parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
     lengths = [65536, 65536] + [2048] * 48
-    monkeypatch.setattr(strategies, "merge_group_sizes", lambda lengths, *_: np.ones(len(lengths), dtype=int))
+    merge_nothing_for_memory(monkeypatch)
     plannings = []
-    plan_with_groups = strategies._plan_with_groups
-    monkeypatch.setattr(strategies, "_plan_with_groups", lambda *args: plannings.append(1) or plan_with_groups(*args))
-    plan = strategies._plan_fitted(lengths, parallel, COST, config, False, True).validate()
+    plan_groups = SlimPackSearch.plan_groups
+    monkeypatch.setattr(SlimPackSearch, "plan_groups", lambda *args: plannings.append(1) or plan_groups(*args))
+    plan = best_without_base_merge(lengths, parallel, COST, config).plan.validate()
     assert len(plannings) == 3
     for document in (0, 1):
         holder = next(r for r in plan.replicas if any(s.sample_id == document for m in r.micropacks for s in m.slices))
@@ -788,64 +825,74 @@ def test_replicas_that_do_not_fit_are_grown_in_one_replanning(monkeypatch):
 
 def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_largest_size_that_does_is_planned(
         monkeypatch):
-    """The second merge sizing searches the largest MicroPack size (in SIZE_GRANULE steps) next to
+    """The second merge sizing searches the largest MicroPack size (in size_granule steps) next to
     which every document fits a group, whatever the ladder of sizes, and plans with it as the cap."""
-    from megatron_slimpack.solver import strategies as S
+    from megatron_slimpack.solver.ladder import SizeLadder
+    from megatron_slimpack.solver.memory import largest_merged_micropack, merge_group_sizes
+    from megatron_slimpack.solver.outcomes import DoesNotFit
+    from megatron_slimpack.solver.search import SlimPackSearch
 
     cost, parallel = ms.CostModel.analytic("llama-70b", "h100-sxm"), ParallelConfig(dp=4, pp=8, tp=4, recompute="selective")
     config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=18432, solver_time_limit_s=60,
                                solver_deterministic_limit=0.1)
+    tunables, ladder = config.tunables, SizeLadder.below_cap(18432, config)
     lengths = [131072] + [int(x) for x in np.random.default_rng(4).lognormal(8, 1.3, 300).clip(16, 16384)]
-    with pytest.raises(PlanError, match="131072-token document"):
-        S.merge_group_sizes(lengths, cost, parallel, [18432], True)
-    largest, groups = S.largest_merged_micropack(lengths, cost, parallel, 18432, True)
-    assert largest % S.SIZE_GRANULE == 0 and S.MIN_MICROPACK_TOKENS < largest < 18432
-    assert largest not in S.slice_candidates(18432, config)
-    assert np.array_equal(groups, S.merge_group_sizes(lengths, cost, parallel, [largest], True))
-    with pytest.raises(PlanError, match="131072-token document"):
-        S.merge_group_sizes(lengths, cost, parallel, [largest + S.SIZE_GRANULE], True)
+    with pytest.raises(DoesNotFit, match="131072-token document") as caught:
+        merge_group_sizes(lengths, cost, parallel, [18432], True)
+    assert caught.value.sample_ids == (0,) and caught.value.bytes_needed > caught.value.bytes_available
+    largest, groups = largest_merged_micropack(lengths, cost, parallel, ladder, True)
+    assert largest % tunables.size_granule == 0 and tunables.min_micropack_tokens < largest < 18432
+    assert largest not in ladder.micropack_tokens
+    assert np.array_equal(groups, merge_group_sizes(lengths, cost, parallel, [largest], True))
+    with pytest.raises(DoesNotFit, match="131072-token document"):
+        merge_group_sizes(lengths, cost, parallel, [largest + tunables.size_granule], True)
     planned = []
-    grow = S._plan_growing_groups
-    monkeypatch.setattr(S, "_plan_growing_groups", lambda *args: planned.append((args[4], args[6].copy())) or grow(*args))
-    S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
-    for_smallest = S.merge_group_sizes(lengths, cost, parallel, S.slice_candidates(18432, config), True)
-    assert [cap for cap, _ in planned] == [18432, largest]
-    assert np.array_equal(planned[0][1], for_smallest) and np.array_equal(planned[1][1], groups)
+    plan_sizing = SlimPackSearch.plan_sizing
+    monkeypatch.setattr(SlimPackSearch, "plan_sizing",
+                        lambda self, view, sizing: planned.append(sizing) or plan_sizing(self, view, sizing))
+    best_without_base_merge(lengths, parallel, cost, config).plan.validate()
+    for_smallest = merge_group_sizes(lengths, cost, parallel, list(ladder.micropack_tokens), True)
+    assert [sizing.token_cap for sizing in planned] == [18432, largest]
+    assert np.array_equal(planned[0].group_ranks, for_smallest) and np.array_equal(planned[1].group_ranks, groups)
     assert groups[0] > for_smallest[0]
     planned.clear()  # a slice size the user set is kept: one sizing, at the cap
-    S._plan_fitted(lengths, parallel, cost, config.with_(slice_tokens=4096), False, True).validate()
-    assert [cap for cap, _ in planned] == [18432]
+    best_without_base_merge(lengths, parallel, cost, config.with_(slice_tokens=4096)).plan.validate()
+    assert [sizing.token_cap for sizing in planned] == [18432]
 
 
-def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does(monkeypatch):
+def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does():
     """MicroPack sizes are tried largest first on a ladder a quarter to a third apart; where one
     does not fit and the next does, the sizes between are bisected, and the largest that fits (here
     next to a 128K document's chain) beats the ladder's."""
-    from megatron_slimpack.solver import strategies as S
+    from megatron_slimpack.solver.ladder import SizeLadder
+    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
     from megatron_slimpack.solver.pack_phase import SortedSamples
+    from megatron_slimpack.solver.replica import ReplicaSearch, plan_replica
     from megatron_slimpack.solver.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=4, recompute="selective")
     context = 131072
     config = ms.SlimPackConfig(context_length=context)
     lengths = [context] + [int(x) for x in np.random.default_rng(6).lognormal(8, 1.3, 200).clip(16, 8192)]
-    samples, cap = samples_of(lengths), S.auto_token_cap(LLAMA_13B, parallel, config)
+    samples, cap = samples_of(lengths), auto_token_cap(LLAMA_13B, parallel, config)
     rates = WorkRates.from_cost(LLAMA_13B, parallel, cap)
-    ladder = S.slice_candidates(cap, config)
+    ladder = SizeLadder.below_cap(cap, config).micropack_tokens
 
     def fits(size):
-        search = S._ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, parallel, False, [0],
-                                  S.activation_budget(LLAMA_13B, parallel))
+        search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, parallel, False, [0],
+                               activation_budget(LLAMA_13B, parallel))
         return search.try_size(size)
 
     first_fit = next(index for index, size in enumerate(ladder) if fits(size))
     assert first_fit > 0
     too_large, below = ladder[first_fit - 1], ladder[first_fit]
-    _, makespan, choice = S.plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
-    assert below < choice["micropack_tokens"] < too_large and choice["micropack_tokens"] % S.SIZE_GRANULE == 0
-    monkeypatch.setattr(S, "REFINE_FRACTION", 1)  # sizes a ladder step apart are not bisected: the ladder alone
-    _, ladder_makespan, ladder_choice = S.plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
-    assert ladder_choice["micropack_tokens"] in ladder and makespan < ladder_makespan
+    _, outcome = plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
+    assert below < outcome.micropack_tokens < too_large
+    assert outcome.micropack_tokens % config.tunables.size_granule == 0
+    # Sizes a ladder step apart are not bisected with refine_fraction 1: the ladder alone.
+    rungs_only = config.with_(tunables=PlannerTunables(refine_fraction=1))
+    _, rung_outcome = plan_replica(samples, LLAMA_13B, parallel, rungs_only, rates, cap, [0], False)
+    assert rung_outcome.micropack_tokens in ladder and outcome.makespan_s < rung_outcome.makespan_s
 
 
 def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
@@ -866,25 +913,35 @@ def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view(
 
 
 def test_slimpack_shares_every_micropack_when_no_replica_fits_alone(monkeypatch):
-    """Where no plan of the layout fits (here: forced for cp=1), SlimPack plans dp/2 replicas with
-    2-fold context parallelism and runs them as DP-Merge groups of two."""
-    from megatron_slimpack.solver import strategies
+    """Where no plan of the layout fits (here: forced for base merge 1), SlimPack plans dp/2
+    replicas with 2-fold context parallelism and runs them as DP-Merge groups of two. Only a
+    DoesNotFit falls back: any other planning error is raised as it is."""
+    from megatron_slimpack.solver.outcomes import DoesNotFit
+    from megatron_slimpack.solver.search import SlimPackSearch
+    from megatron_slimpack.solver.strategies import plan_slimpack
 
-    fitted = strategies._plan_fitted
+    best_at = SlimPackSearch.best_at
 
-    def fits_only_shared(lengths, parallel, *args):
-        if parallel.cp == 1:
-            raise PlanError("memory: nothing fits (forced by the test)")
-        return fitted(lengths, parallel, *args)
+    def fits_only_shared(self, base_merge, sizings):
+        if base_merge == 1:
+            raise DoesNotFit("memory: nothing fits (forced by the test)")
+        return best_at(self, base_merge, sizings)
 
-    monkeypatch.setattr(strategies, "_plan_fitted", fits_only_shared)
+    monkeypatch.setattr(SlimPackSearch, "best_at", fits_only_shared)
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack")
     parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
-    plan = strategies.plan_slimpack([30000, 20000] + [3000] * 40, parallel, COST, config).validate()
+    plan = plan_slimpack([30000, 20000] + [3000] * 40, parallel, COST, config).validate()
     assert plan.parallel == parallel and plan.metadata["base_merge"] == 2
     assert sorted(tuple(r.dp_ranks) for r in plan.replicas if r.micropacks) == [(0, 1), (2, 3)]
-    with pytest.raises(PlanError, match="forced by the test"):  # dp=1 cannot share: the first error
-        strategies.plan_slimpack([3000] * 10, parallel.with_(dp=1), COST, config)
+    with pytest.raises(DoesNotFit, match="forced by the test"):  # dp=1 cannot share: the first error
+        plan_slimpack([3000] * 10, parallel.with_(dp=1), COST, config)
+
+    def fails_otherwise(self, base_merge, sizings):
+        raise PlanError("not about memory (forced by the test)")
+
+    monkeypatch.setattr(SlimPackSearch, "best_at", fails_otherwise)
+    with pytest.raises(PlanError, match="not about memory"):
+        plan_slimpack([30000, 20000] + [3000] * 40, parallel, COST, config)
 
 
 def test_base_merge_asked_for_shares_every_micropack():
@@ -905,8 +962,9 @@ def test_base_merge_asked_for_shares_every_micropack():
 def test_packing_bound_never_exceeds_the_replica_schedule(cp):
     """The planner skips a MicroPack size whose packing bound is above its best schedule so far:
     the bound must hold for every size, with or without context parallelism."""
+    from megatron_slimpack.solver.ladder import SizeLadder
     from megatron_slimpack.solver.pack_phase import SortedSamples
-    from megatron_slimpack.solver.strategies import packing_bound_s, plan_replica
+    from megatron_slimpack.solver.replica import packing_bound_s, plan_replica
     from megatron_slimpack.solver.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=4, cp=cp, recompute="selective")
@@ -914,9 +972,9 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
     samples, config = samples_of(lengths), ms.SlimPackConfig(context_length=32768)
     rates = WorkRates.from_cost(COST, parallel, 8192)
     for size in (8192, 4096, 2048):
-        _, makespan, _ = plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, sizes=[size])
+        _, outcome = plan_replica(samples, COST, parallel, config, rates, 8192, [0], False, ladder=SizeLadder((size,)))
         bound = packing_bound_s(SortedSamples(samples, rates), size, COST, parallel)
-        assert 0 < bound <= makespan
+        assert outcome.micropack_tokens == size and 0 < bound <= outcome.makespan_s
 
 
 @pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
@@ -928,7 +986,8 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
     group next to the largest ones. Neither wins everywhere (with pp4 keeping it closer wins; with
     pp2 the small MicroPacks cost the replica more than the larger group idles), so the planner
     plans both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
-    from megatron_slimpack.solver import strategies as S
+    from megatron_slimpack.solver.memory import auto_token_cap
+    from megatron_slimpack.solver.search import SlimPackSearch, Sizing
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)
     # A deterministic CP-SAT budget: the three plannings below must see the same solver results.
@@ -936,16 +995,17 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
                                solver_deterministic_limit=0.1)
     rng = np.random.default_rng(3)
     lengths = [context] + [int(x) for x in rng.lognormal(8, 1.3, 150).clip(16, short_max)]
-    cap = S.auto_token_cap(cost, parallel, config)
-    sizes = S.slice_candidates(cap, config)
-    for_smallest = S.merge_group_sizes(lengths, cost, parallel, sizes, True)
-    largest, for_largest = S.largest_merged_micropack(lengths, cost, parallel, cap, True)
-    assert (for_smallest[0], for_largest[0]) == groups
-    both = [S.predicted_iteration_s(S._plan_growing_groups(lengths, parallel, cost, config, size,
-                                                           S.slice_candidates(size, config), sized, False, True))
-            for size, sized in ((cap, for_smallest), (largest, for_largest))]
-    chosen = S._plan_fitted(lengths, parallel, cost, config, False, True).validate()
-    assert S.predicted_iteration_s(chosen) == min(both) == both[faster] < both[1 - faster]
+    cap = auto_token_cap(cost, parallel, config)
+    search = SlimPackSearch(lengths, parallel, cost, config)
+    sized = [search.size_groups(sizing, parallel, cap) for sizing in (Sizing.SMALLEST_GROUPS, Sizing.LARGEST_MICROPACKS)]
+    assert sized[0].token_cap == cap
+    assert (sized[0].group_ranks[0], sized[1].group_ranks[0]) == groups
+    both = [search.plan_sizing(parallel, sizing).predicted_iteration_s for sizing in sized]
+    chosen = best_without_base_merge(lengths, parallel, cost, config)
+    chosen.plan.validate()
+    assert chosen.predicted_iteration_s == min(both) == both[faster] < both[1 - faster]
+    # The metadata reports the outcomes the prediction is made of.
+    assert chosen.plan.metadata["replicas"] == [outcome.to_dict() for outcome in chosen.outcomes]
 
 
 def test_cli_plan_passes_the_deterministic_budget_to_cp_sat(tmp_path, capsys):

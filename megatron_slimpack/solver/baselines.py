@@ -36,6 +36,7 @@ from ..plan import (MicroPack, Plan, PlanError, ReplicaPlan, Sample, SampleSourc
                     check_sources, overlapping_documents, samples_of)
 from ..specs import ParallelConfig
 from .orders import stage_orders
+from .outcomes import DoesNotFit
 from .pack_phase import PackOptions, cut_document
 from .strategies import StepPlanner, register, register_stateful, with_input_sources
 from .work import WorkRates
@@ -574,10 +575,11 @@ def max_tokens_per_rank(cost: CostModel, parallel: ParallelConfig, config: SlimP
     while tokens > 256 and need(tokens) > budget:
         tokens //= 2
     if need(tokens) > budget:
-        raise PlanError(
+        raise DoesNotFit(
             f"memory: with {parallel.describe()} a {cost.model.name} replica has "
             f"{format_bytes(max(budget, 0))} left after weights and optimizer state on {cost.hardware.name}, "
-            f"not enough for {tokens} tokens per rank; use more tensor parallelism or recompute"
+            f"not enough for {tokens} tokens per rank; use more tensor parallelism or recompute",
+            bytes_needed=cost.static_memory_bytes(parallel) + need(tokens), bytes_available=cost.memory_budget_bytes(),
         )
     return min(tokens, config.context_length)
 
@@ -637,9 +639,10 @@ def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: 
     scheduler = scheduler_class(per_rank_tokens, _PoolSize(parallel.dp))
     widest = scheduler.gpus_needed(max(lengths))
     if widest > parallel.dp:
-        raise PlanError(
+        raise DoesNotFit(
             f"memory: a {max(lengths)}-token document needs CP {widest} at {per_rank_tokens} tokens per rank, "
-            f"more than the {parallel.dp} GPUs of the DP x CP pool; use more GPUs, recompute or tensor parallelism"
+            f"more than the {parallel.dp} GPUs of the DP x CP pool; use more GPUs, recompute or tensor parallelism",
+            sample_ids=[int(np.argmax(lengths))], group_ranks=widest,
         )
     try:
         _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)

@@ -22,10 +22,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-# How many of the heaviest documents CP-SAT decides individually.
-MAX_MODEL_ITEMS = 160
-# Integer resolution of costs inside CP-SAT.
-COST_SCALE = 1_000_000
+from ..config import PlannerTunables
 
 
 @dataclass
@@ -56,11 +53,13 @@ def assign_to_replicas(
     merge_threshold: float = 1.0,
     min_group: np.ndarray | None = None,
     merged_cost: Callable[[int, int], float] | None = None,
+    tunables: PlannerTunables = PlannerTunables(),
 ) -> Assignment:
     """Balance `costs` (seconds per document) over `dp` replicas. `min_group[i]` > 1 says document
     i only fits memory when that many replicas share it (DP-Merge driven by memory);
     `merged_cost(i, k)` is what document i costs each of k replicas sharing it (default: an even
-    split at 90% efficiency)."""
+    split at 90% efficiency). `tunables`: how many documents CP-SAT decides, at what resolution,
+    and how much of the sand is dealt one by one."""
     costs = np.asarray(costs, dtype=float)
     started = time.perf_counter()
     fixed_load = np.zeros(dp)
@@ -74,7 +73,7 @@ def assign_to_replicas(
     if dp == 1:
         replicas, solver = [free.tolist()], {"status": "trivial"}
     else:
-        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, deterministic_limit, seed, workers)
+        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, deterministic_limit, seed, workers, tunables)
     loads = [fixed_load[r] + costs[replicas[r]].sum() for r in range(dp)]
     solver["time_s"] = time.perf_counter() - started
     solver["imbalance"] = max(loads) / (sum(loads) / dp) if sum(loads) > 0 else 1.0
@@ -137,12 +136,13 @@ def _hint(scaled: dict[int, int], heavy: np.ndarray, costs: np.ndarray, fixed_lo
 
 def _solve(
     costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float,
-    deterministic_limit: float | None, seed: int, workers: int
+    deterministic_limit: float | None, seed: int, workers: int, tunables: PlannerTunables,
 ) -> tuple[list[list[int]], dict]:
-    heavy, sand = order[:MAX_MODEL_ITEMS], order[MAX_MODEL_ITEMS:]
-    scaled = {int(i): int(round(costs[i] * COST_SCALE)) for i in heavy}
-    sand_total = int(round(costs[sand].sum() * COST_SCALE))
-    fixed = [int(round(load * COST_SCALE)) for load in fixed_load]
+    scale = tunables.cost_scale
+    heavy, sand = order[:tunables.max_model_items], order[tunables.max_model_items:]
+    scaled = {int(i): int(round(costs[i] * scale)) for i in heavy}
+    sand_total = int(round(costs[sand].sum() * scale))
+    fixed = [int(round(load * scale)) for load in fixed_load]
     hint = _hint(scaled, heavy, costs, fixed_load, fixed, sand_total)
     model, assign, sand_amount = _build_model(scaled, heavy, fixed, sand_total, hint)
     solver = cp_model.CpSolver()
@@ -153,15 +153,15 @@ def _solve(
     solver.parameters.num_workers = workers
     # Presolve's symmetry breaking would otherwise declare the LPT hint infeasible and drop it.
     solver.parameters.keep_all_feasible_solutions_in_presolve = True
-    status = solver.Solve(model)
-    status_name = solver.StatusName(status)
+    status = solver.solve(model)
+    status_name = solver.status_name(status)
     report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand)),
-              "hint": hint.makespan / COST_SCALE}
+              "hint": hint.makespan / scale}
     solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    objective = solver.ObjectiveValue() if solved else math.inf
+    objective = solver.objective_value if solved else math.inf
     if solved:
-        bound = solver.BestObjectiveBound()
-        report.update(objective=objective / COST_SCALE, bound=bound / COST_SCALE,
+        bound = solver.best_objective_bound
+        report.update(objective=objective / scale, bound=bound / scale,
                       gap=(objective - bound) / objective if objective else 0.0)
     use_hint = objective >= hint.makespan
     report["source"] = "hint" if use_hint else "cp-sat"
@@ -172,11 +172,11 @@ def _solve(
     replicas: list[list[int]] = [[] for _ in fixed_load]
     for index in map(int, heavy):
         rank = (hint.rank_of[index] if use_hint
-                else next(r for r in range(len(fixed_load)) if solver.Value(assign[index, r])))
+                else next(r for r in range(len(fixed_load)) if solver.value(assign[index, r])))
         replicas[rank].append(index)
-    amounts = hint.sand_amounts if use_hint else [solver.Value(amount) for amount in sand_amount]
-    targets = [amount / COST_SCALE for amount in amounts]
-    _pour_sand(costs, sand, replicas, targets)
+    amounts = hint.sand_amounts if use_hint else [solver.value(amount) for amount in sand_amount]
+    targets = [amount / scale for amount in amounts]
+    _pour_sand(costs, sand, replicas, targets, tunables.dealt_sand_per_replica)
     return replicas, report
 
 
@@ -189,22 +189,22 @@ def _build_model(scaled: dict[int, int], heavy: np.ndarray, fixed: list[int], sa
     for index in heavy:
         index = int(index)
         for rank in range(dp):
-            assign[index, rank] = model.NewBoolVar(f"doc{index}_on_{rank}")
-            model.AddHint(assign[index, rank], hint.rank_of.get(index) == rank)
-        model.AddExactlyOne(assign[index, rank] for rank in range(dp))
-    sand_amount = [model.NewIntVar(0, sand_total, f"sand_{rank}") for rank in range(dp)]
-    model.Add(sum(sand_amount) == sand_total)
+            assign[index, rank] = model.new_bool_var(f"doc{index}_on_{rank}")
+            model.add_hint(assign[index, rank], hint.rank_of.get(index) == rank)
+        model.add_exactly_one(assign[index, rank] for rank in range(dp))
+    sand_amount = [model.new_int_var(0, sand_total, f"sand_{rank}") for rank in range(dp)]
+    model.add(sum(sand_amount) == sand_total)
     for rank, amount in enumerate(hint.sand_amounts):
-        model.AddHint(sand_amount[rank], amount)
-    makespan = model.NewIntVar(0, upper, "makespan")
-    model.AddHint(makespan, hint.makespan)
+        model.add_hint(sand_amount[rank], amount)
+    makespan = model.new_int_var(0, upper, "makespan")
+    model.add_hint(makespan, hint.makespan)
     for rank in range(dp):
         load = sum(scaled[int(i)] * assign[int(i), rank] for i in heavy) + sand_amount[rank] + fixed[rank]
-        model.Add(load <= makespan)
+        model.add(load <= makespan)
     # Replicas are interchangeable when they carry no fixed load: break the symmetry.
     if len(heavy) and not any(fixed):
-        model.Add(assign[int(heavy[0]), 0] == 1)
-    model.Minimize(makespan)
+        model.add(assign[int(heavy[0]), 0] == 1)
+    model.minimize(makespan)
     return model, assign, sand_amount
 
 
@@ -229,20 +229,16 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
     return amounts
 
 
-# Sand documents per replica dealt one by one (the heaviest part of the sand); the rest, each no
-# heavier than any of those, is poured in contiguous runs.
-DEALT_SAND_PER_REPLICA = 256
-
-
-def _pour_sand(costs, sand, replicas, targets) -> None:
-    """Deal the sand (largest first) so each replica meets its target: the heavy head one document
-    at a time to the replica furthest below its target, then the light tail in contiguous runs
+def _pour_sand(costs, sand, replicas, targets, dealt_per_replica: int) -> None:
+    """Deal the sand (largest first) so each replica meets its target: the heavy head
+    (`dealt_per_replica` documents per replica) one document at a time to the replica furthest
+    below its target, then the light tail, each no heavier than any of those, in contiguous runs
     that fill what each still lacks. Each replica ends within about one tail document of its
     target, even when the sand's head holds whole long documents (a batch with more long ones
-    than MAX_MODEL_ITEMS)."""
+    than CP-SAT decides, `PlannerTunables.max_model_items`)."""
     if len(sand) == 0:
         return
-    dealt = min(len(sand), DEALT_SAND_PER_REPLICA * len(replicas))
+    dealt = min(len(sand), dealt_per_replica * len(replicas))
     head, tail = sand[:dealt], sand[dealt:]
     gaps = [(-target, rank) for rank, target in enumerate(targets)]  # (minus the amount still wanted, rank)
     heapq.heapify(gaps)

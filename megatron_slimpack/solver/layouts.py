@@ -37,8 +37,9 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
-from .strategies import (StepPlanner, auto_token_cap, check_plan_input, cyclic_gc_paused, document_memory_bytes,
-                         new_planner)
+from .memory import auto_token_cap, document_memory_bytes
+from .outcomes import DoesNotFit
+from .strategies import StepPlanner, check_plan_input, cyclic_gc_paused, new_planner
 from .work import causal_pairs
 
 
@@ -76,7 +77,7 @@ LAYOUT_CONSTRAINTS: dict[str, LayoutConstraints] = {
 #   document:      the longest document, whole
 #   half-document: the larger piece of the longest document (it may be cut at a sequence boundary)
 #   merged-document: the longest document, whole, shared by the largest DP-Merge group (SlimPack's
-#                  own memory rule, `strategies.document_memory_bytes`, with CP widened by the group)
+#                  own memory rule, `memory.document_memory_bytes`, with CP widened by the group)
 #   none:          nothing fixed (the strategy sizes its work to memory itself)
 MINIMUM_IN_FLIGHT: dict[str, str] = {
     "megatron-fixed": "sequence",
@@ -105,9 +106,9 @@ SPLITS_DOCUMENTS = {"megatron-fixed", "slimpipe"}
 
 @dataclass
 class Rejection:
-    """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner,
-    simulated-memory, simulation, invalid (infeasible) or bound, recompute-cascade (not evaluated,
-    because they could not win)."""
+    """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner (the
+    strategy raised DoesNotFit), simulated-memory, simulation, invalid (infeasible) or bound,
+    recompute-cascade (not evaluated, because they could not win)."""
 
     parallel: ParallelConfig
     kind: str
@@ -298,7 +299,7 @@ def _largest_micropack(cost: CostModel, parallel: ParallelConfig, config: SlimPa
         view = parallel.with_(dp=parallel.dp // base, cp=parallel.cp * base)
         try:
             largest = max(largest, auto_token_cap(cost, view, config) / base)
-        except PlanError:  # no MicroPack fits this view: nothing to plan there
+        except DoesNotFit:  # no MicroPack fits this view: nothing to plan there
             pass
         base *= 2
     return largest
@@ -375,7 +376,7 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
         plan.validate()
         report = simulate(plan, cost, detail=False)
     except PlanError as error:
-        kind = "planner" if str(error).startswith("memory") else "invalid"
+        kind = "planner" if isinstance(error, DoesNotFit) else "invalid"
         return Rejection(run.parallel, kind, f"{where}: {error}")
     except SimulationError as error:
         return Rejection(run.parallel, "simulation", f"{where}: {error}")

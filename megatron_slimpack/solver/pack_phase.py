@@ -22,6 +22,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from ..config import PlannerTunables
 from ..costmodel import CostModel
 from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, pack_figures, slice_table, whole_slices
 from ..specs import ParallelConfig
@@ -37,10 +38,8 @@ class PackOptions:
     # Also slice documents that cost more than a typical full MicroPack, so MicroPacks cost about
     # the same: what a pipeline needs (each stage waits on its neighbours' slower unit).
     even_costs: bool = False
-
-
-EVEN_COST_TOLERANCE = 1.1  # a slice may cost this much more than a typical full MicroPack
-EXTRA_SLICES = 8  # slices added at most to balance seconds or meet `slice_cost` (each try costs a cut)
+    # The search's knobs: packing reads even_cost_tolerance, extra_slices and balancing_rounds.
+    tunables: PlannerTunables = PlannerTunables()
 
 
 def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_cost: float | None = None) -> list[Slice]:
@@ -58,16 +57,17 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_c
     if not options.cost_balanced_slices:
         return _slices(sample, _uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
     count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, options.token_cap), rates)))
-    while _longest(_balanced_bounds(length, count, rates, by_seconds=False)) > options.token_cap:
+    while _longest(_balanced_bounds(length, count, rates, 1)) > options.token_cap:  # 1 round: work-balanced
         count += 1  # rounding only: the estimate above is exact up to it
     if slice_cost:
         count = max(count, math.ceil(rates.document(length) / slice_cost))
-    for extra in range(EXTRA_SLICES + 1):
-        bounds = _balanced_bounds(length, count + extra, rates)
+    extra_slices, rounds = options.tunables.extra_slices, options.tunables.balancing_rounds
+    for extra in range(extra_slices + 1):
+        bounds = _balanced_bounds(length, count + extra, rates, rounds)
         if _longest(bounds) <= options.token_cap and (
                 slice_cost is None or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
             return _slices(sample, bounds)
-    return _slices(sample, _balanced_bounds(length, count + EXTRA_SLICES, rates, by_seconds=False))
+    return _slices(sample, _balanced_bounds(length, count + extra_slices, rates, 1))
 
 
 def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
@@ -96,17 +96,18 @@ def _uniform_bounds(length: int, count: int) -> list[int]:
 
 
 @lru_cache(maxsize=1 << 16)
-def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool = True) -> tuple[int, ...]:
+def _balanced_bounds(length: int, count: int, rates: WorkRates, rounds: int) -> tuple[int, ...]:
     """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
-    a*x + b*x^2/2; inverted at equal steps it balances work. A later, shorter slice runs at lower
-    kernel efficiency, so the steps are then reweighted by each slice's size penalty (twice: the
-    penalties barely move after that) to balance seconds. (Cached: every MicroPack size the
-    planner tries cuts the same long documents, mostly into the same counts.)"""
+    a*x + b*x^2/2; inverted at equal steps it balances work (`rounds` 1). A later, shorter slice
+    runs at lower kernel efficiency, so with more `rounds` the steps are then reweighted by each
+    slice's size penalty (twice in 3 rounds: the penalties barely move after that) to balance
+    seconds. (Cached: every MicroPack size the planner tries cuts the same long documents,
+    mostly into the same counts.)"""
     a = rates.forward_per_token + rates.backward_per_token
     b = rates.forward_per_pair + rates.backward_per_pair
     total = _prefix_work(length, rates)
     shares = np.full(count, 1.0 / count)
-    for _ in range(BALANCING_ROUNDS if rates.half_tokens and by_seconds else 1):
+    for _ in range(rounds if rates.half_tokens else 1):
         bounds = [0]
         for target in (total * np.cumsum(shares)[:-1]).tolist():
             x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
@@ -115,9 +116,6 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, by_seconds: bool
         weights = 1.0 / rates.size_penalty(np.diff(np.asarray(bounds, dtype=float)))
         shares = weights / weights.sum()
     return tuple(bounds)
-
-
-BALANCING_ROUNDS = 3
 
 
 def _prefix_work(tokens: float, rates: WorkRates) -> float:
@@ -148,7 +146,8 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     first_short = ordered.split(options.slice_tokens)
     slice_cost = None
     if options.even_costs:
-        slice_cost = EVEN_COST_TOLERANCE * _typical_pack_cost(ordered, first_short, options.token_cap, rates)
+        slice_cost = (options.tunables.even_cost_tolerance
+                      * _typical_pack_cost(ordered, first_short, options.token_cap, rates))
         first_short = max(first_short, int(np.searchsorted(-ordered.costs, -slice_cost, side="left")))
     chains = [cut_document(s, options, rates, slice_cost) for s in ordered.samples[:first_short]]
     short, short_cost = ordered.whole[first_short:], ordered.costs[first_short:]

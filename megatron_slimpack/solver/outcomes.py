@@ -1,0 +1,96 @@
+"""What the SlimPack planner's search gets back: typed failures and outcomes.
+
+A failure to fit memory is a `DoesNotFit` carrying what did not fit; the search falls back on
+its type, never on its message. A planned replica is a `ReplicaOutcome` and a planned batch a
+`PlannedBatch`; the search compares batches by the outcomes, not by the plan's metadata (which
+only reports them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..plan import Plan, PlanError
+
+
+class DoesNotFit(PlanError):
+    """No plan of this part of the batch fits device memory.
+
+    `sample_ids`: the documents concerned (empty: the MicroPacks alone); `group_ranks`: the ranks
+    that shared them in the attempt that failed; `bytes_needed` and `bytes_available`: per device,
+    all memory counted (weights, optimizer state, activations and KV caches) against what is
+    usable, or None where the shortfall is counted in ranks rather than bytes."""
+
+    def __init__(self, message: str, *, sample_ids: Sequence[int] = (), group_ranks: int = 1,
+                 bytes_needed: float | None = None, bytes_available: float | None = None):
+        super().__init__(message)
+        self.sample_ids = tuple(int(i) for i in sample_ids)
+        self.group_ranks = group_ranks
+        self.bytes_needed = bytes_needed
+        self.bytes_available = bytes_available
+
+    def __reduce__(self):
+        # Keeps the fields across processes (the default would call __init__ with the message only).
+        return _restored, (type(self), self.args, self.__dict__)
+
+
+def _restored(cls: type, args: tuple, state: dict) -> DoesNotFit:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class ReplicasDoNotFit(DoesNotFit):
+    """Every replica (or merge group) of one planning that did not fit memory; it reads as the
+    first of them."""
+
+    def __init__(self, failures: Sequence[DoesNotFit]):
+        first = failures[0]
+        super().__init__(str(first), sample_ids=first.sample_ids, group_ranks=first.group_ranks,
+                         bytes_needed=first.bytes_needed, bytes_available=first.bytes_available)
+        self.failures = list(failures)
+
+
+@dataclass(frozen=True)
+class ReplicaOutcome:
+    """What the replica search chose for one replica or merge group, and its predicted makespan
+    (stage orders replayed, no gradient reduction)."""
+
+    dp_ranks: tuple[int, ...]
+    makespan_s: float
+    micropack_tokens: int | None = None  # None: the rank has no documents of its own
+    units: int | None = None  # the unit count its forward and backward units were segmented for
+
+    def to_dict(self) -> dict:
+        """The entry of the plan metadata's "replicas" list."""
+        entry = {"dp_ranks": list(self.dp_ranks), "makespan_s": self.makespan_s}
+        if self.micropack_tokens is not None:
+            entry.update(micropack_tokens=self.micropack_tokens, units=self.units)
+        return entry
+
+    @property
+    def sort_key(self) -> tuple:
+        """Merge groups first, then each rank's own replica, by ranks."""
+        return len(self.dp_ranks) == 1, self.dp_ranks
+
+
+@dataclass
+class PlannedBatch:
+    """A plan of the batch and the outcomes of its replicas, in `ReplicaOutcome.sort_key` order."""
+
+    plan: Plan
+    outcomes: list[ReplicaOutcome]
+
+    @property
+    def predicted_iteration_s(self) -> float:
+        """The search's own estimate of the plan's time: the busiest rank's replica makespans
+        (its merge groups', then its own)."""
+        busy = [0.0] * self.plan.parallel.dp
+        for outcome in self.outcomes:
+            for rank in outcome.dp_ranks:
+                busy[rank] += outcome.makespan_s
+        return max(busy)
+
+
+__all__ = ["DoesNotFit", "ReplicasDoNotFit", "ReplicaOutcome", "PlannedBatch"]

@@ -1,0 +1,158 @@
+"""Phase 2's search for one replica (or merge group): MicroPack sizes from a `SizeLadder`, two
+packings per size, a few unit counts per packing; the shortest replayed schedule that fits
+memory wins."""
+from __future__ import annotations
+
+from functools import cached_property
+
+from ..config import PlannerTunables, SlimPackConfig
+from ..costmodel import CostModel, format_bytes
+from ..plan import MicroPack, ReplicaPlan, Sample
+from ..specs import ParallelConfig
+from .ladder import SizeLadder
+from .memory import activation_budget
+from .outcomes import DoesNotFit, ReplicaOutcome
+from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
+from .work import WorkRates
+
+
+def unit_candidates(pp: int, micropacks: int) -> list[int]:
+    """Unit counts to try: a few multiples of pp, and one unit per MicroPack."""
+    if pp == 1:  # no pipeline to fill: the smallest units hold the least memory
+        return [micropacks]
+    return sorted({min(k * pp, micropacks) for k in (2, 4, 8)} | {micropacks})
+
+
+def packing_bound_s(ordered: SortedSamples, micropack_tokens: int, cost: CostModel,
+                    parallel: ParallelConfig) -> float:
+    """A lower bound, before packing, of the last stage's work with MicroPacks of at most
+    `micropack_tokens`: all tokens in full MicroPacks (`CostModel.pass_time_bound`; slicing keeps
+    a document's attention pairs)."""
+    tokens = float(ordered.lengths.sum())
+    if tokens == 0:
+        return 0.0
+    pairs = float((ordered.lengths * (ordered.lengths + 1) / 2).sum())
+    return cost.pass_time_bound(tokens, pairs, parallel, micropack_tokens)
+
+
+def plan_replica(
+    samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
+    rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, ladder: SizeLadder | None = None,
+    budget: float | None = None, first_fit: bool = False,
+) -> tuple[ReplicaPlan, ReplicaOutcome]:
+    """The shortest schedule of `samples` that fits the activation `budget` (default:
+    `activation_budget` of `parallel`), over the MicroPack sizes of `ladder` (default: the ladder
+    below `token_cap`): every size, bisecting where one does not fit above one that does, or with
+    `first_fit` up to the first size that fits (the replicas after the heaviest start from its size).
+    Raises DoesNotFit with the leanest schedule seen."""
+    if not samples:  # a rank whose only work is its share of a merge group
+        idle = ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
+        return idle, ReplicaOutcome(tuple(dp_ranks), 0.0)
+    search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
+                           activation_budget(cost, parallel) if budget is None else budget, config.tunables)
+    ladder = ladder or SizeLadder.below_cap(token_cap, config)
+    if first_fit:
+        ladder.first_fit(search.try_size)
+    else:
+        ladder.try_all(search.try_size)
+    if search.best is None:
+        raise search.does_not_fit(samples)
+    return search.best
+
+
+class ReplicaSearch:
+    """One replica's search over MicroPack sizes: the best schedule found so far, and the leanest
+    need seen (for the error)."""
+
+    def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
+                 symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables()):
+        self.ordered, self.rates, self.tunables = ordered, rates, tunables
+        self.cost, self.parallel, self.symmetric, self.dp_ranks, self.budget = cost, parallel, symmetric, dp_ranks, budget
+        self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
+        self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack tokens) of the smallest need seen
+
+    @property
+    def best_makespan_s(self) -> float | None:
+        return None if self.best is None else self.best[1].makespan_s
+
+    @cached_property
+    def lengths(self) -> dict[int, int]:
+        """Document lengths by sample id, built on first use: only a pipelined packing that
+        sliced a document looks one up (`try_size`)."""
+        return {sample.sample_id: sample.length for sample in self.ordered.samples}
+
+    def try_size(self, micropack_tokens: int) -> bool:
+        """Pack to MicroPacks of `micropack_tokens` and consider the packing; True when a schedule
+        fits memory or none can beat the best one (then neither can a smaller size's).
+
+        With a pipeline, MicroPacks are first packed to even costs, which also slices documents
+        that fit one; a chain holds all its MicroPacks until its backward, so where that packing
+        does not fit and it sliced such a document, the plain packing is tried too (docs/history.md,
+        eighth session: 13B tp2 pp2 cp4 runs whole documents in 64K MicroPacks, more than 5%
+        faster than half-size ones)."""
+        if self.best is not None and packing_bound_s(self.ordered, micropack_tokens, self.cost,
+                                                     self.parallel) >= self.best_makespan_s:
+            return True
+        even = self.parallel.pp > 1
+        micropacks = self._pack(micropack_tokens, even_costs=even)
+        if self.consider(micropacks, micropack_tokens):
+            return True
+        if not (even and self._sliced_a_whole_fitting_document(micropacks, micropack_tokens)):
+            return False
+        return self.consider(self._pack(micropack_tokens, even_costs=False), micropack_tokens)
+
+    def _pack(self, micropack_tokens: int, even_costs: bool) -> list[MicroPack]:
+        options = PackOptions(micropack_tokens, micropack_tokens, even_costs=even_costs, tunables=self.tunables)
+        return pack_micropacks(self.ordered, options, self.rates)
+
+    def _sliced_a_whole_fitting_document(self, micropacks: list[MicroPack], micropack_tokens: int) -> bool:
+        return any(piece.start > 0 and self.lengths[piece.sample_id] <= micropack_tokens
+                   for pack in micropacks for piece in pack.slices)
+
+    def consider(self, micropacks: list[MicroPack], micropack_tokens: int) -> bool:
+        """Segment, order and replay the most promising unit counts of one packing; True when a
+        schedule of it fits memory (or it cannot beat the best one anyway). Large units hold many
+        MicroPacks in flight (1F1B keeps pp - s forward units per stage), so few units can be
+        fast on paper and not fit: candidates are replayed best estimate first, those that fit
+        only, `replayed_candidates` at most."""
+        costs = MicroPackCosts.of(micropacks, self.cost, self.parallel)
+        if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best_makespan_s:
+            return True
+        candidates = [(UnitCandidate.of(micropacks, costs, units, self.symmetric, self.cost, self.parallel, self.budget),
+                       units) for units in unit_candidates(self.parallel.pp, len(micropacks))]
+        candidates.sort(key=lambda entry: entry[0].estimate_s)
+        replayed = 0
+        for candidate, units in candidates:
+            if replayed == self.tunables.replayed_candidates:
+                break
+            if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
+                continue  # its stage 0 cannot fit even before the first backward: not worth ordering
+            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+            peak = result.peak_activation_bytes + costs.largest_recompute_bytes
+            if self.leanest is None or peak < self.leanest[0]:
+                self.leanest = (peak, micropack_tokens)
+            if peak > self.budget:
+                continue
+            replayed += 1
+            if self.best is None or result.makespan_s < self.best_makespan_s:
+                outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
+                self.best = (result.replica, outcome)
+        return replayed > 0
+
+    def does_not_fit(self, samples: list[Sample]) -> DoesNotFit:
+        """The failure of a search that found no schedule within the budget, with its leanest one."""
+        assert self.leanest is not None
+        peak, micropack_tokens = self.leanest
+        static = self.cost.memory_budget_bytes() - self.budget  # what the budget leaves out
+        return DoesNotFit(
+            f"memory: replica {self.dp_ranks} does not fit: its leanest schedule holds {format_bytes(peak)} of "
+            f"activations and KV cache on a pipeline stage (MicroPacks of {micropack_tokens} tokens) with "
+            f"{self.parallel.describe()}, but only {format_bytes(max(self.budget, 0.0))} is left after weights, "
+            f"gradients and optimizer state on "
+            f"{self.cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
+            f"a smaller MicroPack size (max_micropack_tokens) or a shorter context",
+            sample_ids=[sample.sample_id for sample in samples], group_ranks=len(self.dp_ranks),
+            bytes_needed=static + peak, bytes_available=static + self.budget)
+
+
+__all__ = ["unit_candidates", "packing_bound_s", "plan_replica", "ReplicaSearch"]

@@ -1,0 +1,296 @@
+"""SlimPack's search over one global batch: which plans are tried, in which order, and which wins.
+
+`SlimPackSearch.attempts()` is the one place the fallback order is written. Each attempt is a base
+merge (ranks sharing every MicroPack) and a way of sizing the DP-Merge groups of long documents;
+planning an attempt runs phase 1 (`assign_to_replicas`) and every replica's search
+(`replica.plan_replica`), growing the groups of replicas that do not fit memory.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator
+
+import numpy as np
+
+from ..config import SlimPackConfig
+from ..costmodel import CostModel
+from ..plan import Plan, PlanError, ReplicaPlan, samples_of
+from ..specs import ParallelConfig
+from .dp_phase import Assignment, MergeGroup, assign_to_replicas
+from .ladder import SizeLadder
+from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
+from .outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
+from .replica import plan_replica
+from .work import WorkRates
+
+
+class Sizing(Enum):
+    """How the DP-Merge groups that long documents need for memory are sized."""
+
+    # Each document in the fewest ranks that hold it next to one of the ladder's MicroPack sizes
+    # (its replica's MicroPacks may then shrink to fit next to its chain); the cap stays.
+    SMALLEST_GROUPS = "smallest-groups"
+    # The largest MicroPack next to which every document fits some group, as the cap (the
+    # groups may then be larger and idle their ranks on the document).
+    LARGEST_MICROPACKS = "largest-micropacks"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One way to plan the batch: every MicroPack shared by `base_merge` ranks (planned as that much
+    more context parallelism over dp / base_merge replicas), groups sized by `sizing`."""
+
+    base_merge: int
+    sizing: Sizing
+
+
+@dataclass(frozen=True)
+class GroupSizing:
+    """A sizing's result: the MicroPack cap and each document's merge group (ranks)."""
+
+    token_cap: int
+    group_ranks: np.ndarray
+
+    def same_as(self, other: "GroupSizing") -> bool:
+        return self.token_cap == other.token_cap and np.array_equal(self.group_ranks, other.group_ranks)
+
+
+class SlimPackSearch:
+    """SlimPack's plan of one global batch (`plan`), by trying `attempts()` in order."""
+
+    def __init__(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                 symmetric: bool = False, dp_merge: bool | None = None):
+        self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
+        self.symmetric = symmetric
+        self.use_merge = config.dp_merge if dp_merge is None else dp_merge
+        base = config.base_merge
+        if base > 1 and (not self.use_merge or parallel.dp % base):
+            raise PlanError(f"base_merge {base} needs DP-Merge and a data-parallel size divisible by it; got dp "
+                            f"{parallel.dp}{'' if self.use_merge else ' with DP-Merge off'}")
+
+    def attempts(self) -> Iterator[Attempt]:
+        """Every attempt, in the order tried. All sizings of one base merge are planned and the
+        fastest predicted plan kept; the next base merge is tried only where none of them fits
+        memory (`DoesNotFit`). Within an attempt, replicas that do not fit get larger groups
+        (`plan_sizing`), each replica walks its `SizeLadder` (`replica.plan_replica`) and each
+        size tries the even-cost packing, then the plain one (`ReplicaSearch.try_size`).
+        Figures: docs/history.md, the session named."""
+        base_merge = self.config.base_merge
+        while True:
+            # Long documents in the fewest ranks; their replicas' MicroPacks shrink to fit next to
+            # their chains. Neither sizing wins everywhere: at 7B this one does (seventh session).
+            yield Attempt(base_merge, Sizing.SMALLEST_GROUPS)
+            # The largest MicroPack a merge group allows (bisected in size_granule steps, ninth
+            # session): at 70B tp4 pp8 dp4 128K, 1094 s against 1386 s (seventh session).
+            # A slice size the user set is kept: no second sizing.
+            if not self.config.slice_tokens:
+                yield Attempt(base_merge, Sizing.LARGEST_MICROPACKS)
+            # Nothing fits: every MicroPack shared by twice the ranks, each holding half of it
+            # (fifth session).
+            base_merge *= 2
+            if not self.use_merge or self.parallel.dp % base_merge:
+                return
+
+    def plan(self) -> Plan:
+        """The fastest plan of the first base merge that fits; else the first failure."""
+        first_error = None
+        for base_merge, attempts in itertools.groupby(self.attempts(), key=lambda attempt: attempt.base_merge):
+            try:
+                best = self.best_at(base_merge, [attempt.sizing for attempt in attempts])
+                return best.plan if base_merge == 1 else shared_by_groups(best.plan, self.parallel, base_merge)
+            except PlanError as error:
+                first_error = first_error or error
+                if not isinstance(error, DoesNotFit):
+                    break
+        raise first_error from None
+
+    def view(self, base_merge: int) -> ParallelConfig:
+        """The layout a base merge is planned on: dp / base_merge replicas, base_merge-fold more CP."""
+        return self.parallel.with_(dp=self.parallel.dp // base_merge, cp=self.parallel.cp * base_merge)
+
+    def best_at(self, base_merge: int, sizings: list[Sizing]) -> PlannedBatch:
+        """Every sizing planned on the base merge's view (a sizing equal to an earlier one is not
+        planned again); the fastest prediction wins, the first on a tie. A sizing that fails is
+        dropped; where all fail, the first failure is raised."""
+        view = self.view(base_merge)
+        token_cap = auto_token_cap(self.cost, view, self.config)
+        planned: list[PlannedBatch] = []
+        seen: list[GroupSizing] = []
+        first_error = None
+        for sizing in sizings:
+            try:
+                groups = self.size_groups(sizing, view, token_cap)
+                if any(groups.same_as(other) for other in seen):
+                    continue
+                seen.append(groups)
+                planned.append(self.plan_sizing(view, groups))
+            except PlanError as error:
+                first_error = first_error or error
+        if not planned:
+            raise first_error
+        return min(planned, key=lambda batch: batch.predicted_iteration_s)
+
+    def size_groups(self, sizing: Sizing, view: ParallelConfig, token_cap: int) -> GroupSizing:
+        """The MicroPack cap and merge groups of one sizing on `view` (DoesNotFit: none)."""
+        ladder = SizeLadder.below_cap(token_cap, self.config)
+        if sizing is Sizing.SMALLEST_GROUPS:
+            groups = merge_group_sizes(self.lengths, self.cost, view, list(ladder.micropack_tokens), self.use_merge)
+            return GroupSizing(token_cap, groups)
+        return GroupSizing(*largest_merged_micropack(self.lengths, self.cost, view, ladder, self.use_merge))
+
+    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing) -> PlannedBatch:
+        """Plan with the sizing's groups. They come from a per-document estimate; where replicas'
+        real schedules still do not fit, their sliced documents get twice the group and the batch
+        is planned again (all the replicas that failed at once: replicas are alike, so one at a
+        time took a planning each; eighth session: 8 plannings instead of 10)."""
+        group_ranks = sizing.group_ranks
+        smallest = SizeLadder.below_cap(sizing.token_cap, self.config).smallest
+        largest_group = view.dp if self.use_merge else 1
+        while True:
+            try:
+                return self.plan_groups(view, sizing.token_cap, group_ranks)
+            except ReplicasDoNotFit as error:
+                for failure in error.failures:
+                    grown = grown_groups(failure, group_ranks, self.lengths, smallest, largest_group)
+                    if grown is None:
+                        raise failure from None
+                    group_ranks = grown
+
+    def plan_groups(self, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray) -> PlannedBatch:
+        """One planning of the batch: phase 1, then every merge group and replica. Raises
+        ReplicasDoNotFit with every replica that did not fit."""
+        return _BatchPlanning(self, view, token_cap, group_ranks).run()
+
+
+def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
+                 largest_group: int) -> np.ndarray | None:
+    """Twice the group of the failed replica's sliced documents (its longest one if none is
+    sliced); None when that group would exceed `largest_group` ranks."""
+    ranks = 2 * failure.group_ranks
+    if ranks > largest_group or largest_group % ranks or not failure.sample_ids:
+        return None
+    sliced = [i for i in failure.sample_ids if lengths[i] > smallest_micropack * failure.group_ranks]
+    grown = group_ranks.copy()
+    for index in sliced or [max(failure.sample_ids, key=lambda i: lengths[i])]:
+        grown[index] = max(grown[index], ranks)
+    return grown
+
+
+class _BatchPlanning:
+    """One planning of the batch on a view, with a MicroPack cap and merge group sizes. Every
+    replica is planned even after one fails, so all failures are grown at once."""
+
+    def __init__(self, search: SlimPackSearch, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray):
+        self.search, self.view, self.token_cap, self.group_ranks = search, view, token_cap, group_ranks
+        self.config, self.cost = search.config, search.cost
+        self.samples = samples_of(search.lengths)
+        self.rates = WorkRates.from_cost(self.cost, view, token_cap)
+        self.failures: list[DoesNotFit] = []
+
+    def run(self) -> PlannedBatch:
+        assignment = self._assign()
+        merged = [self._merge_group(group) for group in assignment.merge_groups]
+        own = self._own_replicas(assignment)
+        if self.failures:
+            raise ReplicasDoNotFit(self.failures)
+        planned = [entry for entry in merged if entry is not None]
+        replicas = [replica for replica, _ in planned] + [own[rank][0] for rank in range(self.view.dp)]
+        outcomes = sorted([outcome for _, outcome in planned] + [outcome for _, outcome in own.values()],
+                          key=lambda outcome: outcome.sort_key)
+        metadata = {
+            "token_cap": self.token_cap,
+            "phase1": assignment.solver,
+            "replica_loads_s": assignment.replica_loads,
+            "replicas": [outcome.to_dict() for outcome in outcomes],
+            "cost_model": self.cost.describe(),
+        }
+        plan = Plan(replicas, self.samples, self.view, self.config.context_length, self.config.strategy,
+                    self.token_cap, metadata)
+        return PlannedBatch(plan, outcomes)
+
+    def _assign(self) -> Assignment:
+        lengths = np.asarray(self.search.lengths, dtype=float)
+        document_costs = self.rates.total(lengths, lengths * (lengths + 1) / 2)
+        config = self.config
+        return assign_to_replicas(
+            document_costs, self.view.dp, time_limit_s=config.solver_time_limit_s,
+            deterministic_limit=config.solver_deterministic_limit, seed=config.seed,
+            workers=config.solver_workers, dp_merge=self.search.use_merge, merge_threshold=config.merge_threshold,
+            min_group=self.group_ranks, merged_cost=merged_cost_function(self.search.lengths, self.cost, self.view,
+                                                                         self.token_cap),
+            tunables=config.tunables,
+        )
+
+    def _merge_group(self, group: MergeGroup) -> tuple[ReplicaPlan, ReplicaOutcome] | None:
+        """A merge group planned as one replica with its ranks' worth of context parallelism;
+        None (and a failure kept) where it does not fit."""
+        group_ranks = len(group.dp_ranks)
+        merged = self.view.with_(cp=self.view.cp * group_ranks)
+        members = [self.samples[i] for i in group.sample_indices]
+        token_cap = self.token_cap * group_ranks  # each member holds 1/group_ranks of a merged MicroPack
+        rates = WorkRates.from_cost(self.cost, merged, token_cap)
+        budget = activation_budget(self.cost, self.view)  # a member's static memory is its own, not the merged view's
+        try:
+            return plan_replica(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
+                                self.search.symmetric, budget=budget)
+        except DoesNotFit as failure:
+            self.failures.append(failure)
+            return None
+
+    def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
+        """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
+        searched on the heaviest one (every rung, bisected) and the others start from it, first
+        fit (where it does not fit, a longer chain, the largest smaller rung that does; bisecting
+        every replica cost 65% more planning time for no gain, ninth session). A rank may get no
+        documents (fewer heavy documents than ranks): it idles until the gradient reduction,
+        which the simulator shows as DP imbalance."""
+        heaviest = int(np.argmax(assignment.replica_loads))
+        order = [heaviest] + [rank for rank in range(self.view.dp) if rank != heaviest]
+        own: dict[int, tuple[ReplicaPlan, ReplicaOutcome]] = {}
+        ladder: SizeLadder | None = None  # set by the first replica with documents
+        for rank in order:
+            members = [self.samples[i] for i in assignment.replica_samples[rank]]
+            try:
+                own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
+                                         [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None)
+            except DoesNotFit as failure:
+                self.failures.append(failure)
+                continue
+            if members and ladder is None:
+                chosen = own[rank][1].micropack_tokens  # may lie between two rungs (bisected)
+                ladder = SizeLadder.below_cap(self.token_cap, self.config).starting_at(chosen)
+        return own
+
+
+def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
+    """Per-rank seconds of document i run by k replicas with context parallelism k."""
+    rates_by_ranks: dict[int, WorkRates] = {}
+
+    def merged_cost(index: int, group_ranks: int) -> float:
+        if group_ranks not in rates_by_ranks:
+            rates_by_ranks[group_ranks] = WorkRates.from_cost(cost, parallel.with_(cp=parallel.cp * group_ranks),
+                                                              token_cap * group_ranks)
+        return rates_by_ranks[group_ranks].document(lengths[index])
+
+    return merged_cost
+
+
+def shared_by_groups(plan: Plan, parallel: ParallelConfig, base_merge: int) -> Plan:
+    """A plan made for dp/base_merge replicas with base_merge-fold context parallelism, as the
+    runtime runs it on `parallel` (dp replicas): view rank r is the DP-Merge group of ranks
+    r*base_merge .. r*base_merge + base_merge - 1, and every rank keeps an (empty) replica plan of
+    its own. It costs the same in the simulator: a group of k ranks is priced as k-fold context
+    parallelism."""
+    replicas = [ReplicaPlan(r.micropacks, r.forward_units, r.backward_units, r.stage_orders,
+                            [rank * base_merge + k for rank in r.dp_ranks for k in range(base_merge)])
+                for r in plan.replicas]
+    replicas += [ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], [rank]) for rank in range(parallel.dp)]
+    metadata = {**plan.metadata, "base_merge": base_merge}
+    return Plan(replicas, plan.samples, parallel, plan.context_length, plan.strategy, plan.max_micropack_tokens,
+                metadata, plan.sample_sources)
+
+
+__all__ = ["Sizing", "Attempt", "GroupSizing", "SlimPackSearch", "grown_groups", "merged_cost_function",
+           "shared_by_groups"]

@@ -1,0 +1,223 @@
+"""The SlimPack search's pieces: DoesNotFit, the size ladder, the attempts' order, the tunables,
+the typed outcomes, and CP-SAT's current API."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+import megatron_slimpack as ms
+from megatron_slimpack.config import PlannerTunables
+from megatron_slimpack.plan import PlanError, Sample
+from megatron_slimpack.solver.ladder import SizeLadder
+from megatron_slimpack.solver.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
+from megatron_slimpack.solver.search import Attempt, SlimPackSearch, Sizing
+from megatron_slimpack.specs import ParallelConfig
+
+COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
+K = 1024
+
+
+# ---- DoesNotFit ------------------------------------------------------------------------------
+
+def test_does_not_fit_carries_its_fields_and_is_a_plan_error():
+    error = DoesNotFit("memory: too large", sample_ids=[3, np.int64(5)], group_ranks=2, bytes_needed=9.0,
+                       bytes_available=8.0)
+    assert isinstance(error, PlanError) and str(error) == "memory: too large"
+    assert (error.sample_ids, error.group_ranks, error.bytes_needed, error.bytes_available) == ((3, 5), 2, 9.0, 8.0)
+    again = pickle.loads(pickle.dumps(error))  # e.g. from a worker process
+    assert type(again) is DoesNotFit and str(again) == str(error) and again.__dict__ == error.__dict__
+    other = DoesNotFit("memory: other", sample_ids=[7], group_ranks=4)
+    both = ReplicasDoNotFit([error, other])
+    assert isinstance(both, DoesNotFit) and str(both) == str(error) and both.failures == [error, other]
+    assert (both.sample_ids, both.group_ranks, both.bytes_needed) == ((3, 5), 2, 9.0)
+    assert pickle.loads(pickle.dumps(both)).failures[1].sample_ids == (7,)
+
+
+def test_a_plan_whose_micropacks_cannot_fit_raises_does_not_fit_with_the_shortfall():
+    """llama-7b unsharded at 128K: not even 1024-token MicroPacks fit next to the weights, on one
+    replica or shared by two (the base-merge fallback); the first failure is raised."""
+    parallel = ParallelConfig(dp=2, pp=1, tp=1, recompute="none")
+    with pytest.raises(DoesNotFit, match="memory: weights, optimizer state and 1 MicroPacks of 1024") as caught:
+        ms.plan([4096] * 8, parallel=parallel, cost=COST, config=ms.SlimPackConfig(context_length=128 * K))
+    error = caught.value
+    assert error.sample_ids == () and error.group_ranks == 1
+    assert error.bytes_available == COST.memory_budget_bytes() < error.bytes_needed
+    assert "tp1 pp1 cp1 dp2" in str(error)  # the layout itself, not the base-merge view tried after it
+
+
+def test_a_document_that_fits_no_merge_group_raises_does_not_fit_naming_it():
+    parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
+    lengths = [2048] * 10 + [65536] + [2048] * 10
+    config = ms.SlimPackConfig(context_length=65536, dp_merge=False)
+    with pytest.raises(DoesNotFit, match="a 65536-token document .*DP-Merge is off") as caught:
+        ms.plan(lengths, parallel=parallel, cost=COST, config=config)
+    assert caught.value.sample_ids == (10,)
+    assert caught.value.bytes_needed > caught.value.bytes_available == COST.memory_budget_bytes()
+
+
+def test_the_layout_search_counts_a_does_not_fit_as_a_planner_rejection():
+    from megatron_slimpack.solver.layouts import _plan_and_simulate, _Run
+    from megatron_slimpack.solver.strategies import new_planner
+
+    run = _Run(ParallelConfig(dp=2, pp=1, tp=1, recompute="none"), ms.SlimPackConfig(context_length=128 * K),
+               new_planner("slimpack"))
+    rejection = _plan_and_simulate(run, [4096] * 8, COST, 0)
+    assert rejection.kind == "planner" and "MicroPacks of 1024 tokens" in rejection.reason
+
+
+# ---- the size ladder -------------------------------------------------------------------------
+
+def test_the_ladder_below_a_cap_and_from_a_chosen_size():
+    config = ms.SlimPackConfig(context_length=128 * K)
+    ladder = SizeLadder.below_cap(18432, config)
+    assert ladder.micropack_tokens == (18432, 13824, 9216, 6912, 4608, 3456, 2304)
+    assert (ladder.largest, ladder.smallest) == (18432, 2304)
+    assert ladder.starting_at(10000).micropack_tokens == (10000, 9216, 6912, 4608, 3456, 2304)
+    smaller_floor = config.with_(tunables=PlannerTunables(min_micropack_tokens=512))
+    assert SizeLadder.below_cap(2048, smaller_floor).micropack_tokens == (2048, 1536, 1024, 768, 512)
+    assert SizeLadder.below_cap(2048, config).micropack_tokens == (2048, 1536, 1024)
+
+
+def test_first_fit_stops_at_the_first_size_that_fits():
+    ladder = SizeLadder((8192, 6144, 4096, 3072))
+    asked = []
+    assert ladder.first_fit(lambda tokens: asked.append(tokens) or tokens <= 6144) == 6144
+    assert asked == [8192, 6144]
+    assert ladder.first_fit(lambda tokens: False) is None
+
+
+def test_largest_fitting_bisects_in_granule_steps():
+    ladder = SizeLadder((8192,), PlannerTunables(size_granule=256))
+    asked = []
+
+    def fits(tokens):
+        asked.append(tokens)
+        return tokens <= 5000
+
+    assert ladder.largest_fitting(fits, 1024, 8192) == 4864  # the largest multiple of 256 up to 5000
+    assert all(tokens % 256 == 0 for tokens in asked) and len(asked) <= 5
+    asked.clear()
+    within_a_sixteenth = ladder.largest_fitting(fits, 1024, 8192, fraction=16)
+    assert 5000 - 5000 / 16 <= within_a_sixteenth + 256 and within_a_sixteenth <= 4864
+    assert ladder.largest_fitting(fits, 4864, 5000) == 4864  # already within a granule: nothing asked
+
+
+def test_try_all_tries_every_size_and_bisects_only_where_a_misfit_sits_above_a_fit():
+    ladder = SizeLadder((8192, 6144, 4096, 3072), PlannerTunables(size_granule=256, refine_fraction=16))
+    asked = []
+
+    def try_size(tokens):
+        asked.append(tokens)
+        return tokens <= 5000 or tokens == 8192  # 8192 "fits" (say: it cannot beat the best), 6144 does not
+
+    ladder.try_all(try_size)
+    rungs = [tokens for tokens in asked if tokens in ladder.micropack_tokens]
+    assert rungs == [8192, 6144, 4096, 3072]
+    bisected = asked[asked.index(4096) + 1:asked.index(3072)]
+    assert bisected and all(4096 < tokens < 6144 for tokens in bisected)
+    asked.clear()
+    SizeLadder(ladder.micropack_tokens, PlannerTunables(refine_fraction=1)).try_all(try_size)
+    assert asked == [8192, 6144, 4096, 3072]  # rungs a step apart are not bisected with fraction 1
+
+
+# ---- the attempts' order ---------------------------------------------------------------------
+
+def attempts_of(dp: int, **config) -> list[tuple[int, str]]:
+    search = SlimPackSearch([4096] * 8, ParallelConfig(dp=dp, pp=1, tp=8), COST, ms.SlimPackConfig(**config))
+    return [(attempt.base_merge, attempt.sizing.value) for attempt in search.attempts()]
+
+
+def test_attempts_double_the_base_merge_after_both_sizings():
+    both = ["smallest-groups", "largest-micropacks"]
+    assert attempts_of(8) == [(base, sizing) for base in (1, 2, 4, 8) for sizing in both]
+    assert attempts_of(6) == [(base, sizing) for base in (1, 2) for sizing in both]  # 4 does not divide 6
+    assert attempts_of(4, base_merge=2) == [(base, sizing) for base in (2, 4) for sizing in both]
+    assert attempts_of(4, slice_tokens=4096) == [(base, "smallest-groups") for base in (1, 2, 4)]
+    assert attempts_of(4, dp_merge=False) == [(1, sizing) for sizing in both]  # no DP-Merge: no base merge either
+    assert isinstance(next(SlimPackSearch([1], ParallelConfig(dp=1, pp=1, tp=8), COST,
+                                          ms.SlimPackConfig()).attempts()), Attempt)
+
+
+def test_the_search_stops_at_the_first_base_merge_that_fits(monkeypatch):
+    tried = []
+    best_at = SlimPackSearch.best_at
+
+    def recording(self, base_merge, sizings):
+        tried.append((base_merge, sizings))
+        return best_at(self, base_merge, sizings)
+
+    monkeypatch.setattr(SlimPackSearch, "best_at", recording)
+    ms.plan([3000] * 40, parallel=ParallelConfig(dp=4, pp=1, tp=8), cost=COST,
+            config=ms.SlimPackConfig(context_length=8192))
+    assert tried == [(1, [Sizing.SMALLEST_GROUPS, Sizing.LARGEST_MICROPACKS])]
+
+
+def test_a_base_merge_argument_that_cannot_be_used_is_refused():
+    with pytest.raises(PlanError, match="base_merge 4 needs DP-Merge and a data-parallel size divisible"):
+        SlimPackSearch([1], ParallelConfig(dp=6, pp=1, tp=8), COST, ms.SlimPackConfig(base_merge=4))
+
+
+# ---- tunables --------------------------------------------------------------------------------
+
+def test_tunables_are_frozen_validated_and_part_of_the_config():
+    tunables = PlannerTunables()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tunables.max_model_items = 10
+    for bad in (dict(max_model_items=0), dict(size_granule=-256), dict(refine_fraction=2.5),
+                dict(replayed_candidates=True), dict(extra_slices=-1), dict(even_cost_tolerance=0.9),
+                dict(even_cost_tolerance=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PlannerTunables(**bad)
+    assert PlannerTunables(extra_slices=0).extra_slices == 0
+    config = ms.SlimPackConfig()
+    assert config.tunables == tunables and config.with_(seed=1).tunables == tunables
+    as_dict = json.loads(json.dumps(config.to_dict()))
+    assert as_dict["tunables"] == dataclasses.asdict(tunables)
+    assert {key: value for key, value in as_dict.items() if key != "tunables"} == {
+        "strategy": "slimpack", "context_length": 65536, "max_micropack_tokens": None, "slice_tokens": None,
+        "dp_merge": True, "base_merge": 1, "merge_threshold": 1.25, "solver_time_limit_s": 0.5,
+        "solver_deterministic_limit": None, "seed": 0, "solver_workers": 1}
+
+
+def test_the_config_tunables_reach_phase_one():
+    lengths = [int(x) for x in np.random.default_rng(0).integers(100, 8000, size=60)]
+    parallel = ParallelConfig(dp=2, pp=1, tp=8)
+    config = ms.SlimPackConfig(context_length=8192, tunables=PlannerTunables(max_model_items=8))
+    plan = ms.plan(lengths, parallel=parallel, cost=COST, config=config)
+    assert plan.metadata["phase1"]["heavy_items"] == 8
+    assert ms.plan(lengths, parallel=parallel, cost=COST, config=config.with_(tunables=PlannerTunables())
+                   ).metadata["phase1"]["heavy_items"] == 60
+
+
+# ---- typed outcomes --------------------------------------------------------------------------
+
+def test_the_predicted_iteration_is_the_busiest_rank_over_its_outcomes():
+    from megatron_slimpack.plan import Plan
+
+    outcomes = [ReplicaOutcome((0, 1), 2.0, 8192, 8), ReplicaOutcome((0,), 1.5, 4096, 4), ReplicaOutcome((1,), 0.0)]
+    plan = Plan([], [Sample(0, 1)], ParallelConfig(dp=2, pp=1, tp=8), 8192, "slimpack", 8192, {})
+    assert PlannedBatch(plan, outcomes).predicted_iteration_s == 3.5
+    assert outcomes[1].to_dict() == {"dp_ranks": [0], "makespan_s": 1.5, "micropack_tokens": 4096, "units": 4}
+    assert outcomes[2].to_dict() == {"dp_ranks": [1], "makespan_s": 0.0}
+    assert sorted(outcomes, key=lambda outcome: outcome.sort_key) == outcomes
+
+
+# ---- CP-SAT's current API --------------------------------------------------------------------
+
+def test_phase_one_uses_no_deprecated_cp_sat_names(monkeypatch):
+    from ortools.sat.python import cp_model
+
+    from megatron_slimpack.solver.dp_phase import assign_to_replicas
+
+    monkeypatch.setattr(cp_model, "enable_warnings", True)  # OR-Tools warns about CamelCase names only then
+    costs = np.random.default_rng(1).lognormal(0, 1.5, size=300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        result = assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False)
+    assert result.solver["status"] in ("OPTIMAL", "FEASIBLE") and result.solver["source"] in ("hint", "cp-sat")
+    assert "objective" in result.solver and "bound" in result.solver
