@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     setup_megatron()
-    from megatron_slimpack.runtime import InMemoryTokenSource, SingleStageExecutor
+    from megatron_slimpack.runtime import InMemoryTokenSource, slimpack_forward_backward
     from megatron_slimpack.runtime.model import build_gpt_model, tiny_config
 
     spec = get_model("tiny")  # 4 layers, hidden 128, 4 heads / 2 KV groups
@@ -69,7 +69,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_gpt_model(config, vocab_size=spec.vocab_size, max_sequence_length=max(args.lengths), backend="torch")
     documents = {sid: torch.randint(0, spec.vocab_size, (n,)) for sid, n in enumerate(args.lengths)}
-    executor = SingleStageExecutor(model, InMemoryTokenSource(documents))
+    source = InMemoryTokenSource(documents)
     tokens = sum(args.lengths)
 
     from megatron.core.models.gpt import GPTModel
@@ -95,7 +95,7 @@ def main() -> None:
         return tokens / best
 
     def run_plan(plan: Plan):
-        return lambda: executor.run(plan.replicas[0])
+        return lambda: slimpack_forward_backward(model=model, plan=plan, token_source=source)
 
     whole = tokens_per_s(run_plan(sliced_plan(args.lengths, max(args.lengths))))
     stock_rate = tokens_per_s(run_stock)

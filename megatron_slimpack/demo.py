@@ -143,8 +143,8 @@ def model_config(spec, pp: int):
 
 # ---- measured task times ---------------------------------------------------------------------
 class TaskTimer:
-    """Records perf_counter intervals of the schedule's per-MicroPack forward/backward calls
-    (wrapping `runtime.schedule.forward_step` / `backward_step` in this process), so a step's
+    """Records perf_counter intervals of the executor's per-MicroPack forward/backward calls
+    (wrapping `runtime.executor.forward_step` / `backward_step` in this process), so a step's
     units can be drawn as compute bars without their receive waits."""
 
     def __init__(self):
@@ -152,9 +152,9 @@ class TaskTimer:
         self._saved = None
 
     def __enter__(self):
-        from .runtime import schedule
+        from .runtime import executor
 
-        self._saved = (schedule.forward_step, schedule.backward_step)
+        self._saved = (executor.forward_step, executor.backward_step)
         forward, backward = self._saved
 
         def timed(kind, function):
@@ -166,30 +166,26 @@ class TaskTimer:
                     self.calls.append((kind, began, time.perf_counter()))
             return call
 
-        schedule.forward_step, schedule.backward_step = timed("F", forward), timed("B", backward)
+        executor.forward_step, executor.backward_step = timed("F", forward), timed("B", backward)
         return self
 
     def __exit__(self, *exc):
-        from .runtime import schedule
+        from .runtime import executor
 
-        schedule.forward_step, schedule.backward_step = self._saved
+        executor.forward_step, executor.backward_step = self._saved
 
     def unit_records(self, reports, rank: int, stage: int) -> list[dict]:
-        """One record per unit report: start of its first MicroPack call, end of its last."""
+        """One record per `UnitReport`: start of its first MicroPack call, end of its last."""
         records, cursor = [], {"F": 0, "B": 0}
         by_kind = {kind: [c for c in self.calls if c[0] == kind] for kind in ("F", "B")}
         for report in reports:
-            kind, count = report["kind"], len(report["micropacks"])
-            if "start" in report and "end" in report:
-                start, end = report["start"], report["end"]
-            else:
-                calls = by_kind[kind][cursor[kind]:cursor[kind] + count]
-                if not calls:
-                    continue
-                start, end = calls[0][1], calls[-1][2]
-            cursor[kind] += count
-            records.append({"rank": rank, "stage": stage, "kind": kind, "unit": report["index"], "start": start,
-                            "end": end, "detail": f"{report['tokens']} tokens"})
+            count = len(report.micropacks)
+            calls = by_kind[report.kind][cursor[report.kind]:cursor[report.kind] + count]
+            if not calls:
+                continue
+            cursor[report.kind] += count
+            records.append({"rank": rank, "stage": stage, "kind": report.kind, "unit": report.index,
+                            "start": calls[0][1], "end": calls[-1][2], "detail": f"{report.tokens} tokens"})
         return records
 
 
@@ -285,8 +281,7 @@ def _train(rank: int, world_size: int, port: int, options: DemoOptions) -> dict 
                 result = slimpack_forward_backward(model=[chunk], plan=planned.plan,
                                                    token_source=planned.token_source(corpus),
                                                    num_microbatches=len(planned.plan.replicas[0].micropacks),
-                                                   seq_length=options.context_length, micro_batch_size=1,
-                                                   dp_rank=dp_rank)
+                                                   seq_length=options.context_length, micro_batch_size=1)
                 optimizer.step()
                 ended = time.perf_counter()
             records = timer.unit_records(result, dp_rank, stage)

@@ -93,7 +93,7 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     from .profiler import transformer_config
     from .runtime import compat
     from .runtime.model import build_gpt_model
-    from .runtime.schedule import slimpack_forward_backward
+    from .runtime.schedule import ScheduleGroups, slimpack_forward_backward
     from .runtime.timing import Timeline
     from .specs import model_from_dict
 
@@ -104,7 +104,6 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     model_parallel_cuda_manual_seed(seed)
     spec = model_from_dict(spec_dict)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
     torch.manual_seed(seed)
     chunk = build_gpt_model(transformer_config(spec, num_layers=spec.num_layers, **extra), vocab_size=spec.vocab_size,
@@ -122,11 +121,12 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
         from .workload import GlobalBatch, TextCorpus
 
         corpus = TextCorpus(text_dir or None)
-    groups = None
+    merge = None
     if world_size // pp > 1:  # DP-Merge process groups, created once (collective, every rank)
         from .runtime.merge import merge_groups
 
-        groups = merge_groups(world_size // pp, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+        merge = merge_groups(world_size // pp, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+    groups = ScheduleGroups.from_parallel_state(merge_groups=merge)
     steps = []
     for index, (plan_text, batch_data) in enumerate(zip(plans_json, batches_json)):
         plan = Plan.from_json(plan_text)
@@ -145,8 +145,8 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
                 speed = float(speed) / world_size
             chunk.zero_grad(set_to_none=True)
             timeline = Timeline(track_memory=True)
-            slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, dp_rank=dp_rank,
-                                      timeline=timeline, merge_process_groups=groups)
+            slimpack_forward_backward(model=[chunk], plan=plan, token_source=source, groups=groups,
+                                      timeline=timeline)
             if repeat >= warmup and rank == 0:
                 steps.append(MeasuredStep(index, repeat - warmup, timeline.iteration_time_s,
                                           [r.to_dict() for r in timeline.records],

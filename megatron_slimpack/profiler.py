@@ -138,7 +138,7 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     import torch
 
     from .plan import MicroPack, Slice
-    from .runtime.attention import KVStore
+    from .runtime.kv_store import KVStore
     from .runtime.batch import build_batch
     from .runtime.executor import backward_step, forward_step
     from .runtime.timing import SavedBytesMeter

@@ -244,13 +244,15 @@ def make_shared_case(dp: int, seed: int = 0, pp: int = 1):
 
 
 def _merge_worker(rank, world_size, port, path, seed):
+    """One stage (pp=1) through the schedule: a forward-only step, then a training step; merge
+    groups run first, the KV store ends empty, the schedule's DP reduction gives the whole-document
+    gradients."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, SingleStageExecutor, compat
-    from megatron_slimpack.runtime.executor import global_loss_tokens
-    from megatron_slimpack.runtime.merge import merge_groups, run_merge_group
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, ScheduleGroups, compat, slimpack_forward_backward
+    from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
 
     torch.set_num_threads(1)
@@ -260,39 +262,29 @@ def _merge_worker(rank, world_size, port, path, seed):
     model_parallel_cuda_manual_seed(1234)
     dp_rank = parallel_state.get_data_parallel_rank()
     plan, documents = make_case(world_size, seed)
-    groups = merge_groups(plan, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+    groups = ScheduleGroups.from_parallel_state(
+        merge_groups=merge_groups(plan, dist.get_process_group_ranks(parallel_state.get_data_parallel_group())))
     saved = torch.load(path)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
     model.load_state_dict(saved["state"])
     source, store = InMemoryTokenSource(documents), KVStore()
-    total = global_loss_tokens(plan)
-    loss_sum = 0.0
-    kinds = []
-    merged = [r for r in plan.replicas_of_rank(dp_rank) if r.is_merge_group]
-    forward_only = [run_merge_group(r, model=model, token_source=source, group=groups[tuple(r.dp_ranks)],
-                                    dp_rank=dp_rank, kv_store=store, num_loss_tokens=total, forward_only=True)
-                    for r in merged]
+
+    def step(forward_only):
+        return slimpack_forward_backward(model=model, plan=plan, token_source=source, groups=groups, kv_store=store,
+                                         forward_only=forward_only)
+
+    evaluated = step(forward_only=True)
     assert len(store) == 0 and all(p.grad is None for p in model.parameters())
-    for replica in plan.replicas_of_rank(dp_rank):
-        kinds.append(replica.is_merge_group)
-        if replica.is_merge_group:
-            result = run_merge_group(replica, model=model, token_source=source, group=groups[tuple(replica.dp_ranks)],
-                                     group_rank=replica.dp_ranks.index(dp_rank), kv_store=store,
-                                     num_loss_tokens=total)
-            assert result.loss_sum == pytest.approx(forward_only[merged.index(replica)].loss_sum, rel=1e-6)
-        else:
-            result = SingleStageExecutor(model, source, store).run(replica, num_loss_tokens=total)
-        loss_sum += result.loss_sum
-    assert kinds == sorted(kinds, reverse=True) and kinds[-1] is False  # merge groups first, own last
+    trained = step(forward_only=False)
     assert len(store) == 0
-    # the caller's DP reduction: a plain all-reduce of gradients (and of the loss, to check it)
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
-    loss = torch.tensor([loss_sum], dtype=torch.float64)
-    dist.all_reduce(loss)
-    assert loss.item() / total == pytest.approx(saved["loss"], rel=1e-6)
+    assert [(u.kind, u.index, u.detail) for u in evaluated] == [(u.kind, u.index, u.detail) for u in trained
+                                                                if u.kind == "F"]
+    assert [u.loss_sum for u in evaluated] == pytest.approx([u.loss_sum for u in trained if u.kind == "F"], rel=1e-6)
+    in_merge = [u.detail.startswith("merge group") for u in trained]
+    assert in_merge == sorted(in_merge, reverse=True) and not in_merge[-1]  # merge groups first, own last
+    assert sum(in_merge) == sum(len(r.stage_orders[0]) for r in plan.replicas_of_rank(dp_rank) if r.is_merge_group)
+    assert trained.loss == pytest.approx(saved["loss"], rel=1e-6)
+    assert evaluated.loss == pytest.approx(saved["loss"], rel=1e-6)
     worst = 0.0
     for name, p in model.named_parameters():
         expected = saved["grads"][name]
@@ -347,16 +339,6 @@ def test_merge_groups_with_several_dp_groups():
     run_multiprocess(_groups_worker, 4, timeout_s=120)
 
 
-def test_run_merge_group_sends_pipelines_to_the_schedule(megatron_cpu):
-    from megatron_slimpack.plan import Slice
-    from megatron_slimpack.runtime.merge import run_merge_group
-
-    replica = _merge_replica([[Slice(0, 0, 8)]], (0, 1))
-    replica.stage_orders = replica.stage_orders * 2
-    with pytest.raises(ValueError, match="slimpack_forward_backward"):
-        run_merge_group(replica, model=None, token_source=None, group=None, group_rank=0, num_loss_tokens=7)
-
-
 def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     """The DP-Merge case through the drop-in schedule: merge groups, then the own plan, then the
     data-parallel gradient reduction, all inside `slimpack_forward_backward`; with pp > 1 each
@@ -365,7 +347,7 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.runtime import InMemoryTokenSource, compat, slimpack_forward_backward
+    from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, compat, slimpack_forward_backward
     from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
     from test_schedule import _global_name
@@ -378,20 +360,19 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     stage = parallel_state.get_pipeline_model_parallel_rank()
     plan, documents = (make_shared_case if shared else make_case)(world_size // pp, seed, pp)
     dp_group = parallel_state.get_data_parallel_group()
-    groups = merge_groups(plan, dist.get_process_group_ranks(dp_group))  # every DP group's, on every rank
+    merge = merge_groups(plan, dist.get_process_group_ranks(dp_group))  # every DP group's, on every rank
     saved = torch.load(path)
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
     model = build_gpt_model(_config(**extra), vocab_size=VOCAB, max_sequence_length=64, backend="torch",
                             pre_process=stage == 0, post_process=stage == pp - 1)
     model.load_state_dict({k: saved["state"][_global_name(k, stage, pp)] for k in model.state_dict()})
     result = slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
-                                       dp_rank=parallel_state.get_data_parallel_rank(), dp_group=dp_group,
-                                       merge_process_groups=groups, timeline=True)
+                                       groups=ScheduleGroups.from_parallel_state(merge_groups=merge), timeline=True)
     dp_rank = parallel_state.get_data_parallel_rank()
     merged = [r for r in plan.replicas_of_rank(dp_rank) if r.is_merge_group]
     expected_tasks = [t for r in plan.replicas_of_rank(dp_rank) for t in r.stage_orders[stage]]  # merges first
-    assert [(u["kind"], u["index"]) for u in result] == expected_tasks
-    assert sum(u.get("detail", "").startswith("merge group") for u in result) == sum(
+    assert [(u.kind, u.index) for u in result] == expected_tasks
+    assert sum(u.detail.startswith("merge group") for u in result) == sum(
         len(r.stage_orders[stage]) for r in merged) > 0
     if stage == pp - 1:
         assert result.loss == pytest.approx(saved["loss"], rel=1e-6)

@@ -11,15 +11,16 @@ VOCAB = 64
 
 
 def run_both(plan, documents, *, gqa: bool, position_embedding_type: str, num_layers: int = 2):
-    from megatron_slimpack.runtime import InMemoryTokenSource, SingleStageExecutor, global_loss_tokens
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, slimpack_forward_backward
     from megatron_slimpack.runtime.model import tiny_config
 
     config = tiny_config(num_layers=num_layers, hidden_size=32, num_attention_heads=4,
                          num_query_groups=2 if gqa else None)
     sliced, stock = twin_models(config, vocab_size=VOCAB, max_len=128, position_embedding_type=position_embedding_type)
-    executor = SingleStageExecutor(sliced, InMemoryTokenSource(documents))
-    result = executor.run(plan.replicas[0], num_loss_tokens=global_loss_tokens(plan))
-    assert len(executor.kv_store) == 0, "KV store must be empty after a step"
+    store = KVStore()
+    result = slimpack_forward_backward(model=sliced, plan=plan, token_source=InMemoryTokenSource(documents),
+                                       kv_store=store)
+    assert len(store) == 0, "KV store must be empty after a step"
     assert result.num_loss_tokens == sum(len(d) - 1 for d in documents.values())
     reference_loss = whole_document_step(stock, documents, result.num_loss_tokens)
     assert result.loss == pytest.approx(reference_loss, rel=1e-6)
@@ -63,20 +64,23 @@ def test_edge_slicings(megatron_cpu):
     plan = Plan([replica], [Sample(0, 47), Sample(1, 21), Sample(2, 1)], ParallelConfig(), 64, "test").validate()
     documents = {sid: torch.randint(0, VOCAB, (n,)) for sid, n in plan.sample_lengths().items()}
     result = run_both(plan, documents, gqa=True, position_embedding_type="rope", num_layers=1)
-    assert [u.kind for u in result.units] == ["F", "F", "F", "B", "B", "B"]
+    assert [u.kind for u in result] == ["F", "F", "F", "B", "B", "B"]
+    assert sum(u.loss_sum for u in result if u.kind == "F") == pytest.approx(result.loss_sum, rel=1e-12)
+    assert all(u.loss_sum is None for u in result if u.kind == "B")
 
 
 def test_forward_only_leaves_store_empty(megatron_cpu):
-    from megatron_slimpack.runtime import InMemoryTokenSource, SingleStageExecutor
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, slimpack_forward_backward
     from megatron_slimpack.runtime.model import tiny_config
 
     plan, documents = random_case(7, num_docs=3, max_len=30, max_slices=3)
     sliced, _ = twin_models(tiny_config(num_layers=1, hidden_size=32, num_attention_heads=4),
                             vocab_size=VOCAB, max_len=64)
-    executor = SingleStageExecutor(sliced, InMemoryTokenSource(documents))
-    result = executor.run(plan.replicas[0], forward_only=True)
-    assert len(executor.kv_store) == 0 and all(p.grad is None for p in sliced.parameters())
-    assert [u.kind for u in result.units] == ["F"] * len(plan.replicas[0].forward_units)
+    store = KVStore()
+    result = slimpack_forward_backward(model=sliced, plan=plan, token_source=InMemoryTokenSource(documents),
+                                       kv_store=store, forward_only=True)
+    assert len(store) == 0 and all(p.grad is None for p in sliced.parameters())
+    assert [u.kind for u in result] == ["F"] * len(plan.replicas[0].forward_units)
 
 
 def test_wrong_order_is_a_clear_error(megatron_cpu):

@@ -10,7 +10,7 @@ from conftest import (assert_grads_close, grads_of, init_megatron, random_plan, 
 
 def tp_worker(rank, world_size, port, seed):
     init_megatron(rank, world_size, tp=world_size, port=port)
-    from megatron_slimpack.runtime import InMemoryTokenSource, SingleStageExecutor, global_loss_tokens
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, slimpack_forward_backward
     from megatron_slimpack.runtime.model import tiny_config
 
     rng = random.Random(seed)  # same plan and documents on every rank
@@ -21,9 +21,10 @@ def tp_worker(rank, world_size, port, seed):
     config = tiny_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          tensor_model_parallel_size=world_size)
     sliced, stock = twin_models(config, vocab_size=64, max_len=64)
-    executor = SingleStageExecutor(sliced, InMemoryTokenSource(documents))
-    result = executor.run(plan.replicas[0], num_loss_tokens=global_loss_tokens(plan))
-    assert len(executor.kv_store) == 0
+    store = KVStore()
+    result = slimpack_forward_backward(model=sliced, plan=plan, token_source=InMemoryTokenSource(documents),
+                                       kv_store=store)
+    assert len(store) == 0
     reference = whole_document_step(stock, documents, result.num_loss_tokens)
     assert result.loss == pytest.approx(reference, rel=1e-6)
     assert_grads_close(grads_of(sliced), grads_of(stock), rtol=1e-5)

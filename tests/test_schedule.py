@@ -217,10 +217,11 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
             chunk.zero_grad(set_to_none=True)
         result = slimpack_forward_backward(model=[model], forward_only=forward_only, plan=plan,
                                            token_source=InMemoryTokenSource(documents), num_microbatches=1,
-                                           seq_length=64, micro_batch_size=1, dp_rank=dp_rank,
+                                           seq_length=64, micro_batch_size=1,
                                            timeline=bool(options.get("trace")))
         order = plan.replicas[dp_rank].stage_orders[stage]
-        assert [(u["kind"], u["index"]) for u in result] == [t for t in order if not forward_only or t[0] == "F"]
+        assert [(u.kind, u.index) for u in result] == [t for t in order if not forward_only or t[0] == "F"]
+        assert all((u.loss_sum is not None) == (u.kind == "F" and stage == pp - 1) for u in result)
         if stage == pp - 1:
             assert result.loss == pytest.approx(saved["loss"], rel=1e-6)
         else:
@@ -330,6 +331,62 @@ def test_sequence_parallel_is_refused(megatron_cpu):
             slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents))
     finally:
         model.config.tensor_model_parallel_size, model.config.sequence_parallel = 1, False
+
+
+def test_one_stage_megatron_call_reports_units(megatron_cpu):
+    """pp=1 through the one executor, called as Megatron's trainer calls it (hooks.py): Megatron's
+    keywords accepted, groups from parallel_state, one UnitReport per task of the stage order."""
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, ScheduleGroups, UnitReport
+    from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+
+    plan, documents = make_case(2, pp=1, dp=1)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    store = KVStore()
+    result = slimpack_forward_backward(
+        forward_step_func=None, data_iterator=None, model=[model], num_microbatches=1, seq_length=64,
+        micro_batch_size=1, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+        first_val_step=None, force_all_reduce=False, plan=plan, token_source=InMemoryTokenSource(documents),
+        kv_store=store)
+    replica = plan.replicas[0]
+    assert all(isinstance(u, UnitReport) for u in result)
+    assert [(u.kind, u.index) for u in result] == replica.stage_orders[0]
+    assert [u.micropacks for u in result if u.kind == "B"] == replica.backward_units
+    assert sum(u.tokens for u in result if u.kind == "F") == plan.num_tokens
+    assert result.loss_sum == pytest.approx(sum(u.loss_sum for u in result if u.kind == "F"))
+    assert result.loss == pytest.approx(result.loss_sum / result.num_loss_tokens)
+    assert len(store) == 0 and all(u.detail == "" for u in result)
+    groups = ScheduleGroups.from_parallel_state()
+    assert (groups.pp_size, groups.pp_rank, groups.dp_size, groups.dp_rank, groups.tp_rank) == (1, 0, 1, 0, 0)
+
+
+def test_moved_process_group_keywords_are_refused(megatron_cpu):
+    """pp_group / dp_rank / ... live in groups=ScheduleGroups(...) now: passing them loose (where
+    Megatron's **kwargs would swallow them) is a TypeError, not a silent default."""
+    from megatron_slimpack.runtime import InMemoryTokenSource
+    from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+
+    plan, documents = make_case(1, pp=1, dp=1)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    with pytest.raises(TypeError, match="dp_rank moved into groups=ScheduleGroups"):
+        slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents), dp_rank=0)
+
+
+def test_merge_groups_are_required(megatron_cpu):
+    """A rank that belongs to a DP-Merge group needs the merge process groups, before anything runs."""
+    from test_dp_merge import make_case as merge_case
+
+    from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups
+    from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+
+    plan, documents = merge_case(2)
+    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    with pytest.raises(ScheduleError, match="DP-Merge groups"):
+        slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
+                                  groups=ScheduleGroups(dp_rank=1))
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ---- checks that need no processes ----------------------------------------------------------

@@ -170,7 +170,7 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime.schedule import slimpack_forward_backward
+    from ..runtime.schedule import ScheduleGroups, slimpack_forward_backward
 
     iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
     planned = next(iterator)
@@ -180,8 +180,8 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     result = slimpack_forward_backward(
         model=chunks, forward_only=forward_only, plan=planned.plan,
         token_source=planned.token_source(iterator.corpus),
-        merge_process_groups=_merge_process_groups(planned.plan),
-        **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "merge_process_groups")})
+        groups=ScheduleGroups.from_parallel_state(merge_groups=_merge_process_groups(planned.plan)),
+        **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "groups")})
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
     dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1

@@ -1,7 +1,11 @@
-"""Run one replica's plan on one pipeline stage (PP=1): forward units, then backward units, in
-exactly the order of `stage_orders[0]` (design.md section 3).
+"""The stage executor: runs replica plans' task lists on one pipeline stage (design.md section 3).
 
-The per-MicroPack step functions are the building blocks the pipeline schedule reuses:
+There is one executor, `StageExecutor`, for every layout: one stage and one replica is just
+pp=1. The schedule (`runtime.schedule.slimpack_forward_backward`) creates one per step and runs
+the rank's DP-Merge groups, then its own replica plan, through it; every unit it runs yields a
+`UnitReport`.
+
+The per-MicroPack step functions are its building blocks (the profiler times them alone):
 
     output = forward_step(model, batch, input_tensor=recv)   # hidden states, or the loss sum
     input_grad = backward_step(output, output_grad, input_tensor=recv)
@@ -11,21 +15,42 @@ On the last stage `output` is the MicroPack's summed per-token loss and `output_
 global batch); elsewhere it is the gradient received from the next stage. K/V gradients between
 slices need nothing from the caller: they flow through the KV store as long as backward runs
 MicroPacks in the plan's backward-sequence order.
+
+Per unit on stage s (`replica.stage_orders[s]`):
+
+* forward unit u: receive the unit's activation from the previous stage (blocking `recv` of a
+  [sum of the unit's MicroPack tokens, 1, hidden] tensor: the shape comes from the plan, there
+  is no shape exchange), split it into one leaf per MicroPack (`split_into_leaves`), run
+  `forward_step` per MicroPack, concatenate the outputs and `isend` them to the next stage;
+* backward unit v: receive the gradient of the unit's outputs (ordered as the backward unit lists
+  its MicroPacks), run `backward_step` per MicroPack in that order (on the last stage the output
+  is the MicroPack's loss sum and its gradient is `_loss_seed`), concatenate the input gradients
+  in the same order and `isend` them upstream.
+
+Communication is plain `torch.distributed` point-to-point over the pipeline process group (gloo
+on CPU, or NCCL), not Megatron's `p2p_communication` (which assumes CUDA). Sends are
+non-blocking (`pending`, waited on by the schedule). Messages between two neighbouring stages
+flow in one direction per kind (activations downstream in forward-unit order, gradients upstream
+in backward-unit order) and each side posts them in the same order, so they match without tags.
+`config.deallocate_pipeline_outputs` frees a stage's outputs' data once sent (backward then goes
+through megatron's `custom_backward`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..plan import Plan, ReplicaPlan
-from .attention import KVStore
-from .batch import MicroPackBatch, TokenSource, build_batch
+from .kv_store import KVStore
+from .batch import MicroPackBatch
 
 
+# ---- per-MicroPack steps -------------------------------------------------------------------
 def forward_step(model, batch: MicroPackBatch, input_tensor: Optional[Tensor] = None) -> Tensor:
     """Forward of one MicroPack (one packed THD call) on this stage.
 
@@ -65,81 +90,257 @@ def global_loss_tokens(plan: Plan) -> int:
     return plan.num_tokens - len(plan.samples)
 
 
+# ---- the model as the executor sees it -----------------------------------------------------
+def inner_module(model):
+    """The module that owns `set_input_tensor` / `post_process` (through DDP / Float16 wrappers)."""
+    inner = model
+    while not hasattr(inner, "post_process") and hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def megatron_config(model):
+    """The model's megatron-core TransformerConfig (on the wrapper, or on the wrapped module)."""
+    return getattr(model, "config", None) or getattr(inner_module(model), "config", None)
+
+
+def _free_output(output: Tensor) -> bool:
+    """Megatron's `deallocate_output_tensor`: keep only the autograd node of a sent output."""
+    if output._base is not None or output.numel() <= 1:
+        return False
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+    return True
+
+
+def _backward(output: Tensor, grad, input_tensor: Optional[Tensor], freed: bool) -> Optional[Tensor]:
+    if not freed:
+        return backward_step(output, grad, input_tensor=input_tensor)
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    custom_backward(output, grad)  # the C++ engine skips the shape check of the freed output
+    return input_tensor.grad if input_tensor is not None else None
+
+
+# ---- reports -------------------------------------------------------------------------------
 @dataclass
 class UnitReport:
-    kind: str  # "F" or "B"
-    index: int
+    """One forward ("F") or backward ("B") unit run on this stage."""
+
+    kind: str
+    index: int  # the unit's index in its replica plan's forward_units / backward_units
     micropacks: list[int]
     tokens: int
     attention_pairs: int
-    seconds: float
+    seconds: float  # wall time of the unit on this stage, its receive included
+    loss_sum: Optional[float] = None  # forward units on the last stage: the summed per-token loss
+    detail: str = ""  # "merge group [ranks]" for a DP-Merge group's units
+
+
+# ---- the executor --------------------------------------------------------------------------
+class _PendingSends:
+    """Non-blocking sends in flight; completion is polled (for the timeline) at task boundaries."""
+
+    def __init__(self, timeline):
+        self.items: list[list] = []  # [handle, tensor, unit, detail, posted_at]
+        self.timeline = timeline
+
+    def add(self, handle, tensor, unit: int, detail: str) -> None:
+        self.items.append([handle, tensor, unit, detail, self.timeline.now() if self.timeline else 0.0])
+
+    def poll(self) -> None:
+        if self.timeline is None:
+            return
+        keep = []
+        for item in self.items:
+            if item[0].is_completed():
+                self.timeline.record("P2P", item[2], item[4], self.timeline.now(), item[3])
+            else:
+                keep.append(item)
+        self.items = keep
+
+    def wait_all(self) -> None:
+        for handle, _, unit, detail, posted in self.items:
+            handle.wait()
+            if self.timeline is not None:
+                self.timeline.record("P2P", unit, posted, self.timeline.now(), detail)
+        self.items = []
 
 
 @dataclass
-class StepResult:
-    loss: float  # per-token mean over the global batch (this replica's share when DP > 1)
-    loss_sum: float
-    num_loss_tokens: int  # the divisor
-    units: list[UnitReport] = field(default_factory=list)
+class _HeldTensors:
+    """A replica plan's MicroPack tensors between their forward and their backward on this stage."""
+
+    inputs: dict = field(default_factory=dict)   # received leaves, per MicroPack (not on the first stage)
+    outputs: dict = field(default_factory=dict)  # forward outputs kept for backward
+    freed: set = field(default_factory=set)      # outputs whose data was deallocated after the send
 
 
-def run_stage_order(model, replica: ReplicaPlan, batches: list[MicroPackBatch], num_loss_tokens: int,
-                    forward_only: bool) -> tuple[float, list[UnitReport]]:
-    """Run a one-stage replica's task list: forward units keep their MicroPacks' outputs, backward
-    units run them in backward-sequence order. Returns (this rank's loss sum, per-unit reports)."""
-    outputs: dict[int, Tensor] = {}
-    reports: list[UnitReport] = []
-    loss_sum = 0.0
-    with torch.set_grad_enabled(not forward_only):
-        for kind, unit in replica.stage_orders[0]:
-            if kind == "B" and forward_only:
-                continue
-            members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
-            began = time.perf_counter()
-            for mp in members:
+class StageExecutor:
+    """Runs replica plans' task lists on this pipeline stage: blocking receives, one
+    `forward_step`/`backward_step` per MicroPack, non-blocking sends. One executor per step; the
+    schedule runs the rank's merge groups, then its own replica, through it, so their sends share
+    one `pending` list (wait on it before the step ends).
+
+    `timeline` (a started `runtime.timing.Timeline`) records every task; `memory_record` (a
+    `StageMemory`) collects saved-tensor bytes per MicroPack and the stage's peak.
+    """
+
+    def __init__(self, model, *, num_loss_tokens: int, store: KVStore, pp_group=None, pp_rank: int = 0,
+                 pp_size: int = 1, forward_only: bool = False, timeline=None, memory_record=None):
+        config = megatron_config(model)
+        param = next(model.parameters())
+        self.inner = inner_module(model)
+        self.pp_group, self.pp_rank = pp_group, pp_rank
+        self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
+        self.prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not self.first else None
+        self.next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not self.last else None
+        self.hidden = config.hidden_size
+        self.dtype = getattr(config, "pipeline_dtype", None) or param.dtype
+        self.device = param.device
+        self.deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not self.last
+        self.grad_scale_func = getattr(config, "grad_scale_func", None)
+        self.num_loss_tokens, self.forward_only, self.store = num_loss_tokens, forward_only, store
+        self.timeline, self.memory_record = timeline, memory_record
+        self.meter = None
+        if memory_record is not None:
+            from .timing import SavedBytesMeter
+
+            self.meter = SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+        self.pending = _PendingSends(timeline)
+        self.live_bytes: dict[int, int] = {}
+
+    # ---- one replica plan ----------------------------------------------------------------
+    def run(self, replica: ReplicaPlan, batches: list, *, replica_index: int, detail: str = "",
+            before_last_backward: Optional[Callable[[], None]] = None) -> list[UnitReport]:
+        """Run `replica.stage_orders[pp_rank]` on `batches` (one per MicroPack: whole, or this
+        member's share in a merge group). `replica_index`: the replica plan's position in the plan
+        (timeline records); `detail`: carried by its reports and records. `before_last_backward`
+        is called just before the order's last backward (DDP's grad sync)."""
+        order = replica.stage_orders[self.pp_rank]
+        last_backward = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
+        counts = [batch.num_tokens for batch in batches]
+        if self.timeline is not None:
+            self.timeline.replica = replica_index
+        held = _HeldTensors()
+        reports = []
+        with torch.set_grad_enabled(not self.forward_only):
+            for position, (kind, unit) in enumerate(order):
+                if kind == "B" and self.forward_only:
+                    continue
+                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+                sizes = [counts[mp] for mp in members]
+                began = time.perf_counter()
+                self.pending.poll()
+                loss_sum = None
                 if kind == "F":
-                    outputs[mp] = forward_step(model, batches[mp])
-                    loss_sum += float(outputs[mp].detach())
+                    loss_sum = self._forward_unit(unit, members, sizes, batches, held, detail)
                 else:
-                    backward_step(outputs.pop(mp), 1.0 / num_loss_tokens)
-            reports.append(UnitReport(
-                kind, unit, list(members), sum(batches[m].num_tokens for m in members),
-                sum(replica.micropacks[m].attention_pairs for m in members), time.perf_counter() - began,
-            ))
-    return loss_sum, reports
+                    if position == last_backward and before_last_backward is not None:
+                        before_last_backward()
+                    self._backward_unit(unit, members, sizes, held, detail)
+                reports.append(UnitReport(
+                    kind, unit, list(members), sum(sizes),
+                    sum(replica.micropacks[mp].attention_pairs for mp in members),
+                    time.perf_counter() - began, loss_sum, detail))
+        if not self.forward_only and held.outputs:
+            raise RuntimeError(f"after the step {len(held.outputs)} MicroPack outputs remain: some backward did not run")
+        self.live_bytes.clear()
+        return reports
 
+    # ---- receive, record, memory -----------------------------------------------------------
+    def _receive(self, tokens: int, source: int, unit: int, label: str) -> Tensor:
+        """Blocking receive of a [tokens, 1, hidden] activation or gradient (shape from the plan)."""
+        buffer = torch.empty(tokens, 1, self.hidden, dtype=self.dtype, device=self.device)
+        waited = self.timeline.now() if self.timeline else 0.0
+        dist.recv(buffer, src=source, group=self.pp_group)
+        if self.timeline:
+            self.timeline.record("RECV", unit, waited, self.timeline.now(), label)
+        return buffer
 
-class SingleStageExecutor:
-    """Executes `ReplicaPlan`s on a megatron-core GPTModel built with the SlimPack layer spec."""
+    def _record(self, kind: str, unit: int, start: float, detail: str) -> None:
+        if self.timeline:
+            self.timeline.record(kind, unit, start, self.timeline.now(), detail)
 
-    def __init__(self, model, source: TokenSource, kv_store: Optional[KVStore] = None):
-        self.model = model
-        self.source = source
-        self.kv_store = kv_store if kv_store is not None else KVStore()
+    def _note_memory(self) -> None:
+        if self.memory_record is not None:
+            current = sum(self.live_bytes.values()) + self.store.nbytes()
+            self.memory_record.peak_activation_bytes = max(self.memory_record.peak_activation_bytes, current)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def _metered_forward(self, mp: int, batch, leaf, detail: str) -> Tensor:
+        if self.meter is None:
+            return forward_step(self.inner, batch, input_tensor=leaf)
+        with self.meter:
+            output = forward_step(self.inner, batch, input_tensor=leaf)
+        self.live_bytes[mp] = self.meter.bytes
+        if not detail:  # per-MicroPack figures of the rank's own replica (fidelity)
+            self.memory_record.micropack_bytes[mp] = self.meter.bytes
+        self._note_memory()
+        return output
 
-    def batches(self, replica: ReplicaPlan) -> list[MicroPackBatch]:
-        return [build_batch(mp, self.source, self.kv_store, self.device) for mp in replica.micropacks]
+    # ---- units -----------------------------------------------------------------------------
+    def _forward_unit(self, unit, members, sizes, batches, held: _HeldTensors, detail) -> Optional[float]:
+        """Forward of one unit; returns its loss sum on the last stage (None elsewhere)."""
+        leaves = [None] * len(members)
+        if not self.first:
+            buffer = self._receive(sum(sizes), self.prev_rank, unit, f"F {self.pp_rank - 1}->{self.pp_rank}")
+            leaves = split_into_leaves(buffer, sizes)
+            if self.meter is not None:
+                self.meter.shared = {buffer.untyped_storage().data_ptr()}
+        task_start = self.timeline.now() if self.timeline else 0.0
+        sent, unit_loss = [], 0.0
+        for mp, leaf in zip(members, leaves):
+            output = self._metered_forward(mp, batches[mp], leaf, detail)
+            if self.last:
+                unit_loss += float(output.detach())
+            else:
+                sent.append(output.detach())
+            if not self.forward_only:
+                held.outputs[mp] = output
+                if leaf is not None:
+                    held.inputs[mp] = leaf
+        if self.last:
+            self._record("F", unit, task_start, detail)
+            return unit_loss
+        activation = torch.cat(sent).to(self.dtype).contiguous()
+        del sent
+        if self.deallocate and not self.forward_only:
+            held.freed.update(mp for mp in members if _free_output(held.outputs[mp]))
+        self._record("F", unit, task_start, detail)
+        self.pending.add(dist.isend(activation, dst=self.next_rank, group=self.pp_group), activation, unit,
+                         f"F {self.pp_rank}->{self.pp_rank + 1}")
+        return None
 
-    def run(self, replica: ReplicaPlan, *, num_loss_tokens: Optional[int] = None,
-            forward_only: bool = False) -> StepResult:
-        """One step of `replica`. Gradients accumulate into the parameters' `.grad` (zero them
-        before, reduce over DP after, as with Megatron's schedules). `num_loss_tokens`: the global
-        batch's labelled tokens (default: this replica's)."""
-        if len(replica.stage_orders) != 1:
-            raise ValueError(f"the single-stage executor runs pp=1 plans; this one has {len(replica.stage_orders)} stages")
-        batches = self.batches(replica)
-        if num_loss_tokens is None:
-            num_loss_tokens = sum(batch.num_loss_tokens for batch in batches)
-        try:
-            loss_sum, reports = run_stage_order(self.model, replica, batches, num_loss_tokens, forward_only)
-            if not forward_only and len(self.kv_store):
-                raise RuntimeError(f"KV store holds {len(self.kv_store)} entries after the step: some slice's "
-                                   "backward did not run, or did not hand off and free its K/V")
-        finally:
-            if forward_only:
-                self.kv_store.clear()
-        return StepResult(loss_sum / num_loss_tokens, loss_sum, num_loss_tokens, reports)
+    def _loss_seed(self, like: Tensor) -> Tensor:
+        """The last stage's backward seed: 1 / global loss tokens, times the loss scale when the
+        optimizer has one (fp16; Megatron's backward_step applies config.grad_scale_func the same way)."""
+        seed = torch.tensor(1.0 / self.num_loss_tokens, dtype=like.dtype, device=like.device)
+        if self.grad_scale_func is None:
+            return seed
+        return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor
+
+    def _backward_unit(self, unit, members, sizes, held: _HeldTensors, detail) -> None:
+        grads: list = [None] * len(members)
+        if not self.last:
+            buffer = self._receive(sum(sizes), self.next_rank, unit, f"B {self.pp_rank + 1}->{self.pp_rank}")
+            grads = list(buffer.split(sizes, dim=0))
+        task_start = self.timeline.now() if self.timeline else 0.0
+        upstream = []
+        for mp, grad, size in zip(members, grads, sizes):
+            leaf = held.inputs.pop(mp, None)
+            output = held.outputs.pop(mp)
+            if grad is None:
+                grad = self._loss_seed(output)
+            input_grad = _backward(output, grad, leaf, mp in held.freed)
+            held.freed.discard(mp)
+            if not self.first:
+                if input_grad is None:
+                    input_grad = torch.zeros(size, 1, self.hidden, dtype=self.dtype, device=self.device)
+                upstream.append(input_grad)
+        for mp in members:
+            self.live_bytes.pop(mp, None)
+        self._note_memory()
+        self._record("B", unit, task_start, detail)
+        if not self.first:
+            gradient = torch.cat(upstream).to(self.dtype).contiguous()
+            self.pending.add(dist.isend(gradient, dst=self.prev_rank, group=self.pp_group), gradient, unit,
+                             f"B {self.pp_rank}->{self.pp_rank - 1}")

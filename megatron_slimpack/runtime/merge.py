@@ -16,13 +16,13 @@ the attention layers of stage s gather K/V over the merge group of stage s's ran
 data-parallel group per (pipeline stage, tensor rank), and `merge_groups` creates the layouts of
 every one of them, so each rank holds the groups of its own stage.
 
-The schedule does all of this (`runtime.schedule.slimpack_forward_backward`, any PP):
+The schedule does all of this (`runtime.schedule.slimpack_forward_backward`, any PP, one stage
+included):
 
-    groups = merge_groups(plan, dp_group_ranks)            # once, at start-up, on every rank
-    slimpack_forward_backward(model=chunk, plan=plan, token_source=source, dp_rank=dp_rank,
-                              merge_process_groups=groups)  # merge groups, own plan, DP reduction
-
-`run_merge_group` is the one-stage building block for callers with their own loop (PP=1).
+    merge = merge_groups(plan, dp_group_ranks)             # once, at start-up, on every rank
+    slimpack_forward_backward(model=chunk, plan=plan, token_source=source,
+                              groups=ScheduleGroups.from_parallel_state(merge_groups=merge))
+                                                           # merge groups, own plan, DP reduction
 """
 from __future__ import annotations
 
@@ -31,9 +31,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..plan import Plan, ReplicaPlan
-from .attention import KVStore
+from .kv_store import KVStore
 from .context_parallel import build_cp_batch
-from .executor import StepResult, run_stage_order
 
 
 def merge_layouts(dp: int) -> list[tuple[int, ...]]:
@@ -93,51 +92,3 @@ def member_batches(replica: ReplicaPlan, token_source, kv_store: KVStore, group,
     """This member's share of every MicroPack of a merge group, as context-parallel batches."""
     return [build_cp_batch(mp, token_source, kv_store, group=group, group_size=len(replica.dp_ranks),
                            group_rank=group_rank, device=device) for mp in replica.micropacks]
-
-
-def run_merge_group(
-    replica: ReplicaPlan, *, model, token_source, group, group_rank: Optional[int] = None,
-    kv_store: Optional[KVStore] = None, num_loss_tokens: int, pp_group=None, forward_only: bool = False,
-    dp_rank: Optional[int] = None,
-) -> StepResult:
-    """Run a one-stage merge-group ReplicaPlan on this member: its share of every MicroPack, in the
-    order of `stage_orders[0]`. Gradients accumulate into the parameters' `.grad` (no DP
-    reduction here). Returns this member's share: `loss_sum` over its tokens, `loss` =
-    loss_sum / num_loss_tokens (sum over members = the group's contribution to the global loss).
-
-    `group`: the merge group's process group (from `merge_groups`), ranks in `replica.dp_ranks`
-    order; `group_rank`: this member's index in `replica.dp_ranks` (or give `dp_rank`).
-    `kv_store`: may be shared with the rank's own work; it must be empty of this group's samples.
-    """
-    if not replica.is_merge_group:
-        raise ValueError(f"run_merge_group runs merge groups; this replica plan has dp_ranks {replica.dp_ranks}")
-    pp = len(replica.stage_orders)
-    if pp != 1 or (pp_group is not None and dist.get_world_size(pp_group) > 1):
-        raise ValueError(
-            f"run_merge_group runs one-stage merge groups; this one has pp={max(pp, dist.get_world_size(pp_group) if pp_group else 1)} "
-            "stages: run it through runtime.schedule.slimpack_forward_backward (merge_process_groups=...), which "
-            "pipelines merge groups like any replica plan")
-    size = len(replica.dp_ranks)
-    if group_rank is None:
-        if dp_rank is None or dp_rank not in replica.dp_ranks:
-            raise ValueError(f"run_merge_group: give group_rank, or a dp_rank among {replica.dp_ranks}")
-        group_rank = replica.dp_ranks.index(dp_rank)
-    if group is not None:
-        if dist.get_world_size(group) != size or dist.get_rank(group) != group_rank:
-            raise ValueError(
-                f"run_merge_group: the process group has {dist.get_world_size(group)} ranks and this rank is "
-                f"{dist.get_rank(group)} in it; the merge group {replica.dp_ranks} needs {size} ranks with this "
-                f"one at {group_rank}")
-    elif size > 1:
-        raise ValueError("run_merge_group: a merge group of several ranks needs its process group")
-    store = kv_store if kv_store is not None else KVStore()
-    batches = member_batches(replica, token_source, store, group, group_rank, next(model.parameters()).device)
-    try:
-        loss_sum, reports = run_stage_order(model, replica, batches, num_loss_tokens, forward_only)
-        if not forward_only and store.sample_ids() & set(replica.sample_ids):
-            raise RuntimeError("KV store still holds K/V of the merge group's samples after its step: some slice's "
-                               "backward did not run")
-    finally:
-        if forward_only:
-            store.discard(replica.sample_ids)
-    return StepResult(loss_sum / num_loss_tokens, loss_sum, num_loss_tokens, reports)

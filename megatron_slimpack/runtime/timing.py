@@ -15,9 +15,10 @@ match the simulator's `TaskRecord` (rank, stage, replica, kind, unit, start, end
 * kind "DP": the gradient reduction after the last backward (finalize_model_grads / all-reduce).
 
 Tensor-parallel ranks other than 0 record too but their records are dropped at gather time (they
-mirror TP rank 0's). Memory: when `track_memory` is on, the schedule also records, per stage, the
-saved-tensor bytes of each MicroPack's forward (unique storages, parameters excluded) and the
-peak over the step of (live MicroPacks' saved bytes + KV-store bytes) in `peak_activation_bytes`.
+mirror TP rank 0's). Memory: when `track_memory` is on, the stage executor also records, per
+stage, the saved-tensor bytes of each MicroPack's forward (unique storages, parameters excluded)
+and the peak over the step of (live MicroPacks' saved bytes + KV-store bytes) in
+`peak_activation_bytes`.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ class Timeline:
         self.origin: float = 0.0
         self.rank = self.stage = self.replica = self.tp_rank = 0
 
-    # ---- recording (called by the schedule) -------------------------------------------------
+    # ---- recording (called by the schedule and its stage executor) ----------------------
     def start(self, *, rank: int, stage: int, tp_rank: int = 0, sync: bool = True) -> None:
         """Barrier over the group (so every rank's clock starts together), then zero the clock."""
         self.rank, self.stage, self.replica, self.tp_rank = rank, stage, rank, tp_rank
