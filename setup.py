@@ -18,7 +18,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex"],
+        # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated package): build it from source
+        # if wanted (README, "Running on a GPU cluster"); Megatron falls back to torch without it.
+        # flash-attn >= 2.1: before it, causal=True is top-left aligned (wrong for a slice's prefix).
+        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],
         # The real-trainer tests import megatron.training (../shared/megatron-lm), which needs these;
         # triton is imported, unguarded, by megatron-core's inference engine (never called in training).
         "test": ["pytest", "pytest-timeout", "hypothesis", "six", "regex", "pydantic", "IPython", "triton"],

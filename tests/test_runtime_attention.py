@@ -59,3 +59,19 @@ def test_compat_is_idempotent_and_undoable(megatron_cpu):
         compat.apply()
         mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the session's seeded streams
     assert str(torch.cuda.current_device()) == "cpu"
+
+
+def test_flash_attn_before_2_1_is_not_offered(monkeypatch):
+    """flash-attn < 2.1 aligns causal masks top-left: it must never be chosen (issue 22)."""
+    import importlib.metadata
+
+    for text, usable in (("2.0.9", False), ("2.1.0", True), ("2.8.3.post1", True), ("1.0.4", False)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, text=text: text)
+        assert kernels.flash_version_ok() is usable
+    monkeypatch.setattr(kernels, "_installed", lambda package: True)
+    monkeypatch.setattr(kernels, "te_attention_importable", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0.4")
+    assert kernels.available_backends() == ["torch"]
+    with pytest.raises(BackendUnavailable, match="flash-attn >= 2.1"):
+        resolve_backend("flash")

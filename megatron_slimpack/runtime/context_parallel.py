@@ -164,14 +164,11 @@ def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size:
 
 
 # ---- collectives ---------------------------------------------------------------------------
-def _reduce_scatter(output: Tensor, grad: Tensor, group) -> None:
-    try:
-        dist.reduce_scatter_tensor(output, grad, op=dist.ReduceOp.SUM, group=group)
-    except (RuntimeError, NotImplementedError):  # a backend without reduce-scatter: all-reduce + own rows
-        grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
-        rank = dist.get_rank(group)
-        output.copy_(grad[rank * output.shape[0]:(rank + 1) * output.shape[0]])
+# torch 2.13 renamed the flat collectives (`*_single`); older torch has only `*_into_tensor` /
+# `reduce_scatter_tensor`. Chosen by name, never by catching a failure (a failed collective
+# retried as another one would hang the group).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class GatherFromGroup(torch.autograd.Function):
@@ -184,7 +181,7 @@ class GatherFromGroup(torch.autograd.Function):
             return local.clone()
         local = local.contiguous()
         out = local.new_empty((group_size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local, group=group)
+        _all_gather(out, local, group=group)
         return out
 
     @staticmethod
@@ -192,7 +189,7 @@ class GatherFromGroup(torch.autograd.Function):
         if grad.shape[0] == ctx.rows:
             return grad, None, None
         output = grad.new_empty((ctx.rows, *grad.shape[1:]))
-        _reduce_scatter(output, grad.contiguous(), ctx.group)
+        _reduce_scatter(output, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return output, None, None
 
 

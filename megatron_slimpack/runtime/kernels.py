@@ -91,12 +91,30 @@ def te_attention_importable() -> bool:
     return True
 
 
+FLASH_MIN_VERSION = (2, 1)  # causal=True is bottom-right aligned from 2.1 on
+
+
+def flash_version_ok() -> bool:
+    """flash-attn >= 2.1: older versions align causal masks top-left, which silently drops a
+    slice's prefix from its queries' view."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("flash-attn")
+    except PackageNotFoundError:
+        return False
+    parts = [int("".join(ch for ch in piece if ch.isdigit()) or 0) for piece in text.split(".")[:2]]
+    return tuple(parts) >= FLASH_MIN_VERSION
+
+
 def available_backends() -> list[str]:
     """Backends this machine can run, fastest first."""
     gpu = torch.cuda.is_available()
     found = [name for name in ("te", "flash") if gpu and _installed(_PACKAGE_OF[name])]
     if "te" in found and not te_attention_importable():
         found.remove("te")
+    if "flash" in found and not flash_version_ok():
+        found.remove("flash")
     return found + ["torch"]
 
 
@@ -113,6 +131,9 @@ def resolve_backend(backend: str = "auto") -> str:
             )
         if not torch.cuda.is_available():
             raise BackendUnavailable(f"attention backend {backend!r} needs a CUDA GPU; use backend='torch' on CPU")
+        if backend == "flash" and not flash_version_ok():
+            raise BackendUnavailable("attention backend 'flash' needs flash-attn >= 2.1 (older versions align causal "
+                                     "masks top-left, wrong for a slice's prefix): pip install 'flash-attn>=2.1'")
         if backend == "te" and not te_attention_importable():
             raise BackendUnavailable("attention backend 'te': megatron.core.extensions.transformer_engine does not "
                                      "import with the installed transformer-engine; use backend='flash' or 'torch'")
