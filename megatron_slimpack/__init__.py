@@ -9,7 +9,7 @@ Public contract (design.md section 8):
     p.validate(); p.to_json(path); Plan.from_json(path)
     report = simulate(p, cost)
 """
-from .config import SlimPackConfig
+from .config import ConfigError, SlimPackConfig
 from .costmodel import CostModel
 from .plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
 from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
@@ -36,6 +36,6 @@ def simulate(plan: Plan, cost: CostModel):
 
 
 __all__ = [
-    "plan", "simulate", "CostModel", "ModelSpec", "HardwareSpec", "ParallelConfig", "SlimPackConfig",
+    "plan", "simulate", "CostModel", "ModelSpec", "HardwareSpec", "ParallelConfig", "SlimPackConfig", "ConfigError",
     "Plan", "ReplicaPlan", "MicroPack", "Slice", "Sample", "PlanError", "SpecError", "__version__",
 ]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .config import SlimPackConfig
+from .config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
 from .costmodel import CostModel
 from .plan import Plan, PlanError
 from .specs import SpecError, ParallelConfig
@@ -22,27 +22,51 @@ class CliError(Exception):
 
 # ---- shared options ---------------------------------------------------------------------------
 
-def add_workload_options(parser: argparse.ArgumentParser, *, context: int, batch: int, model: str, hardware: str):
+def add_cost_options(parser: argparse.ArgumentParser, *, model: str = "llama-7b"):
+    """--model, and --cost-model / --hardware (generated from `MegatronIntegrationConfig`'s fields)."""
+    parser.add_argument("--model", default=model, help=f"model preset (default {model})")
+    add_options(parser, MegatronIntegrationConfig, CLI, only=("cost_model", "hardware"))
+
+
+def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
+    """One option per `SlimPackConfig` field that is a CLI option (type, default and help from the
+    field; `config.add_options`), but those in `exclude`."""
+    from .solver.strategies import strategy_help
+
+    add_options(parser, SlimPackConfig, CLI, exclude=exclude,
+                help_extra={"strategy": f"One of: {strategy_help()}."})
+
+
+def add_workload_options(parser: argparse.ArgumentParser, *, batch: int, model: str,
+                         planner_exclude: tuple[str, ...] = ()):
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD,
                         help="length source, e.g. file:../shared/data/wikipedia_lengths.txt, longtail, text[:DIR] "
                              f"(default: {DEFAULT_WORKLOAD}, the Python standard library's files)")
-    parser.add_argument("--model", default=model, help=f"model preset (default {model})")
-    parser.add_argument("--hardware", default=hardware, help=f"hardware preset (default {hardware})")
-    parser.add_argument("--cost-model", default="analytic", help="'analytic' or a profile JSON from `slimpack profile`")
-    parser.add_argument("--context-length", type=int, default=context)
+    add_cost_options(parser, model=model)
     parser.add_argument("--global-batch-size", type=int, default=batch, help="sequences of context length per step")
     parser.add_argument("--steps", type=int, default=1, help="consecutive global batches")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--solver-time-limit", type=float, default=0.5, help="CP-SAT seconds per step")
-    parser.add_argument("--solver-deterministic-limit", type=float, default=None, metavar="UNITS",
-                        help="also stop CP-SAT after this much deterministic time: the same plans under any load")
+    add_planner_options(parser, exclude=planner_exclude)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _from_options(cls, args, **overrides):
+    """`from_options` on the CLI, its problems named by option (`--base-merge must be ...`)."""
+    try:
+        return from_options(cls, args, CLI, **overrides)
+    except ConfigError as error:
+        raise CliError("; ".join(error.messages(lambda name: option_name(cls, name, CLI)))) from None
+
+
+def planner_config(args, **overrides) -> SlimPackConfig:
+    """The `SlimPackConfig` of the planner options given."""
+    return _from_options(SlimPackConfig, args, **overrides)
+
+
 def load_cost(args) -> CostModel:
-    if args.cost_model == "analytic":
-        return CostModel.analytic(args.model, args.hardware)
-    return CostModel.from_profile(args.cost_model)
+    options = _from_options(MegatronIntegrationConfig, args)
+    if options.cost_model == "analytic":
+        return CostModel.analytic(args.model, options.hardware)
+    return CostModel.from_profile(options.cost_model)
 
 
 def global_batches(args) -> list[list[int]]:
@@ -111,13 +135,10 @@ PLAN_COLUMNS = [
 def cmd_plan(args) -> int:
     cost = load_cost(args)
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, recompute=args.recompute)
-    config = SlimPackConfig(strategy=args.strategy, context_length=args.context_length, seed=args.seed,
-                            solver_time_limit_s=args.solver_time_limit, max_micropack_tokens=args.max_micropack_tokens,
-                            solver_deterministic_limit=args.solver_deterministic_limit,
-                            dp_merge=not args.no_dp_merge)
+    config = planner_config(args)
     from .solver.strategies import new_planner
 
-    planner = new_planner(args.strategy)
+    planner = new_planner(config.strategy)
     batches = global_batches(args)
     outputs = []
     for step, lengths in enumerate(progress(batches, len(batches), "planning", not args.json)):
@@ -175,12 +196,11 @@ def cmd_simulate(args) -> int:
 def cmd_compare(args) -> int:
     from .comparison import run_comparison
 
+    config = planner_config(args)
     result = run_comparison(
-        workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args), gpus=args.gpus,
-        context_length=args.context_length, global_batch_size=args.global_batch_size, steps=args.steps,
-        strategies=args.strategies, seed=args.seed, solver_time_limit_s=args.solver_time_limit,
-        solver_deterministic_limit=args.solver_deterministic_limit,
-        gantt_dir=args.gantt_dir, show_progress=not args.json,
+        workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args),
+        gpus=args.gpus, global_batch_size=args.global_batch_size, steps=args.steps, strategies=args.strategies,
+        config=config, gantt_dir=args.gantt_dir, show_progress=not args.json,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=float))
@@ -207,23 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="plan global batches and print a per-replica summary")
-    add_workload_options(plan, context=65536, batch=512, model="llama-7b", hardware="h100-sxm")
+    add_workload_options(plan, batch=512, model="llama-7b")
     plan.add_argument("--tp", type=int, default=8)
     plan.add_argument("--pp", type=int, default=4)
     plan.add_argument("--dp", type=int, default=4)
     plan.add_argument("--cp", type=int, default=1)
     plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    plan.add_argument("--strategy", default="slimpack")
-    plan.add_argument("--max-micropack-tokens", type=int, default=None)
-    plan.add_argument("--no-dp-merge", action="store_true")
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
     plan.set_defaults(run=cmd_plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan JSON: time, MFU, bubbles, memory")
     simulate.add_argument("plan")
-    simulate.add_argument("--model", default="llama-7b")
-    simulate.add_argument("--hardware", default="h100-sxm")
-    simulate.add_argument("--cost-model", default="analytic")
+    add_cost_options(simulate)
     simulate.add_argument("--gantt", help="write a Gantt chart PNG")
     simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
     simulate.add_argument("--json", action="store_true")
@@ -231,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(run=cmd_simulate)
 
     compare = commands.add_parser("compare", help="every strategy, its best layout, side by side")
-    add_workload_options(compare, context=65536, batch=512, model="llama-7b", hardware="h100-sxm")
+    # Each strategy is compared in its own best layout: no --strategy, and no --base-merge (SlimPack's
+    # layouts with cp K are its base merge K).
+    add_workload_options(compare, batch=512, model="llama-7b", planner_exclude=("strategy", "base_merge"))
     compare.add_argument("--gpus", type=int, default=128)
     compare.add_argument("--strategies", default="all", help="comma-separated names or 'all'")
     compare.add_argument("--csv", action="store_true")

@@ -12,7 +12,7 @@ from .plan import PlanError
 from .simulator import simulate
 from .simulator.report import ComparisonRow, comparison_table, write_gantt
 from .solver.layouts import LayoutResult, NoFeasibleLayout, best_layout
-from .solver.strategies import strategy_names
+from .solver.strategies import strategy_names, strategy_spec
 
 REFERENCE = "megatron-fixed"
 
@@ -43,7 +43,7 @@ class ComparisonResult:
         lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
         lines += [f"{name}: cp{r.parallel.cp} is its base merge; run it with --context-parallel-size 1, "
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
-                  for name, r in self.results.items() if name.startswith("slimpack") and r.parallel.cp > 1]
+                  for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
         lines += [f"Gantt chart: {path}" for path in self.gantt_files]
         return lines
 
@@ -80,19 +80,24 @@ def resolve_strategies(text: str) -> list[str]:
 
 
 def run_comparison(
-    *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int,
-    global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int = 0,
-    solver_time_limit_s: float = 0.5, solver_deterministic_limit: float | None = None,
-    gantt_dir: str | None = None, show_progress: bool = True,
+    *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int | None = None,
+    global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int | None = None,
+    solver_time_limit_s: float | None = None, solver_deterministic_limit: float | None = None,
+    config: SlimPackConfig | None = None, gantt_dir: str | None = None, show_progress: bool = True,
     batches: list[list[int]] | None = None,
 ) -> ComparisonResult:
+    """Every strategy of `strategies` in its best layout of `gpus` GPUs on the same batches.
+    `config`: the planners' configuration (its strategy is each one's in turn; default
+    `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its."""
+    given = dict(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s,
+                 solver_deterministic_limit=solver_deterministic_limit)
+    config = (config or SlimPackConfig()).with_(**{name: value for name, value in given.items() if value is not None})
+    context_length, seed = config.context_length, config.seed
     if batches is None:
         from .workload import GlobalBatchSampler, load_lengths
 
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]
-    config = SlimPackConfig(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s,
-                            solver_deterministic_limit=solver_deterministic_limit)
     result = ComparisonResult({})
     for name in resolve_strategies(strategies):
         if show_progress:

@@ -1,8 +1,252 @@
-"""`SlimPackConfig`: the planner's knobs, one dataclass shared by the Python API, CLI and flags."""
+"""The planner's knobs, declared once: `SlimPackConfig` (what the planner plans for) and
+`MegatronIntegrationConfig` (how the Megatron integration runs it).
+
+Each field is declared once, with its default, its type and its option metadata (`Option`, in
+`dataclasses.field(metadata=...)`: help text, flag name, metavar, and why it is not an option on
+a surface where it is not one). From that:
+
+- `add_options(parser, cls, MEGATRON)` generates Megatron's `--slimpack-<name>` flags (the
+  `extra_args_provider` of `megatron/args.py`) and `add_options(parser, cls, CLI)` the `slimpack`
+  command's `--<name>` options, each with the field's type, default and help;
+- `from_options(cls, args, surface)` reads them back (on MEGATRON, `context_length` and `seed`
+  come from Megatron's own `--seq-length` and `--seed`);
+- `__post_init__` validates every entry point (Python API, CLI, Megatron flags) and raises
+  `ConfigError` (a ValueError) with one message per problem, each naming the field; the flag
+  paths render the same problems with their option names (`ConfigError.messages`).
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+import numbers
+import typing
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+# ==== option metadata ===========================================================================
+
+OPTION = "slimpack_option"  # the key of an `Option` in a field's metadata
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field appears on the command lines. `cli` / `megatron`: None where it is an
+    option there, else why it is not one."""
+
+    help: str = ""
+    flag: Optional[str] = None        # the option's name after the surface's prefix (default: the field's, dashed)
+    metavar: Optional[str] = None
+    none_means: Optional[str] = None  # what a None default means (help text)
+    cli: Optional[str] = None
+    megatron: Optional[str] = None
+    # The Megatron argument (its `args` attribute) the value is read from instead of a flag of its own.
+    megatron_source: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.megatron_source and not self.megatron:
+            object.__setattr__(self, "megatron",
+                               f"read from Megatron's own --{self.megatron_source.replace('_', '-')}")
+
+    def why_not(self, surface: "Surface") -> Optional[str]:
+        return self.cli if surface is CLI else self.megatron
+
+
+def option(help: str, **settings) -> dict:
+    """`field(metadata=option(...))` for a field that is a command-line option."""
+    return {OPTION: Option(help, **settings)}
+
+
+def not_an_option(why: str) -> dict:
+    """`field(metadata=not_an_option(why))` for a field that is deliberately no option anywhere."""
+    return {OPTION: Option(cli=why, megatron=why)}
+
+
+@dataclass(frozen=True)
+class Surface:
+    """A command line the options are generated for."""
+
+    name: str
+    prefix: str      # "--" or "--slimpack-"
+    dest_prefix: str  # the argparse dest: dest_prefix + the flag's name (CLI: the field's name)
+
+    def flag(self, item: Field) -> str:
+        return self.prefix + _flag_name(item)
+
+    def dest(self, item: Field) -> str:
+        if self is CLI:
+            return item.name
+        return self.dest_prefix + _flag_name(item).replace("-", "_")
+
+
+CLI = Surface("cli", "--", "")
+MEGATRON = Surface("megatron", "--slimpack-", "slimpack_")
+
+
+def option_of(item: Field) -> Option:
+    found = item.metadata.get(OPTION)
+    if found is None:
+        raise TypeError(f"config field {item.name!r} declares no Option (use option(...) or not_an_option(...))")
+    return found
+
+
+def _flag_name(item: Field) -> str:
+    return option_of(item).flag or item.name.replace("_", "-")
+
+
+def _value_type(cls: type, item: Field) -> tuple[type, bool]:
+    """(int/float/str/bool, whether None is allowed) of a field's annotation."""
+    hint = typing.get_type_hints(cls)[item.name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        (hint,) = [a for a in args if a is not type(None)]
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"{cls.__name__}.{item.name}: a command-line option needs an int, float, str or bool "
+                        f"field, not {hint!r}")
+    return hint, optional
+
+
+def option_fields(cls: type, surface: Surface) -> list[Field]:
+    """The fields of `cls` that are options on `surface`."""
+    return [item for item in fields(cls) if option_of(item).why_not(surface) is None]
+
+
+def not_options(cls: type, surface: Surface) -> dict[str, str]:
+    """field -> why it is not an option on `surface`."""
+    return {item.name: option_of(item).why_not(surface) for item in fields(cls)
+            if option_of(item).why_not(surface) is not None}
+
+
+def option_name(cls: type, name: str, surface: Surface) -> str:
+    """How `surface` spells field `name` of `cls` in a message: its flag, or the Megatron flag it
+    is read from; a field that is no option there is named as in Python."""
+    item = {item.name: item for item in fields(cls)}[name]
+    meta = option_of(item)
+    if meta.why_not(surface) is None:
+        return surface.flag(item)
+    if surface is MEGATRON and meta.megatron_source:
+        return "--" + meta.megatron_source.replace("_", "-")
+    return f"{cls.__name__}.{name}"
+
+
+def add_options(parser, cls: type, surface: Surface, *, only: Optional[Iterable[str]] = None,
+                exclude: Iterable[str] = (), help_extra: Optional[dict[str, str]] = None) -> list[str]:
+    """Add `cls`'s options on `surface` to `parser` (an ArgumentParser or argument group); returns
+    the fields added. `only` / `exclude`: field names; `help_extra`: text added to a field's help."""
+    only = None if only is None else set(only)
+    exclude, help_extra = set(exclude), help_extra or {}
+    added = []
+    for item in option_fields(cls, surface):
+        if (only is not None and item.name not in only) or item.name in exclude:
+            continue
+        if item.default is MISSING:
+            raise TypeError(f"{cls.__name__}.{item.name}: a command-line option needs a plain default")
+        meta, default = option_of(item), item.default
+        kind, _ = _value_type(cls, item)
+        text = " ".join(part for part in (meta.help, help_extra.get(item.name, "")) if part)
+        flag, dest = surface.flag(item), surface.dest(item)
+        if kind is bool:
+            negative = "--no-" + flag[2:]  # --no-dp-merge, --no-slimpack-dp-merge
+            parser.add_argument(flag, dest=dest, action="store_true", default=default,
+                                help=f"{text}{' (default)' if default else ''}")
+            parser.add_argument(negative, dest=dest, action="store_false",
+                                help=f"The opposite of {flag}{' (default)' if not default else ''}.")
+        else:
+            shown = meta.none_means if default is None else default
+            metavar = meta.metavar or (_flag_name(item).upper().replace("-", "_") if surface is CLI else None)
+            parser.add_argument(flag, dest=dest, type=kind, default=default, metavar=metavar,
+                                help=f"{text} (default: {shown})".replace("%", "%%"))
+        added.append(item.name)
+    return added
+
+
+def from_options(cls: type, args, surface: Surface, **overrides):
+    """An instance of `cls` from parsed `args`: every option on `surface` (an attribute missing
+    from `args`, or None for a field that cannot be None, leaves the field's default), the
+    Megatron arguments fields are read from, then `overrides`."""
+    values = {}
+    for item in fields(cls):
+        if item.name in overrides:
+            continue
+        meta = option_of(item)
+        if meta.why_not(surface) is None:
+            attribute = surface.dest(item)
+        elif surface is MEGATRON and meta.megatron_source:
+            attribute = meta.megatron_source
+        else:
+            continue
+        value = getattr(args, attribute, MISSING)
+        if value is MISSING or (value is None and not _value_type(cls, item)[1]):
+            continue
+        values[item.name] = value
+    return cls(**values, **overrides)
+
+
+# ==== validation ================================================================================
+
+Namer = Callable[[str], str]
+Problems = list  # [(field, message)]
+
+
+class ConfigError(ValueError):
+    """Values a config dataclass refuses. `problems`: [(field, message)], one per problem, each
+    message naming the field as Python spells it (`SlimPackConfig.base_merge`); `messages(name)`
+    renders the same problems with other names (a flag path: `option_name`)."""
+
+    def __init__(self, owner: type, values: dict, check: Callable[[dict, Namer], Problems]):
+        self.owner, self.values, self._check = owner, values, check
+        self.problems = check(values, lambda name: f"{owner.__name__}.{name}")
+        super().__init__("invalid " + owner.__name__ + ": " + "; ".join(message for _, message in self.problems))
+
+    def messages(self, name: Namer) -> list[str]:
+        return [message for _, message in self._check(self.values, name)]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(problems: Problems, values: dict, n: Namer, name: str, least: int, *, optional: bool = False) -> bool:
+    """True when values[name] is fine and an integer (not None)."""
+    value = values[name]
+    if value is None and optional:
+        return False
+    if _is_int(value) and value >= least:
+        return True
+    what = "a positive integer" if least == 1 else f"an integer >= {least}"
+    problems.append((name, f"{n(name)} must be {what}, got {value!r}"))
+    return False
+
+
+def _positive(problems: Problems, values: dict, n: Namer, name: str, unit: str = "", *, optional: bool = False) -> None:
+    value = values[name]
+    if value is None and optional:
+        return
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
+        problems.append((name, f"{n(name)} must be > 0{unit} and finite{' if given' if optional else ''}, "
+                               f"got {value!r}"))
+
+
+def _normalized_integers(instance) -> None:
+    """numpy and other Integral values stored as int (so `to_dict()` stays JSON)."""
+    for item in fields(instance):
+        value = getattr(instance, item.name)
+        if _is_int(value) and type(value) is not int:
+            object.__setattr__(instance, item.name, int(value))
+
+
+def _validate(instance, check: Callable[[dict, Namer], Problems]) -> None:
+    values = {item.name: getattr(instance, item.name) for item in fields(instance)}
+    if check(values, str):
+        raise ConfigError(type(instance), values, check)
+    _normalized_integers(instance)
+
+
+# ==== the planner's configuration ===============================================================
 
 
 @dataclass(frozen=True)
@@ -46,31 +290,126 @@ class PlannerTunables:
 
 @dataclass(frozen=True)
 class SlimPackConfig:
-    strategy: str = "slimpack"
-    context_length: int = 65536
+    """What the planner plans for. Every field but `tunables` is validated here, whatever the
+    entry point (Python API, `slimpack` CLI, Megatron flags); see the module docstring."""
+
+    strategy: str = field(default="slimpack", metadata=option(
+        "Planning strategy."))
+    context_length: int = field(default=65536, metadata=option(
+        "Tokens of one sequence of the global batch (the longest document).", megatron_source="seq_length"))
     # Token cap of one MicroPack; None: the largest that fits memory (cost model), at most the context.
-    max_micropack_tokens: int | None = None
+    max_micropack_tokens: int | None = field(default=None, metadata=option(
+        "Token cap of one MicroPack, at most the context length.",
+        none_means="the largest that fits memory, at most the context length"))
     # Target slice size for long documents; None: the planner tries several and simulates each.
-    slice_tokens: int | None = None
-    dp_merge: bool = True
+    slice_tokens: int | None = field(default=None, metadata=option(
+        "Target slice size of long documents in tokens, at most the context length.",
+        none_means="the planner tries several"))
+    dp_merge: bool = field(default=True, metadata=option(
+        "Let outlier documents be shared by a DP-Merge group."))
     # Every MicroPack shared by a DP-Merge group of this many replicas (planned as that much
     # context parallelism over dp / base_merge replicas); 1: only outliers are shared (and every
     # MicroPack only where no other plan fits memory).
-    base_merge: int = 1
+    base_merge: int = field(default=1, metadata=option(
+        "Share every MicroPack by a DP-Merge group of K data-parallel replicas, K a power of two (context "
+        "parallelism inside the group); 1: only outliers are shared.", metavar="K"))
     # A sample whose cost exceeds this multiple of the mean replica load is shared by a merge group.
-    merge_threshold: float = 1.25
-    solver_time_limit_s: float = 0.5
+    merge_threshold: float = field(default=1.25, metadata=not_an_option(
+        "a planner policy tuned with the search (docs/history.md); set it from Python"))
+    solver_time_limit_s: float = field(default=0.5, metadata=option(
+        "CP-SAT time limit in seconds for the DP phase of each step.", flag="solver-time-limit"))
     # CP-SAT's deterministic-time budget (its work units, about seconds): with one worker the plan is
     # then the same on any machine under any load, which a wall-clock limit alone cannot promise.
     # None: the wall-clock limit only. Whichever limit is hit first stops the search.
-    solver_deterministic_limit: float | None = None
-    seed: int = 0
-    solver_workers: int = 1
+    solver_deterministic_limit: float | None = field(default=None, metadata=option(
+        "Also stop CP-SAT after this much deterministic time (its work units, about seconds), so a rerun plans "
+        "the same batches the same way under any machine load.", metavar="UNITS",
+        none_means="the wall-clock limit only"))
+    seed: int = field(default=0, metadata=option(
+        "Seed of the batch sampler and the planner's random choices.", megatron_source="seed"))
+    solver_workers: int = field(default=1, metadata=not_an_option(
+        "one CP-SAT worker keeps plans reproducible and leaves the cores to training; set it from Python"))
     # The search's effort knobs (not exposed as flags).
-    tunables: PlannerTunables = field(default_factory=PlannerTunables)
+    tunables: PlannerTunables = field(default_factory=PlannerTunables, metadata=not_an_option(
+        "the search's effort knobs (PlannerTunables), not what it plans for"))
+
+    def __post_init__(self) -> None:
+        _validate(self, self.find_problems)
+
+    @staticmethod
+    def find_problems(values: dict, n: Namer = str) -> Problems:
+        """[(field, message)] for every bad value in `values` (field -> value); `n` names a field."""
+        problems: Problems = []
+        strategy = values["strategy"]
+        if not isinstance(strategy, str) or not strategy:
+            problems.append(("strategy", f"{n('strategy')} must be a strategy name, got {strategy!r}"))
+        context = values["context_length"] if _integer(problems, values, n, "context_length", 1) else None
+        for name in ("max_micropack_tokens", "slice_tokens"):
+            if _integer(problems, values, n, name, 1, optional=True) and context and values[name] > context:
+                problems.append((name, f"{n(name)} {values[name]} exceeds {n('context_length')} {context}"))
+        if not isinstance(values["dp_merge"], bool):
+            problems.append(("dp_merge", f"{n('dp_merge')} must be True or False, got {values['dp_merge']!r}"))
+        base_merge = values["base_merge"]
+        if not (_is_int(base_merge) and base_merge >= 1 and base_merge & (base_merge - 1) == 0):
+            problems.append(("base_merge", f"{n('base_merge')} must be a power of two >= 1, got {base_merge!r}"))
+        _positive(problems, values, n, "merge_threshold")
+        _positive(problems, values, n, "solver_time_limit_s", " seconds")
+        _positive(problems, values, n, "solver_deterministic_limit", optional=True)
+        _integer(problems, values, n, "seed", 0)
+        _integer(problems, values, n, "solver_workers", 1)
+        if not isinstance(values["tunables"], PlannerTunables):
+            problems.append(("tunables", f"{n('tunables')} must be a PlannerTunables, got {values['tunables']!r}"))
+        return problems
 
     def with_(self, **changes) -> "SlimPackConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class MegatronIntegrationConfig:
+    """How the Megatron integration runs the planner (not planner configuration): its
+    `--slimpack-*` flags besides `SlimPackConfig`'s. The cost model's two also serve the CLI."""
+
+    plan_ahead: int = field(default=1, metadata=option(
+        "Global batches planned ahead in a background thread; 0 plans inline.",
+        cli="the CLI plans its batches in turn"))
+    cost_model: str = field(default="analytic", metadata=option(
+        "'analytic' or a profile JSON written by `slimpack profile`.", metavar="{analytic,PATH}"))
+    hardware: str = field(default="h100-sxm", metadata=option(
+        "Hardware preset for the analytic cost model."))
+    dump_plans: str | None = field(default=None, metadata=option(
+        "Write each step's plan JSON to DIR (rank 0).", metavar="DIR", none_means="no plans written",
+        cli="`slimpack plan --out` writes the plans"))
+
+    def __post_init__(self) -> None:
+        _validate(self, self.find_problems)
+
+    @staticmethod
+    def find_problems(values: dict, n: Namer = str) -> Problems:
+        problems: Problems = []
+        _integer(problems, values, n, "plan_ahead", 0)
+        cost = values["cost_model"]
+        if not isinstance(cost, str) or (cost != "analytic" and not Path(cost).is_file()):
+            problems.append(("cost_model", f"{n('cost_model')} {cost!r} is neither 'analytic' nor an existing "
+                                           "profile JSON (create one with `slimpack profile`)"))
+        elif cost == "analytic":
+            from .specs import HARDWARE
+
+            if values["hardware"] not in HARDWARE:
+                problems.append(("hardware", f"{n('hardware')} {values['hardware']!r} is not a hardware preset "
+                                             f"(known: {', '.join(HARDWARE)})"))
+        dump = values["dump_plans"]
+        if dump is not None and (not isinstance(dump, str) or not dump):
+            problems.append(("dump_plans", f"{n('dump_plans')} must be a directory or None, got {dump!r}"))
+        return problems
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+__all__ = ["SlimPackConfig", "PlannerTunables", "MegatronIntegrationConfig", "ConfigError", "Option", "option",
+           "not_an_option", "Surface", "CLI", "MEGATRON", "add_options", "from_options", "option_fields",
+           "not_options", "option_name"]

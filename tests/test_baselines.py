@@ -35,6 +35,98 @@ def test_registry_has_every_baseline():
     assert set(BASELINES) <= set(strategy_names())
 
 
+# ---- the registry -----------------------------------------------------------------------------
+def test_every_strategy_has_one_spec_with_its_facts():
+    import importlib
+
+    plan_module = importlib.import_module("megatron_slimpack.plan")  # (the package's `plan` is the function)
+    from megatron_slimpack.solver.registry import REGISTRY, StepPlanner, register
+    from megatron_slimpack.solver.strategies import strategy_spec, strategy_specs, trainable_strategy_names
+
+    specs = strategy_specs()
+    assert sorted(specs) == strategy_names() == sorted(REGISTRY)
+    assert [spec.role for spec in specs.values()] == sorted((spec.role for spec in specs.values()),
+                                                           key=("method", "ablation", "baseline").index)
+    for name, spec in specs.items():
+        assert spec.name == name and spec.description
+        planner = spec.new_planner()
+        assert isinstance(planner, StepPlanner) and planner is not spec.new_planner()  # a fresh one each time
+        assert spec.stateful == (type(planner) is not StepPlanner)
+    assert {name for name, spec in specs.items() if spec.stateful} == {"wlb-llm"}
+    # megatron-hybrid-cp is simulated for comparison only: the SlimPack runtime refuses to train with it.
+    assert trainable_strategy_names() == ("slimpack", "slimpack-sym", "slimpack-nomerge", "megatron-fixed", "bfd",
+                                          "sorted", "wlb-llm", "slimpipe")
+    assert {name for name, spec in specs.items() if spec.cp_is_base_merge} == {"slimpack", "slimpack-sym"}
+    # plan.py (below the solver) must agree with the specs: its own set, or a lookup of the spec.
+    renumbering = {name for name, spec in specs.items() if spec.renumbers_samples}
+    assert renumbering == {"megatron-fixed", "slimpipe", "wlb-llm"}
+    if hasattr(plan_module, "RENUMBERING_STRATEGIES"):
+        assert renumbering == set(plan_module.RENUMBERING_STRATEGIES)
+    else:
+        assert {name for name in specs if plan_module.renumbers_samples(name)} == renumbering
+    with pytest.raises(PlanError, match="unknown strategy 'nope'; known: bfd, megatron-fixed"):
+        strategy_spec("nope")
+    with pytest.raises(ValueError, match="registered twice"):
+        register("bfd", role="baseline", trainable=False, description="again")(lambda *a, **k: None)
+    with pytest.raises(ValueError, match="minimum_in_flight"):
+        register("new-one", role="baseline", trainable=False, description="x", minimum_in_flight="all")(None)
+    assert "new-one" not in REGISTRY
+
+
+def _solver_import_graph() -> dict[str, set[str]]:
+    """solver module -> the solver modules it imports, at module level or inside functions."""
+    import ast
+    from pathlib import Path
+
+    import megatron_slimpack.solver as solver
+
+    root = Path(solver.__file__).parent
+    names = {path.stem for path in root.glob("*.py")}
+    graph = {}
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert "import_module" not in text and "__import__" not in text, f"{path.name} imports by name"
+        imported = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 1:  # from .x import y / from . import x
+                    targets = [module.split(".")[0]] if module else [alias.name for alias in node.names]
+                elif node.level == 0 and module.startswith("megatron_slimpack.solver"):
+                    rest = module[len("megatron_slimpack.solver"):].lstrip(".")
+                    targets = [rest.split(".")[0]] if rest else [alias.name for alias in node.names]
+                else:
+                    targets = []
+                imported |= {target for target in targets if target in names}
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("megatron_slimpack.solver."):
+                        imported.add(alias.name.split(".")[2])
+        graph[path.stem] = imported - {path.stem}
+    return graph
+
+
+def test_no_import_cycle_among_solver_modules():
+    """Counting function-level imports: the registry sits below the strategies that register in it
+    (strategies -> baselines -> registry; nothing imports strategies back)."""
+    graph = _solver_import_graph()
+    assert graph["registry"] == set()
+    assert "strategies" not in graph["baselines"] and "baselines" in graph["strategies"]
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            assert state.get(target) != 1, f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
 # ---- megatron-fixed ---------------------------------------------------------------------------
 def test_megatron_fixed_cuts_at_exactly_the_context_length():
     # Stream of 25 tokens cut every 8: [d0 5 | d1 3] [d1 7 | d2 1] [d2 2 | d3 6] [d3 1]

@@ -7,10 +7,10 @@ import pytest
 import megatron_slimpack as ms
 from megatron_slimpack.plan import PlanError
 from megatron_slimpack.solver.layouts import (
-    LAYOUT_CONSTRAINTS, NoFeasibleLayout, best_layout, cheap_rejection, enumerate_layouts, iteration_lower_bound,
+    NoFeasibleLayout, best_layout, cheap_rejection, enumerate_layouts, iteration_lower_bound,
     minimum_memory_bytes,
 )
-from megatron_slimpack.solver.strategies import get_strategy
+from megatron_slimpack.solver.strategies import get_strategy, strategy_spec, strategy_specs
 from megatron_slimpack.simulator.dag import simulate
 from megatron_slimpack.specs import ParallelConfig
 
@@ -34,7 +34,25 @@ def test_enumeration_respects_hardware_model_and_strategy():
     assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
     assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}  # base merge
     assert all(p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "slimpack-nomerge"))
-    assert LAYOUT_CONSTRAINTS["megatron-hybrid-cp"].reason
+    assert strategy_spec("megatron-hybrid-cp").constraints.reason
+
+
+def test_layout_facts_come_from_the_strategy_specs():
+    """Every registered strategy declares its layout facts in its spec (no tables keyed by name in
+    layouts.py); an unknown name is refused with the known ones."""
+    specs = strategy_specs()
+    assert {name for name, spec in specs.items() if spec.sizes_to_memory} == {"slimpack", "slimpack-sym",
+                                                                              "slimpack-nomerge"}
+    assert {name for name, spec in specs.items() if spec.splits_documents} == {"megatron-fixed", "slimpipe"}
+    assert {name: spec.minimum_in_flight for name, spec in specs.items()} == {
+        "megatron-fixed": "sequence", "bfd": "document", "sorted": "document", "wlb-llm": "document",
+        "slimpipe": "half-document", "slimpack": "merged-document", "slimpack-sym": "merged-document",
+        "slimpack-nomerge": "document", "megatron-hybrid-cp": "none"}
+    assert {name for name, spec in specs.items() if spec.constraints.pp or spec.constraints.cp} == {
+        "megatron-hybrid-cp", "slimpack-nomerge"}
+    assert all(spec.constraints.reason for spec in specs.values() if spec.constraints.pp or spec.constraints.cp)
+    with pytest.raises(PlanError, match="unknown strategy 'nope'; known: bfd"):
+        enumerate_layouts(COST_7B, 8, "nope")
 
 
 def test_minimum_memory_matches_the_simulated_peak_of_fixed_packing():

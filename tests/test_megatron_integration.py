@@ -90,6 +90,12 @@ def test_with_slimpack_args_chains_another_provider():
      "--slimpack-solver-deterministic-limit must be > 0"),
     (("--calculate-per-token-loss", "--slimpack-base-merge", "3"), "--slimpack-base-merge must be a power of two"),
     (("--calculate-per-token-loss", "--tensor-model-parallel-size", "2", "--sequence-parallel"), "--sequence-parallel"),
+    # The configs' own checks (`__post_init__`), named by flag:
+    (("--calculate-per-token-loss", "--slimpack-base-merge", "0"), "--slimpack-base-merge must be a power of two"),
+    (("--calculate-per-token-loss", "--slimpack-slice-tokens", "8192"), "--slimpack-slice-tokens 8192 exceeds --seq-length"),
+    (("--calculate-per-token-loss", "--slimpack-solver-time-limit", "0"), "--slimpack-solver-time-limit must be > 0"),
+    (("--calculate-per-token-loss", "--slimpack-hardware", "tpu"), "--slimpack-hardware 'tpu' is not a hardware preset"),
+    (("--calculate-per-token-loss", "--seq-length", "0"), "--seq-length must be a positive integer"),
 ])
 def test_validation_errors_name_the_flag(argv, message):
     from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
@@ -97,6 +103,19 @@ def test_validation_errors_name_the_flag(argv, message):
     args = parse("--slimpack", *argv)
     with pytest.raises(SlimPackArgumentError, match=message.replace("(", r"\(")):
         validate_slimpack_args(args)
+
+
+def test_validation_reports_every_problem_one_line_each():
+    from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
+
+    args = parse("--slimpack", "--micro-batch-size", "2", "--slimpack-strategy", "megatron-hybrid-cp",
+                 "--slimpack-base-merge", "3", "--slimpack-plan-ahead", "-2")
+    with pytest.raises(SlimPackArgumentError) as caught:
+        validate_slimpack_args(args)
+    lines = str(caught.value).splitlines()[1:]
+    assert [line.split()[1] for line in lines] == [
+        "--slimpack", "--slimpack", "--slimpack-strategy", "--slimpack-base-merge", "--slimpack-plan-ahead"]
+    assert "is simulated for comparison only" in lines[2]
 
 
 def test_validation_is_silent_without_slimpack_and_checks_the_version():

@@ -5,20 +5,35 @@ Megatron-LM 0.16/0.17: `pretrain(..., extra_args_provider=add_slimpack_args)`; 0
 with Megatron's `argparse.ArgumentParser` and expect it back. `with_slimpack_args(other)`
 chains another provider (e.g. ModelOpt's `add_modelopt_args`, which `pretrain_gpt.py` passes).
 
-`validate_slimpack_args(args)` checks the combination with Megatron's own flags and raises
-`SlimPackArgumentError` (a ValueError) with a message that names the flag to change.
+The `--slimpack-<name>` flags are generated from the fields of `SlimPackConfig` and
+`MegatronIntegrationConfig` (config.py: type, default, help); `slimpack_config_from_args` and
+`integration_config_from_args` read them back, `context_length` and `seed` from Megatron's
+`--seq-length` and `--seed`. `validate_slimpack_args(args)` checks the combination with
+Megatron's own flags, and the configs' own checks (`__post_init__`), and raises
+`SlimPackArgumentError` (a ValueError) with one line per problem naming the flag to change.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Optional
 
+from ..config import MEGATRON, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
+
 # megatron-core versions whose trainer seams (design.md section 7) hooks.py knows.
 SUPPORTED_MCORE = ((0, 16), (0, 17), (0, 18), (0, 19))
-# The strategies the Megatron integration trains with (each tested through the real trainer,
-# tests/test_real_megatron.py); the others are simulated for comparison only.
-STRATEGY_CHOICES = ("slimpack", "slimpack-sym", "slimpack-nomerge", "megatron-fixed", "bfd", "sorted",
-                    "wlb-llm", "slimpipe")
+# The dataclasses whose fields are the --slimpack-* flags (`config.add_options`).
+FLAG_CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
+
+
+def __getattr__(name: str):
+    # STRATEGY_CHOICES: the strategies the Megatron integration trains with (each tested through the
+    # real trainer, tests/test_real_megatron.py), from the registry's `trainable` facts; the others are
+    # simulated for comparison only. Computed on use: it imports the solver.
+    if name == "STRATEGY_CHOICES":
+        from ..solver.strategies import trainable_strategy_names
+
+        return trainable_strategy_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SlimPackArgumentError(ValueError):
@@ -26,40 +41,23 @@ class SlimPackArgumentError(ValueError):
 
 
 def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the SlimPack argument group to Megatron's parser (an `extra_args_provider`)."""
+    """Add the SlimPack argument group to Megatron's parser (an `extra_args_provider`): `--slimpack`
+    and one `--slimpack-<name>` flag per field of `SlimPackConfig` and `MegatronIntegrationConfig`
+    (type, default and help from the field; `--seq-length` and `--seed` are Megatron's own)."""
+    from ..solver.strategies import strategy_help, strategy_names, trainable_strategy_names
+
+    simulated = [name for name in strategy_names() if name not in trainable_strategy_names()]
     group = parser.add_argument_group(title="slimpack", description="SlimPack fine-grained asymmetric packing")
     group.add_argument("--slimpack", action="store_true",
                        help="Plan every global batch with SlimPack and run it with the SlimPack pipeline schedule. "
                             "Requires --calculate-per-token-loss.")
-    group.add_argument("--slimpack-strategy", default="slimpack",
-                       help="Planning strategy (default slimpack; ablations slimpack-sym, slimpack-nomerge; "
-                            "baselines megatron-fixed, bfd, sorted, wlb-llm, slimpipe).")
-    group.add_argument("--slimpack-slice-tokens", type=int, default=None,
-                       help="Target slice size of long documents in tokens (default: the planner tries several).")
-    group.add_argument("--slimpack-max-micropack-tokens", type=int, default=None,
-                       help="Token cap of one MicroPack (default: the largest that fits memory, at most --seq-length).")
-    group.add_argument("--slimpack-solver-time-limit", type=float, default=0.5,
-                       help="CP-SAT time limit in seconds for the DP phase of each step (default 0.5).")
-    group.add_argument("--slimpack-solver-deterministic-limit", type=float, default=None, metavar="UNITS",
-                       help="Also stop CP-SAT after this much deterministic time (its work units, about seconds), "
-                            "so a rerun plans the same batches the same way under any machine load (default: "
-                            "the wall-clock limit only).")
-    group.add_argument("--slimpack-plan-ahead", type=int, default=1,
-                       help="Global batches planned ahead in a background thread (default 1; 0 plans inline).")
-    group.add_argument("--slimpack-dp-merge", dest="slimpack_dp_merge", action="store_true", default=True,
-                       help="Let outlier documents be shared by a DP-Merge group (default).")
-    group.add_argument("--no-slimpack-dp-merge", dest="slimpack_dp_merge", action="store_false",
-                       help="Disable DP-Merge.")
-    group.add_argument("--slimpack-base-merge", type=int, default=1, metavar="K",
-                       help="Share every MicroPack by a DP-Merge group of K data-parallel replicas (context "
-                            "parallelism inside the group; keep --context-parallel-size 1). This is what a SlimPack "
-                            "layout with cp K from `slimpack compare` runs as. Default 1: only outliers are shared.")
-    group.add_argument("--slimpack-cost-model", default="analytic", metavar="{analytic,PATH}",
-                       help="'analytic' or a profile JSON written by `slimpack profile` (default analytic).")
-    group.add_argument("--slimpack-hardware", default="h100-sxm",
-                       help="Hardware preset for the analytic cost model (default h100-sxm).")
-    group.add_argument("--slimpack-dump-plans", default=None, metavar="DIR",
-                       help="Write each step's plan JSON to DIR (rank 0).")
+    add_options(group, SlimPackConfig, MEGATRON, help_extra={
+        "strategy": f"One of: {strategy_help(trainable_only=True)}"
+                    + (f" ({', '.join(simulated)}: simulated for comparison only)." if simulated else "."),
+        "base_merge": "Keep --context-parallel-size 1: a SlimPack layout with cp K from `slimpack compare` runs "
+                      "as --slimpack-base-merge K.",
+    })
+    add_options(group, MegatronIntegrationConfig, MEGATRON)
     return parser
 
 
@@ -126,60 +124,47 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
         problems.append("--slimpack needs --micro-batch-size 1 (a MicroPack is one packed THD sequence)")
-    strategy = getattr(args, "slimpack_strategy", "slimpack")
-    if strategy not in STRATEGY_CHOICES:
-        from ..solver.strategies import strategy_names
+    from ..solver.strategies import strategy_specs, trainable_strategy_names
 
+    strategy = getattr(args, "slimpack_strategy", SlimPackConfig.strategy)
+    trainable = trainable_strategy_names()
+    if strategy not in trainable:
         why = ("is simulated for comparison only: the SlimPack runtime does not run it"
-               if strategy in strategy_names() else "is unknown")
-        problems.append(f"--slimpack-strategy {strategy!r} {why}; choose one of {', '.join(STRATEGY_CHOICES)}")
-    base_merge = getattr(args, "slimpack_base_merge", 1) or 1
-    dp = getattr(args, "data_parallel_size", None)
-    if base_merge < 1 or base_merge & (base_merge - 1):
-        problems.append(f"--slimpack-base-merge must be a power of two >= 1, got {base_merge}")
-    elif base_merge > 1 and dp and dp % base_merge:
-        problems.append(f"--slimpack-base-merge {base_merge} must divide the data-parallel size {dp}")
-    elif base_merge > 1 and not getattr(args, "slimpack_dp_merge", True):
-        problems.append("--slimpack-base-merge > 1 shares MicroPacks through DP-Merge: remove --no-slimpack-dp-merge")
-    for flag in ("slimpack_slice_tokens", "slimpack_max_micropack_tokens"):
-        value = getattr(args, flag, None)
-        if value is not None and value <= 0:
-            problems.append(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-    seq_length = getattr(args, "seq_length", None)
-    cap = getattr(args, "slimpack_max_micropack_tokens", None)
-    if cap is not None and seq_length and cap > seq_length:
-        problems.append(f"--slimpack-max-micropack-tokens {cap} exceeds --seq-length {seq_length}")
-    if (getattr(args, "slimpack_solver_time_limit", 0.5) or 0) <= 0:
-        problems.append("--slimpack-solver-time-limit must be > 0 seconds")
-    deterministic = getattr(args, "slimpack_solver_deterministic_limit", None)
-    if deterministic is not None and deterministic <= 0:
-        problems.append(f"--slimpack-solver-deterministic-limit must be > 0, got {deterministic}")
-    if (getattr(args, "slimpack_plan_ahead", 1) or 0) < 0:
-        problems.append("--slimpack-plan-ahead must be >= 0")
-    cost = getattr(args, "slimpack_cost_model", "analytic")
-    if cost != "analytic":
-        from pathlib import Path
-
-        if not Path(cost).is_file():
-            problems.append(f"--slimpack-cost-model {cost!r} is neither 'analytic' nor an existing profile JSON "
-                            "(create one with `slimpack profile`)")
+               if strategy in strategy_specs() else "is unknown")
+        problems.append(f"--slimpack-strategy {strategy!r} {why}; choose one of {', '.join(trainable)}")
+    config = _checked(slimpack_config_from_args, SlimPackConfig, args, problems)
+    _checked(integration_config_from_args, MegatronIntegrationConfig, args, problems)
+    if config is not None and config.base_merge > 1:
+        dp = getattr(args, "data_parallel_size", None)
+        if dp and dp % config.base_merge:
+            problems.append(f"--slimpack-base-merge {config.base_merge} must divide the data-parallel size {dp}")
+        elif not config.dp_merge:
+            problems.append("--slimpack-base-merge > 1 shares MicroPacks through DP-Merge: remove "
+                            "--no-slimpack-dp-merge")
     if problems:
         raise SlimPackArgumentError("invalid SlimPack arguments:\n  - " + "\n  - ".join(problems))
 
 
-def slimpack_config_from_args(args):
-    """The planner's `SlimPackConfig` from parsed Megatron arguments."""
-    from ..config import SlimPackConfig
+def _checked(build, cls, args, problems: list):
+    """`build(args)`, or None with each of its config problems added to `problems` under its flag's name."""
+    try:
+        return build(args)
+    except ConfigError as error:
+        problems.extend(error.messages(lambda name: option_name(cls, name, MEGATRON)))
+        return None
 
-    return SlimPackConfig(
-        strategy=args.slimpack_strategy, context_length=args.seq_length,
-        max_micropack_tokens=args.slimpack_max_micropack_tokens, slice_tokens=args.slimpack_slice_tokens,
-        dp_merge=args.slimpack_dp_merge, base_merge=getattr(args, "slimpack_base_merge", 1) or 1,
-        solver_time_limit_s=args.slimpack_solver_time_limit,
-        solver_deterministic_limit=getattr(args, "slimpack_solver_deterministic_limit", None),
-        seed=getattr(args, "seed", 0) or 0,
-    )
+
+def slimpack_config_from_args(args) -> SlimPackConfig:
+    """The planner's `SlimPackConfig` from parsed Megatron arguments: every --slimpack-* flag of a
+    field, `context_length` from --seq-length and `seed` from --seed (a missing one: the default)."""
+    return from_options(SlimPackConfig, args, MEGATRON)
+
+
+def integration_config_from_args(args) -> MegatronIntegrationConfig:
+    """--slimpack-plan-ahead, --slimpack-cost-model, --slimpack-hardware and --slimpack-dump-plans."""
+    return from_options(MegatronIntegrationConfig, args, MEGATRON)
 
 
 __all__ = ["add_slimpack_args", "with_slimpack_args", "validate_slimpack_args", "SlimPackArgumentError",
-           "slimpack_config_from_args", "mcore_version", "check_mcore_version", "SUPPORTED_MCORE"]
+           "slimpack_config_from_args", "integration_config_from_args", "mcore_version", "check_mcore_version",
+           "SUPPORTED_MCORE", "FLAG_CONFIGS"]

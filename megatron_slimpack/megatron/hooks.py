@@ -331,7 +331,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     from ..solver.strategies import new_planner
     from ..specs import ModelSpec, ParallelConfig
     from ..workload import GlobalBatchSampler
-    from .args import slimpack_config_from_args
+    from .args import integration_config_from_args, slimpack_config_from_args
     from .data import PlannerIterator, fast_forward, plan_function
 
     if getattr(args, "mock_data", False):
@@ -343,10 +343,11 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
         num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
         vocab_size=getattr(args, "padded_vocab_size", 32000), swiglu=bool(getattr(args, "swiglu", True)),
     )
-    if args.slimpack_cost_model == "analytic":
-        cost = CostModel.analytic(model, args.slimpack_hardware)
+    options = integration_config_from_args(args)
+    if options.cost_model == "analytic":
+        cost = CostModel.analytic(model, options.hardware)
     else:
-        cost = CostModel.from_profile(args.slimpack_cost_model)
+        cost = CostModel.from_profile(options.cost_model)
     recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", None), "none")
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               tp=args.tensor_model_parallel_size, recompute=recompute)
@@ -359,8 +360,8 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     # stateful strategy (wlb-llm's delay queues) is brought to its state after those batches.
     fast_forward(sampler, planner, parallel, cost, config, int(getattr(args, "iteration", 0) or 0))
     iterator = PlannerIterator(sampler, plan_function(planner, parallel, cost, config),
-                               plan_ahead=args.slimpack_plan_ahead)
-    return MegatronPlannerIterator(iterator, corpus, args.slimpack_dump_plans)
+                               plan_ahead=options.plan_ahead)
+    return MegatronPlannerIterator(iterator, corpus, options.dump_plans)
 
 
 # ---- seam 3: the model config --------------------------------------------------------------

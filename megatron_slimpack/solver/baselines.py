@@ -1,6 +1,6 @@
 """Baselines: the peers SlimPack is compared against, in the same framework.
 
-Every baseline is a strategy in the registry of `strategies.py`: it turns one global batch of
+Every baseline is a strategy in the registry (`registry.py`, with its `StrategySpec` facts): it turns one global batch of
 document lengths into a `Plan` that `Plan.validate()` accepts, priced by the same cost model and
 timed by the same simulator as SlimPack, so a comparison is a comparison of schedules only. The
 building blocks are the planner's own (`stage_orders`, `cut_document`, `WorkRates`); what
@@ -38,7 +38,7 @@ from ..specs import ParallelConfig
 from .orders import stage_orders
 from .outcomes import DoesNotFit
 from .pack_phase import PackOptions, cut_document
-from .strategies import StepPlanner, register, register_stateful, with_input_sources
+from .registry import LayoutConstraints, StepPlanner, register, register_stateful, with_input_sources
 from .work import WorkRates
 
 # ==== shared building blocks ====================================================================
@@ -168,7 +168,9 @@ def _piece_sources(sequences, lengths: list[int], sources) -> tuple[list[SampleS
             for sequence in sequences for piece in sequence], repeated
 
 
-@register("megatron-fixed")
+@register("megatron-fixed", role="baseline", trainable=True,
+          description="Megatron-LM GPTDataset: concatenate, cut at exactly the context length",
+          minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True)
 def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                         sources=None) -> Plan:
     """Megatron-LM's default data path (GPTDataset + 1F1B).
@@ -212,7 +214,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-@register("bfd")
+@register("bfd", role="baseline", trainable=True, description="best-fit-decreasing token packing (TRL, NeMo)",
+          minimum_in_flight="document")
 def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources=None) -> Plan:
     """Best-fit-decreasing token packing (TRL `pack_dataset(strategy="bfd")`, NeMo packed SFT).
@@ -247,7 +250,8 @@ def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[l
     return sequences
 
 
-@register("sorted")
+@register("sorted", role="baseline", trainable=True, description="LongAlign sorted batching",
+          minimum_in_flight="document")
 def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                 sources=None) -> Plan:
     """LongAlign's sorted batching.
@@ -309,7 +313,9 @@ class MicroBatch:
         self.cost += cost
 
 
-@register_stateful("wlb-llm")
+@register_stateful("wlb-llm", role="baseline", trainable=True,
+                   description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
+                   minimum_in_flight="document", renumbers_samples=True)
 class WlbLlmPlanner(StepPlanner):
     """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
 
@@ -604,7 +610,13 @@ def _cp_groups(sample_id_groups: list[list[list[int]]]) -> list[dict[tuple[int, 
     return groups
 
 
-@register("megatron-hybrid-cp")
+# Simulated for comparison only: the SlimPack runtime does not run Megatron's hybrid CP schedule.
+@register("megatron-hybrid-cp", role="baseline", trainable=False,
+          description="Megatron-Core BalancedCPScheduler (hybrid context parallel)",
+          minimum_in_flight="none", constraints=LayoutConstraints(
+              pp=(1,), cp=(1,),
+              reason="BalancedCPScheduler supports no pipeline parallelism and picks CP sizes per sample from the "
+                     "DP x CP pool (given as dp)"))
 def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
                             config: SlimPackConfig, *, sources=None) -> Plan:
     """Megatron-Core's hybrid context parallelism (`hybrid_cp_schedule.BalancedCPScheduler`).
@@ -706,7 +718,8 @@ def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[Micro
     return micropacks
 
 
-@register("slimpipe")
+@register("slimpipe", role="baseline", trainable=True, description="SlimPipe: uniform slices, slice-level 1F1B",
+          minimum_in_flight="half-document", splits_documents=True, renumbers_samples=True)
 def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                   sources=None) -> Plan:
     """SlimPipe (SC'25): uniform slicing with a slice-level 1F1B pipeline.

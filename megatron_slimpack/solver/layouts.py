@@ -8,19 +8,19 @@ with its plans, reports and every rejected layout with its reason.
 Search, cheapest checks first:
 1. Enumerate: tp within a node and dividing the attention and KV heads, pp dividing the layers,
    cp a power of two, recompute none/selective/full, minus the strategy's own constraints
-   (`LAYOUT_CONSTRAINTS`).
+   (`StrategySpec.constraints`; every per-strategy fact below is its `StrategySpec`'s, registry.py).
 2. Static memory: weights, gradients and optimizer state must fit (`cost.static_memory_bytes`).
 3. The strategy's minimum need: static memory plus the activations it must hold at once
-   (`minimum_memory_bytes`: a full sequence for Megatron-style fixed packing, the longest
-   document for whole-document packers, ...).
+   (`minimum_memory_bytes`, `StrategySpec.minimum_in_flight`: a full sequence for Megatron-style
+   fixed packing, the longest document for whole-document packers, ...).
 4. Screening on the first batch, in order of a lower bound on the iteration time (total compute
    of the batch on the layout, packed perfectly, spread over dp ranks): plan and simulate; a
    PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
    layout whose bound is already above the best screened time is not planned (branch and
-   bound; stateful strategies, whose step may hold other documents than the batch, are screened
+   bound; stateful strategies (`StrategySpec.stateful`), whose step may hold other documents than the batch, are screened
    without the bound). Recompute modes cascade: selective is tried only where none does not
    fit, full only where selective does not, since recompute only adds time (not for strategies
-   that size their work to memory, `SIZES_TO_MEMORY`: more memory can buy larger MicroPacks).
+   that size their work to memory, `StrategySpec.sizes_to_memory`: more memory can buy larger MicroPacks).
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
@@ -39,66 +39,9 @@ from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
 from .memory import auto_token_cap, document_memory_bytes
 from .outcomes import DoesNotFit
-from .strategies import StepPlanner, check_plan_input, cyclic_gc_paused, new_planner
+from .registry import LayoutConstraints, StepPlanner, StrategySpec
+from .strategies import check_plan_input, cyclic_gc_paused, new_planner, strategy_spec
 from .work import causal_pairs
-
-
-# ==== strategy facts the search needs ==========================================================
-
-
-@dataclass(frozen=True)
-class LayoutConstraints:
-    """Values a strategy allows (None: any the hardware and model allow), and why."""
-
-    pp: tuple[int, ...] | None = None
-    cp: tuple[int, ...] | None = None
-    reason: str = ""
-
-    def allows(self, parallel: ParallelConfig) -> bool:
-        return (self.pp is None or parallel.pp in self.pp) and (self.cp is None or parallel.cp in self.cp)
-
-
-# SlimPack's cp k is its base merge: every MicroPack shared by a DP-Merge group of k replicas
-# (planned as cp k, `plan_slimpack`; run with Megatron's --context-parallel-size 1, dp x k replicas
-# and --slimpack-base-merge k). Without DP-Merge there is no such group.
-_NO_MERGE_CP = LayoutConstraints(
-    cp=(1,), reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either")
-
-LAYOUT_CONSTRAINTS: dict[str, LayoutConstraints] = {
-    "megatron-hybrid-cp": LayoutConstraints(
-        pp=(1,), cp=(1,),
-        reason="BalancedCPScheduler supports no pipeline parallelism and picks CP sizes per sample from the "
-               "DP x CP pool (given as dp)"),
-    "slimpack-nomerge": _NO_MERGE_CP,
-}
-
-# What a strategy must hold in activation memory at once, at least (see `minimum_memory_bytes`):
-#   sequence:      one full fixed-length sequence (min(context, batch tokens) tokens)
-#   document:      the longest document, whole
-#   half-document: the larger piece of the longest document (it may be cut at a sequence boundary)
-#   merged-document: the longest document, whole, shared by the largest DP-Merge group (SlimPack's
-#                  own memory rule, `memory.document_memory_bytes`, with CP widened by the group)
-#   none:          nothing fixed (the strategy sizes its work to memory itself)
-MINIMUM_IN_FLIGHT: dict[str, str] = {
-    "megatron-fixed": "sequence",
-    "bfd": "document",
-    "sorted": "document",
-    "wlb-llm": "document",
-    "slimpipe": "half-document",
-    "slimpack": "merged-document",
-    "slimpack-sym": "merged-document",
-    "slimpack-nomerge": "document",
-    "megatron-hybrid-cp": "none",
-}
-
-# Strategies whose plan grows into the memory left (the MicroPack size, the units in flight and
-# the DP-Merge groups follow the activation budget): a heavier recompute mode frees memory they
-# turn into larger MicroPacks, so it can be faster, and the recompute cascade does not apply.
-SIZES_TO_MEMORY = {"slimpack", "slimpack-sym", "slimpack-nomerge"}
-
-# Strategies that cut documents at sequence boundaries: their attention pairs can be fewer than
-# the documents' (a document in two pieces has at least half of its pairs).
-SPLITS_DOCUMENTS = {"megatron-fixed", "slimpipe"}
 
 
 # ==== results ===================================================================================
@@ -220,7 +163,7 @@ def enumerate_layouts(cost: CostModel, gpus: int, strategy: str,
     """Every ParallelConfig with tp * pp * cp * dp == gpus that the model, the node size and the
     strategy's constraints allow."""
     model, hardware = cost.model, cost.hardware
-    constraints = LAYOUT_CONSTRAINTS.get(strategy, LayoutConstraints())
+    constraints = strategy_spec(strategy).constraints
     layouts = []
     for tp in divisors(gpus):
         if tp > hardware.gpus_per_node or model.num_attention_heads % tp or model.kv_heads % tp:
@@ -242,7 +185,7 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
     """A lower bound on the strategy's peak memory per device: static memory plus the
     activations (and, for slicing strategies, the KV cache) of what it must hold at once."""
     static = cost.static_memory_bytes(parallel)
-    rule = MINIMUM_IN_FLIGHT.get(strategy, "none")
+    rule = strategy_spec(strategy).minimum_in_flight
     if rule == "none":
         return static
     longest = max(lengths)
@@ -269,7 +212,7 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
 
 def attention_pairs_bound(strategy: str, lengths: list[int]) -> float:
     """Fewest attention pairs any plan of the strategy computes for these documents."""
-    if strategy in SPLITS_DOCUMENTS:  # a document cut in two keeps at least its halves' pairs
+    if strategy_spec(strategy).splits_documents:  # a document cut in two keeps at least its halves' pairs
         return float(sum(causal_pairs(n // 2) + causal_pairs(n - n // 2) for n in lengths))
     return float(sum(causal_pairs(n) for n in lengths))
 
@@ -284,7 +227,7 @@ def largest_pack_tokens(strategy: str, cost: CostModel, parallel: ParallelConfig
     room = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
     per_token = cost.activation_bytes(1.0, 1.0, parallel, last_stage=True) + cost.recompute_peak_bytes(1.0, 1.0, parallel)
     largest = max(room, 0.0) / per_token
-    if strategy in SIZES_TO_MEMORY and config is not None:
+    if strategy_spec(strategy).sizes_to_memory and config is not None:
         largest = min(largest, _largest_micropack(cost, parallel, config))
     return largest
 
@@ -332,7 +275,7 @@ def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel
                          f"{format_bytes(budget)} usable on {cost.hardware.name}")
     need = minimum_memory_bytes(strategy, lengths, cost, parallel, context_length)
     if need > budget:
-        rule, longest = MINIMUM_IN_FLIGHT[strategy], max(lengths)
+        rule, longest = strategy_spec(strategy).minimum_in_flight, max(lengths)
         what = {
             "sequence": f"full {min(context_length, sum(lengths))}-token sequences (1F1B keeps up to pp of them "
                         "on stage 0)",
@@ -474,7 +417,7 @@ def _candidates(strategy: str, cost: CostModel, gpus: int, layouts, rejected: li
                 f"{cost.model.kv_heads} KV heads and be <= {cost.hardware.gpus_per_node}, pp must divide "
                 f"{cost.model.num_layers} layers", [])
         return found
-    constraints = LAYOUT_CONSTRAINTS.get(strategy, LayoutConstraints())
+    constraints = strategy_spec(strategy).constraints
     kept = []
     for parallel in layouts:
         try:
@@ -500,7 +443,8 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     """Plan and simulate the first batch on each layout, most promising (lowest bound) first."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
     # documents or bring back earlier ones, so it is screened without the bound.
-    bounded = type(new_planner(strategy)) is StepPlanner
+    spec: StrategySpec = strategy_spec(strategy)
+    bounded = not spec.stateful
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
@@ -511,7 +455,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     feasible: list[_Run] = []
     for run in ordered:
         shape = _shape(run.parallel)
-        if recompute_cascade and strategy not in SIZES_TO_MEMORY and shape in fitted:
+        if recompute_cascade and not spec.sizes_to_memory and shape in fitted:
             rejected.append(Rejection(run.parallel, "recompute-cascade",
                                       "not evaluated: a lighter recompute mode fits this layout, and recompute "
                                       "only adds time"))
@@ -543,7 +487,7 @@ def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> s
 
 
 __all__ = [
-    "LayoutConstraints", "LAYOUT_CONSTRAINTS", "MINIMUM_IN_FLIGHT", "SIZES_TO_MEMORY", "Rejection", "LayoutEvaluation", "LayoutResult",
+    "LayoutConstraints", "Rejection", "LayoutEvaluation", "LayoutResult",
     "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens", "iteration_lower_bound", "cheap_rejection",
     "best_layout",
 ]

@@ -1,107 +1,119 @@
-"""Strategy registry and the SlimPack planner entry point.
+"""The SlimPack planner entry point and the complete strategy registry.
 
 A strategy turns one global batch of document lengths into a validated `Plan`. `slimpack` is the
 full method (phase 1 DP balance with DP-Merge, phase 2 cost-balanced slicing and asymmetric
 units, candidates scored by simulation); `slimpack-sym` and `slimpack-nomerge` are its
-ablations. Baselines register themselves from `baselines.py` in the same registry.
+ablations. Each registers in `registry.py` with its `StrategySpec` (the baselines from
+`baselines.py`); this module imports every registering module, so its lookups
+(`strategy_spec`, `strategy_specs`, `strategy_names`, `new_planner`) see them all.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Callable, Optional, Sequence
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel
-from ..plan import Plan, PlanError, check_sources, overlapping_documents
+from ..plan import Plan, PlanError, check_sources
 from ..specs import ParallelConfig
 # SlimPack's memory rules and search live in their own modules; these names stay importable here.
 from .memory import activation_budget, auto_token_cap, document_memory_bytes  # noqa: F401
 from .outcomes import DoesNotFit  # noqa: F401
+from .registry import (REGISTRY, ROLES, LayoutConstraints, Sources, StepPlanner, Strategy, StrategySpec,  # noqa: F401
+                       register, register_stateful, with_input_sources)
 from .search import SlimPackSearch, shared_by_groups  # noqa: F401
 
-# strategy(lengths, parallel, cost, config, *, sources=None) -> Plan; `sources`: one (document,
-# offset) pair per length (None: (i, 0) for the i-th), recorded per sample in `Plan.sample_sources`.
-Strategy = Callable[..., Plan]
-Sources = Optional[Sequence[tuple[int, int]]]
+
+# ---- SlimPack -------------------------------------------------------------------------------
+
+def plan_slimpack(
+    lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
+    *, symmetric: bool = False, dp_merge: bool | None = None, sources=None,
+) -> Plan:
+    """SlimPack's plan of one global batch (`search.SlimPackSearch`). With `config.base_merge`
+    k > 1, or where no plan of the layout fits memory (then k = 2, 4, ...), every MicroPack is
+    shared by a DP-Merge group of k replicas: planned as k-fold context parallelism over dp / k
+    replicas (`base_merge` in the metadata), run as DP-Merge groups."""
+    plan = SlimPackSearch(lengths, parallel, cost, config, symmetric=symmetric, dp_merge=dp_merge).plan()
+    return with_input_sources(plan, sources, len(lengths))
 
 
-class StepPlanner:
-    """Plans consecutive global batches. Stateless strategies are plain functions wrapped here;
-    a stateful one (e.g. WLB-LLM's outlier-delay queues, whose delayed documents roll into later
-    steps) subclasses it and keeps its state between `plan` calls.
-
-    Every planner can be brought to its state after N batches without planning them (`advance`,
-    e.g. when a training run resumes at step N) and saves/restores that state as JSON-able
-    `state_dict()` / `load_state_dict()` (empty for stateless strategies)."""
-
-    def __init__(self, function: Strategy | None = None):
-        self.function = function
-
-    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
-             sources: Sources = None) -> Plan:
-        """The plan of one global batch; `sources[i]` = (document, offset) of `lengths[i]` (default
-        (i, 0)), recorded for every sample of the plan in `Plan.sample_sources`."""
-        assert self.function is not None
-        return self.function(lengths, parallel, cost, config, sources=sources)
-
-    def advance(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
-                sources: Sources = None) -> None:
-        """Update the state exactly as `plan` on this batch would, without building the plan
-        (stateless strategies: nothing to do)."""
-
-    def state_dict(self) -> dict:
-        """The planner's state between batches, JSON-able (stateless strategies: empty)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise PlanError(f"{type(self).__name__} is stateless but was given the state {sorted(state)}")
+@register("slimpack", role="method", trainable=True,
+          description="SlimPack: cost-balanced slices, asymmetric units, DP-Merge",
+          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True)
+def _slimpack(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, sources=sources)
 
 
-STRATEGIES: dict[str, Callable[[], StepPlanner]] = {}
+@register("slimpack-sym", role="ablation", trainable=True,
+          description="SlimPack with symmetric units (same grouping for forward and backward)",
+          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True)
+def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, symmetric=True, sources=sources)
 
 
-def register(name: str):
-    """Register a stateless strategy function `f(lengths, parallel, cost, config, *, sources=None)`
-    (it records every sample's (document, offset) source in the plan)."""
-    def wrap(function: Strategy) -> Strategy:
-        STRATEGIES[name] = lambda: StepPlanner(function)
-        return function
+# SlimPack's cp k is its base merge: every MicroPack shared by a DP-Merge group of k replicas
+# (planned as cp k, `plan_slimpack`; run with Megatron's --context-parallel-size 1, dp x k replicas
+# and --slimpack-base-merge k). Without DP-Merge there is no such group.
+@register("slimpack-nomerge", role="ablation", trainable=True, description="SlimPack without DP-Merge",
+          minimum_in_flight="document", sizes_to_memory=True,
+          constraints=LayoutConstraints(
+              cp=(1,), reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either"))
+def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
+    return plan_slimpack(lengths, parallel, cost, config, dp_merge=False, sources=sources)
 
-    return wrap
+
+# Every other registering module (it imports `registry`, never this module).
+from . import baselines  # noqa: E402,F401
 
 
-def register_stateful(name: str):
-    """Register a StepPlanner subclass; each comparison run gets a fresh instance."""
-    def wrap(cls: type[StepPlanner]) -> type[StepPlanner]:
-        STRATEGIES[name] = cls
-        return cls
+# ---- the complete registry ---------------------------------------------------------------------
 
-    return wrap
+def strategy_specs() -> dict[str, StrategySpec]:
+    """Every registered strategy's spec: the method, its ablations, then the baselines (each group
+    in registration order, whichever module was imported first)."""
+    ordered = sorted(enumerate(REGISTRY.values()), key=lambda item: (ROLES.index(item[1].role), item[0]))
+    return {spec.name: spec for _, spec in ordered}
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The spec of `name`; PlanError naming the known strategies if there is none."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategy_names())}") from None
+
+
+def strategy_names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def trainable_strategy_names() -> tuple[str, ...]:
+    """The strategies the SlimPack runtime trains with (`--slimpack-strategy`), in registration order;
+    the others are simulated for comparison only."""
+    return tuple(name for name, spec in strategy_specs().items() if spec.trainable)
+
+
+def strategy_help(*, trainable_only: bool = False) -> str:
+    """The strategies by role for a help text: "slimpack; ablations slimpack-sym, ...; baselines ..."
+    (`trainable_only`: those the SlimPack runtime trains with)."""
+    groups: dict[str, list[str]] = {}
+    for spec in strategy_specs().values():
+        if spec.trainable or not trainable_only:
+            groups.setdefault(spec.role, []).append(spec.name)
+    labels = {"method": "", "ablation": "ablations ", "baseline": "baselines "}
+    return "; ".join(labels[role] + ", ".join(names) for role, names in groups.items())
 
 
 def new_planner(name: str) -> StepPlanner:
-    _load_baselines()
-    if name not in STRATEGIES:
-        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]()
+    return strategy_spec(name).new_planner()
 
 
 def get_strategy(name: str) -> Strategy:
     """A one-shot function for `name` (stateful strategies start from an empty state)."""
     planner = new_planner(name)
     return planner.plan
-
-
-def strategy_names() -> list[str]:
-    _load_baselines()
-    return sorted(STRATEGIES)
-
-
-def _load_baselines() -> None:
-    from . import baselines  # noqa: F401  (registers the baselines on first import)
 
 
 @contextlib.contextmanager
@@ -140,43 +152,3 @@ def check_plan_input(lengths, context_length: int) -> list[int]:
 
     return check_lengths(lengths, context_length)
 
-
-def with_input_sources(plan: Plan, sources, count: int) -> Plan:
-    """`plan` (whose samples are the input lengths: sample id i is lengths[i]) with sample i's
-    source `sources[i]` (None: the default (i, 0), which the Plan already holds) and the documents
-    the input holds twice."""
-    if sources is not None:
-        sources = check_sources(sources, count)
-        ids = [sample_id for sample_id, _ in plan.samples]
-        plan.sample_sources = sources if ids == list(range(count)) else [sources[i] for i in ids]
-        plan.repeated_documents = overlapping_documents(plan.sample_sources, [n for _, n in plan.samples])
-    return plan
-
-
-# ---- SlimPack -------------------------------------------------------------------------------
-
-def plan_slimpack(
-    lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
-    *, symmetric: bool = False, dp_merge: bool | None = None, sources=None,
-) -> Plan:
-    """SlimPack's plan of one global batch (`search.SlimPackSearch`). With `config.base_merge`
-    k > 1, or where no plan of the layout fits memory (then k = 2, 4, ...), every MicroPack is
-    shared by a DP-Merge group of k replicas: planned as k-fold context parallelism over dp / k
-    replicas (`base_merge` in the metadata), run as DP-Merge groups."""
-    plan = SlimPackSearch(lengths, parallel, cost, config, symmetric=symmetric, dp_merge=dp_merge).plan()
-    return with_input_sources(plan, sources, len(lengths))
-
-
-@register("slimpack")
-def _slimpack(lengths, parallel, cost, config, *, sources=None):
-    return plan_slimpack(lengths, parallel, cost, config, sources=sources)
-
-
-@register("slimpack-sym")
-def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
-    return plan_slimpack(lengths, parallel, cost, config, symmetric=True, sources=sources)
-
-
-@register("slimpack-nomerge")
-def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
-    return plan_slimpack(lengths, parallel, cost, config, dp_merge=False, sources=sources)

@@ -1,0 +1,80 @@
+"""The `slimpack` command's planner options: generated from `SlimPackConfig` (and the cost model's
+from `MegatronIntegrationConfig`), validated by the dataclass, errors named by option."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import megatron_slimpack as ms
+from megatron_slimpack import cli
+from megatron_slimpack.config import CLI, MegatronIntegrationConfig, SlimPackConfig, option_fields
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return cli.build_parser()
+
+
+def flags_of(parser, command: str) -> set[str]:
+    sub = parser._subparsers._group_actions[0].choices[command]
+    return {flag for action in sub._actions for flag in action.option_strings}
+
+
+def test_plan_has_every_planner_option_with_the_dataclass_defaults(parser):
+    flags = flags_of(parser, "plan")
+    for cls in (SlimPackConfig, MegatronIntegrationConfig):
+        for item in option_fields(cls, CLI):
+            assert CLI.flag(item) in flags, item.name
+    assert {"--no-dp-merge", "--strategy", "--slice-tokens", "--base-merge", "--solver-time-limit"} <= flags
+    args = parser.parse_args(["plan"])
+    assert cli.planner_config(args) == SlimPackConfig()
+    args = parser.parse_args(["plan", "--strategy", "bfd", "--no-dp-merge", "--max-micropack-tokens", "2048",
+                              "--solver-deterministic-limit", "0.5", "--seed", "4"])
+    assert cli.planner_config(args) == SlimPackConfig(strategy="bfd", dp_merge=False, max_micropack_tokens=2048,
+                                                      solver_deterministic_limit=0.5, seed=4)
+
+
+def test_compare_leaves_out_what_each_layout_search_chooses(parser):
+    flags = flags_of(parser, "compare")
+    assert "--strategy" not in flags and "--base-merge" not in flags
+    assert {"--strategies", "--solver-time-limit", "--slice-tokens", "--context-length", "--seed"} <= flags
+
+
+def test_compare_passes_the_planner_options_on(monkeypatch):
+    from megatron_slimpack import comparison
+
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs)
+        return comparison.ComparisonResult({})
+
+    monkeypatch.setattr(comparison, "run_comparison", fake)
+    assert cli.main(["compare", "--json", "--solver-time-limit", "2", "--slice-tokens", "512",
+                     "--context-length", "4096", "--hardware", "h200"]) == 0
+    assert seen["config"] == SlimPackConfig(solver_time_limit_s=2.0, slice_tokens=512, context_length=4096)
+    assert seen["hardware"] == "h200" and seen["cost"].hardware.name == "h200"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--base-merge", "3"], "--base-merge must be a power of two >= 1, got 3"),
+    (["--context-length", "1024", "--max-micropack-tokens", "4096"],
+     "--max-micropack-tokens 4096 exceeds --context-length 1024"),
+    (["--solver-time-limit", "0"], "--solver-time-limit must be > 0 seconds"),
+    (["--hardware", "tpu"], "--hardware 'tpu' is not a hardware preset"),
+    (["--cost-model", "/no/such.json"], "--cost-model '/no/such.json' is neither 'analytic' nor an existing profile"),
+])
+def test_bad_values_are_refused_naming_the_option(argv, message, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_runs_with_generated_options(tmp_path, capsys):
+    argv = ["plan", "--workload", "longtail:n=400", "--context-length", "4096", "--global-batch-size", "4",
+            "--tp", "1", "--pp", "1", "--dp", "2", "--strategy", "bfd", "--no-dp-merge", "--json",
+            "--out", str(tmp_path / "plan.json")]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)[0]["documents"] > 0
+    plan = ms.Plan.from_json(tmp_path / "plan.json").validate()
+    assert plan.strategy == "bfd" and plan.context_length == 4096
