@@ -18,18 +18,20 @@ MicroPacks in the plan's backward-sequence order.
 
 Per unit on stage s (`replica.stage_orders[s]`):
 
-* forward unit u: receive the unit's activation from the previous stage (blocking `recv` of a
-  [sum of the unit's MicroPack tokens, 1, hidden] tensor: the shape comes from the plan, there
-  is no shape exchange), split it into one leaf per MicroPack (`split_into_leaves`), run
-  `forward_step` per MicroPack, concatenate the outputs and `isend` them to the next stage;
+* forward unit u: receive the unit's activation from the previous stage (a [sum of the unit's
+  MicroPack tokens, 1, hidden] tensor: the shape comes from the plan, there is no shape
+  exchange), split it into one leaf per MicroPack (`split_into_leaves`), run `forward_step` per
+  MicroPack, concatenate the outputs: the activation for the next stage;
 * backward unit v: receive the gradient of the unit's outputs (ordered as the backward unit lists
   its MicroPacks), run `backward_step` per MicroPack in that order (on the last stage the output
   is the MicroPack's loss sum and its gradient is `_loss_seed`), concatenate the input gradients
-  in the same order and `isend` them upstream.
+  in the same order: the gradient for the previous stage.
 
 Communication is plain `torch.distributed` point-to-point over the pipeline process group (gloo
-on CPU, or NCCL), not Megatron's `p2p_communication` (which assumes CUDA). Sends are
-non-blocking (`pending`, waited on by the schedule). Messages between two neighbouring stages
+on CPU, or NCCL), not Megatron's `p2p_communication` (which assumes CUDA), in the program of
+p2p.py: a task's outgoing tensor goes out together with the next task's receive in one
+`batch_isend_irecv` (NCCL-safe when neighbours send to each other at once); receives are waited
+on, sends stay pending until the schedule waits on them. Messages between two neighbouring stages
 flow in one direction per kind (activations downstream in forward-unit order, gradients upstream
 in backward-unit order) and each side posts them in the same order, so they match without tags.
 `config.deallocate_pipeline_outputs` frees a stage's outputs' data once sent (backward then goes
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..plan import Plan, ReplicaPlan
+from . import p2p
 from .kv_store import KVStore
 from .batch import MicroPackBatch
 
@@ -121,6 +124,10 @@ def _backward(output: Tensor, grad, input_tensor: Optional[Tensor], freed: bool)
     return input_tensor.grad if input_tensor is not None else None
 
 
+def _label(transfer: "p2p.Transfer") -> str:
+    return f"{transfer.kind} {transfer.source}->{transfer.destination}"
+
+
 # ---- reports -------------------------------------------------------------------------------
 @dataclass
 class UnitReport:
@@ -191,9 +198,10 @@ class StageExecutor:
         param = next(model.parameters())
         self.inner = inner_module(model)
         self.pp_group, self.pp_rank = pp_group, pp_rank
+        self.pp_size = pp_size
         self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
-        self.prev_rank = dist.get_global_rank(pp_group, pp_rank - 1) if not self.first else None
-        self.next_rank = dist.get_global_rank(pp_group, pp_rank + 1) if not self.last else None
+        self._outbox: dict = {}  # Transfer -> tensor produced, not yet posted
+        self._inbox: dict = {}   # Transfer -> (buffer, request, posted at): posted, not yet consumed
         self.hidden = config.hidden_size
         self.dtype = getattr(config, "pipeline_dtype", None) or param.dtype
         self.device = param.device
@@ -216,46 +224,80 @@ class StageExecutor:
         member's share in a merge group). `replica_index`: the replica plan's position in the plan
         (timeline records); `detail`: carried by its reports and records. `before_last_backward`
         is called just before the order's last backward (DDP's grad sync)."""
-        order = replica.stage_orders[self.pp_rank]
-        last_backward = max((i for i, (kind, _) in enumerate(order) if kind == "B"), default=None)
+        stage_tasks = [[task for task in order if not (self.forward_only and task[0] == "B")]
+                       for order in replica.stage_orders]
+        tasks = stage_tasks[self.pp_rank]
+        last_backward = max((i for i, (kind, _) in enumerate(tasks) if kind == "B"), default=None)
         counts = [batch.num_tokens for batch in batches]
+
+        def members_of(kind: str, unit: int) -> list[int]:
+            return (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+
+        calls = {call.before: call for call in p2p.stage_program(stage_tasks, self.pp_rank)}
+        tokens_of = lambda transfer: sum(counts[mp] for mp in members_of(transfer.kind, transfer.unit))  # noqa: E731
         if self.timeline is not None:
             self.timeline.replica = replica_index
         held = _HeldTensors()
         reports = []
         with torch.set_grad_enabled(not self.forward_only):
-            for position, (kind, unit) in enumerate(order):
-                if kind == "B" and self.forward_only:
-                    continue
-                members = (replica.forward_units if kind == "F" else replica.backward_units)[unit]
+            for position, (kind, unit) in enumerate(tasks):
+                members = members_of(kind, unit)
                 sizes = [counts[mp] for mp in members]
                 began = time.perf_counter()
                 self.pending.poll()
+                self._post(calls.get(position), tokens_of)
+                received = self._received(p2p.incoming((kind, unit), self.pp_rank, self.pp_size))
                 loss_sum = None
                 if kind == "F":
-                    loss_sum = self._forward_unit(unit, members, sizes, batches, held, detail)
+                    loss_sum, sent = self._forward_unit(unit, members, sizes, batches, held, detail, received)
                 else:
                     if position == last_backward and before_last_backward is not None:
                         before_last_backward()
-                    self._backward_unit(unit, members, sizes, held, detail)
+                    sent = self._backward_unit(unit, members, sizes, held, detail, received)
+                outgoing = p2p.outgoing((kind, unit), self.pp_rank, self.pp_size)
+                if outgoing is not None:
+                    self._outbox[outgoing] = sent
                 reports.append(UnitReport(
                     kind, unit, list(members), sum(sizes),
                     sum(replica.micropacks[mp].attention_pairs for mp in members),
                     time.perf_counter() - began, loss_sum, detail))
+            self._post(calls.get(len(tasks)), tokens_of)
         if not self.forward_only and held.outputs:
             raise RuntimeError(f"after the step {len(held.outputs)} MicroPack outputs remain: some backward did not run")
         self.live_bytes.clear()
         return reports
 
-    # ---- receive, record, memory -----------------------------------------------------------
-    def _receive(self, tokens: int, source: int, unit: int, label: str) -> Tensor:
-        """Blocking receive of a [tokens, 1, hidden] activation or gradient (shape from the plan)."""
-        buffer = torch.empty(tokens, 1, self.hidden, dtype=self.dtype, device=self.device)
-        waited = self.timeline.now() if self.timeline else 0.0
-        dist.recv(buffer, src=source, group=self.pp_group)
+    # ---- point-to-point, record, memory --------------------------------------------------
+    def _post(self, call: Optional[p2p.P2PCall], tokens_of) -> None:
+        """Post one call of the stage's p2p program (p2p.py) as one `batch_isend_irecv`: sends of
+        tensors earlier tasks produced, receives into [tokens, 1, hidden] buffers (the shape comes
+        from the plan). Sends stay pending; receives are waited on by their consumer."""
+        if call is None:
+            return
+        ops = [dist.P2POp(dist.isend, self._outbox[t], self._peer(t.destination), self.pp_group) for t in call.sends]
+        buffers = [torch.empty(tokens_of(t), 1, self.hidden, dtype=self.dtype, device=self.device)
+                   for t in call.receives]
+        ops += [dist.P2POp(dist.irecv, buffer, self._peer(t.source), self.pp_group)
+                for t, buffer in zip(call.receives, buffers)]
+        posted = self.timeline.now() if self.timeline else 0.0
+        requests = dist.batch_isend_irecv(ops)
+        for transfer, request in zip(call.sends, requests):
+            self.pending.add(request, self._outbox.pop(transfer), transfer.unit, _label(transfer))
+        for transfer, buffer, request in zip(call.receives, buffers, requests[len(call.sends):]):
+            self._inbox[transfer] = (buffer, request, posted)
+
+    def _received(self, transfer: Optional[p2p.Transfer]) -> Optional[Tensor]:
+        """Wait for a posted receive and hand its buffer to the consuming task."""
+        if transfer is None:
+            return None
+        buffer, request, posted = self._inbox.pop(transfer)
+        request.wait()
         if self.timeline:
-            self.timeline.record("RECV", unit, waited, self.timeline.now(), label)
+            self.timeline.record("RECV", transfer.unit, posted, self.timeline.now(), _label(transfer))
         return buffer
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage)
 
     def _record(self, kind: str, unit: int, start: float, detail: str) -> None:
         if self.timeline:
@@ -278,11 +320,12 @@ class StageExecutor:
         return output
 
     # ---- units -----------------------------------------------------------------------------
-    def _forward_unit(self, unit, members, sizes, batches, held: _HeldTensors, detail) -> Optional[float]:
-        """Forward of one unit; returns its loss sum on the last stage (None elsewhere)."""
+    def _forward_unit(self, unit, members, sizes, batches, held: _HeldTensors, detail,
+                      buffer: Optional[Tensor]) -> tuple[Optional[float], Optional[Tensor]]:
+        """Forward of one unit on its received activation `buffer` (None on the first stage);
+        returns (its loss sum on the last stage, the activation to send on the others)."""
         leaves = [None] * len(members)
         if not self.first:
-            buffer = self._receive(sum(sizes), self.prev_rank, unit, f"F {self.pp_rank - 1}->{self.pp_rank}")
             leaves = split_into_leaves(buffer, sizes)
             if self.meter is not None:
                 self.meter.shared = {buffer.untyped_storage().data_ptr()}
@@ -300,15 +343,13 @@ class StageExecutor:
                     held.inputs[mp] = leaf
         if self.last:
             self._record("F", unit, task_start, detail)
-            return unit_loss
+            return unit_loss, None
         activation = torch.cat(sent).to(self.dtype).contiguous()
         del sent
         if self.deallocate and not self.forward_only:
             held.freed.update(mp for mp in members if _free_output(held.outputs[mp]))
         self._record("F", unit, task_start, detail)
-        self.pending.add(dist.isend(activation, dst=self.next_rank, group=self.pp_group), activation, unit,
-                         f"F {self.pp_rank}->{self.pp_rank + 1}")
-        return None
+        return None, activation
 
     def _loss_seed(self, like: Tensor) -> Tensor:
         """The last stage's backward seed: 1 / global loss tokens, times the loss scale when the
@@ -318,10 +359,12 @@ class StageExecutor:
             return seed
         return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor
 
-    def _backward_unit(self, unit, members, sizes, held: _HeldTensors, detail) -> None:
+    def _backward_unit(self, unit, members, sizes, held: _HeldTensors, detail,
+                       buffer: Optional[Tensor]) -> Optional[Tensor]:
+        """Backward of one unit on its received output gradient `buffer` (None on the last
+        stage); returns the input gradient to send upstream (None on the first stage)."""
         grads: list = [None] * len(members)
         if not self.last:
-            buffer = self._receive(sum(sizes), self.next_rank, unit, f"B {self.pp_rank + 1}->{self.pp_rank}")
             grads = list(buffer.split(sizes, dim=0))
         task_start = self.timeline.now() if self.timeline else 0.0
         upstream = []
@@ -340,7 +383,6 @@ class StageExecutor:
             self.live_bytes.pop(mp, None)
         self._note_memory()
         self._record("B", unit, task_start, detail)
-        if not self.first:
-            gradient = torch.cat(upstream).to(self.dtype).contiguous()
-            self.pending.add(dist.isend(gradient, dst=self.prev_rank, group=self.pp_group), gradient, unit,
-                             f"B {self.pp_rank}->{self.pp_rank - 1}")
+        if self.first:
+            return None
+        return torch.cat(upstream).to(self.dtype).contiguous()

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed
+from . import p2p
 from .kv_store import KVStore
 from .batch import TokenSource, build_batch
 from .executor import StageExecutor, global_loss_tokens, megatron_config
@@ -133,13 +134,11 @@ class ScheduleResult(list):
 
 # ---- checks --------------------------------------------------------------------------------
 def check_stage_orders(replica: ReplicaPlan) -> None:
-    """Raise ScheduleError if the stages' task lists deadlock under blocking receives.
-
-    Replays all stages: F u on stage s waits for F u on stage s - 1; B v on stage s waits for
-    B v on stage s + 1 (sends never block). Also checks what `Plan.validate` checks per stage
-    (each unit once, in sequence order, backward after the forwards it needs)."""
+    """Raise ScheduleError if the stages' task lists deadlock: a task waits for the tensor it
+    receives, and (as on NCCL) a send completes only once its receive is posted, with the
+    transfers grouped as the executor posts them (p2p.py). Also checks what `Plan.validate`
+    checks per stage (each unit once, in sequence order, backward after the forwards it needs)."""
     orders = replica.stage_orders
-    pp = len(orders)
     needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     expected = sorted([("F", u) for u in range(len(replica.forward_units))]
                       + [("B", v) for v in range(len(replica.backward_units))])
@@ -154,24 +153,10 @@ def check_stage_orders(replica: ReplicaPlan) -> None:
                 done_forward = unit
             elif needs[unit] > done_forward:
                 raise ScheduleError(f"stage {stage} runs backward unit {unit} before the forwards it needs")
-    done = [set() for _ in range(pp)]
-    position = [0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for stage in range(pp):
-            while position[stage] < len(orders[stage]):
-                kind, unit = orders[stage][position[stage]]
-                peer = stage - 1 if kind == "F" else stage + 1
-                if 0 <= peer < pp and (kind, unit) not in done[peer]:
-                    break
-                done[stage].add((kind, unit))
-                position[stage] += 1
-                progress = True
-    stuck = [(stage, orders[stage][position[stage]]) for stage in range(pp) if position[stage] < len(orders[stage])]
-    if stuck:
-        waits = ", ".join(f"stage {s} waits at {k}{u}" for s, (k, u) in stuck)
-        raise ScheduleError(f"the plan's stage orders deadlock: {waits}")
+    try:
+        p2p.check_deadlock_free(orders)
+    except p2p.P2PDeadlock as error:
+        raise ScheduleError(str(error)) from None
 
 
 def check_same_plan(plan: Plan, group=None) -> None:
