@@ -75,3 +75,27 @@ def test_flash_attn_before_2_1_is_not_offered(monkeypatch):
     assert kernels.available_backends() == ["torch"]
     with pytest.raises(BackendUnavailable, match="flash-attn >= 2.1"):
         resolve_backend("flash")
+
+
+def test_attention_dropout_draws_from_the_model_parallel_rng_stream(megatron_cpu):
+    """With dropout, the kernel runs inside Megatron's RNG tracker fork (a per-TP-rank stream), so
+    the default generator is left alone and the masks follow the tracker's state."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_slimpack.runtime.model import tiny_config
+
+    module = attention.SlicedDotProductAttention(tiny_config(attention_dropout=0.5), 1, None)
+    module.train()
+    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 4, 16), torch.randn(6, 4, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    tracker = get_cuda_rng_tracker()
+    with tracker.fork():
+        pass  # make sure the stream exists
+    saved_stream, saved_default = tracker.get_states(), torch.get_rng_state()
+    first = module._attend(q, k, v, cu, cu, 6, 6)
+    assert torch.equal(torch.get_rng_state(), saved_default)  # the default generator was not used
+    assert not all(torch.equal(a, b) for a, b in zip(tracker.get_states().values(), saved_stream.values()))
+    tracker.set_states(saved_stream)
+    assert torch.equal(module._attend(q, k, v, cu, cu, 6, 6), first)  # same stream state, same masks
+    module.eval()
+    assert torch.equal(torch.get_rng_state(), saved_default)

@@ -124,6 +124,14 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
         problems.append("--slimpack needs --micro-batch-size 1 (a MicroPack is one packed THD sequence)")
+    for flag in ("fp8", "fp4"):
+        if getattr(args, flag, None):
+            problems.append(f"--slimpack does not support --{flag}-format yet (Transformer Engine's low-precision "
+                            "GEMMs need token counts divisible by 16 and MicroPacks are not padded): remove it")
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        if getattr(args, flag, False):
+            problems.append(f"--slimpack does not support --{flag.replace('_', '-')}: the sliced core attention "
+                            "does not record attention logits; remove the flag")
     from ..solver.strategies import strategy_specs, trainable_strategy_names
 
     strategy = getattr(args, "slimpack_strategy", SlimPackConfig.strategy)

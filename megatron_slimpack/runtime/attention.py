@@ -12,11 +12,13 @@ Modules, no cycle: kv_store, kernels, seq_params (leaves) <- batch <- context_pa
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Optional
 
 import torch
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -90,7 +92,10 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
 
     def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv):
         dropout = self.dropout_p if self.training else 0.0
-        out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
+        # Attention dropout draws from Megatron's model-parallel RNG stream (as its own core
+        # attention does): each TP rank holds other heads, so their masks must differ.
+        with get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
+            out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
         return out.reshape(out.shape[0], -1)
 
 
