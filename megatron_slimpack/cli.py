@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_validate_arguments(validate)
     validate.set_defaults(run=validate_main)
 
+    selftest = commands.add_parser("selftest", help="check this node: kernels, DP-Merge, training steps, overhead")
+    from .selftest import add_selftest_arguments, selftest_main
+
+    add_selftest_arguments(selftest)
+    selftest.set_defaults(run=selftest_main)
+
     demo = commands.add_parser("demo", help="the main job on the embedded default workload")
     demo.add_argument("--steps", type=int, default=None)
     demo.add_argument("--data-dir", default=None, help="text files to train on (default: Python's standard library)")
