@@ -16,7 +16,17 @@ is Megatron-LM's packing (documents concatenated and cut into sequences of exact
 length, one sequence per micro-batch, classic 1F1B); the only change from `megatron-fixed` is
 that a document crossing a cut keeps its prefix through the KV store (as if Megatron trained
 without the cut), so the comparison measures packing and scheduling only, never a change of
-the objective.
+the objective. `--strategies` runs other strategies alongside in the same way (each through its
+own planner); the loss check compares megatron-fixed and slimpack.
+
+Structure: each process builds a `DemoRunner`, which holds one `StrategyRun` per strategy (model
+chunk, optimizer, planner, measured figures) and steps them in turn (`_train`). What is measured:
+a step's wall time (schedule + optimizer step, the maximum over ranks) and every forward/backward
+task's compute interval, recorded by the schedule itself (`timeline=`, runtime/timing.py), from
+which come the per-stage busy times (PP imbalance) and the Gantt charts. What is predicted: the
+simulator's step time for each plan with the demo's cost model: by default the analytic CPU model,
+which is not calibrated to the machine (the table says so, with the measured/predicted ratio;
+`--cost-model profile.json` from `slimpack profile` calibrates it).
 """
 from __future__ import annotations
 
@@ -25,8 +35,9 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_STEPS = 10
 DEFAULT_CONTEXT = 2048
@@ -141,54 +152,6 @@ def model_config(spec, pp: int):
                        ffn_hidden_size=spec.ffn_hidden_size, **extra)
 
 
-# ---- measured task times ---------------------------------------------------------------------
-class TaskTimer:
-    """Records perf_counter intervals of the executor's per-MicroPack forward/backward calls
-    (wrapping `runtime.executor.forward_step` / `backward_step` in this process), so a step's
-    units can be drawn as compute bars without their receive waits."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, float, float]] = []
-        self._saved = None
-
-    def __enter__(self):
-        from .runtime import executor
-
-        self._saved = (executor.forward_step, executor.backward_step)
-        forward, backward = self._saved
-
-        def timed(kind, function):
-            def call(*args, **kwargs):
-                began = time.perf_counter()
-                try:
-                    return function(*args, **kwargs)
-                finally:
-                    self.calls.append((kind, began, time.perf_counter()))
-            return call
-
-        executor.forward_step, executor.backward_step = timed("F", forward), timed("B", backward)
-        return self
-
-    def __exit__(self, *exc):
-        from .runtime import executor
-
-        executor.forward_step, executor.backward_step = self._saved
-
-    def unit_records(self, reports, rank: int, stage: int) -> list[dict]:
-        """One record per `UnitReport`: start of its first MicroPack call, end of its last."""
-        records, cursor = [], {"F": 0, "B": 0}
-        by_kind = {kind: [c for c in self.calls if c[0] == kind] for kind in ("F", "B")}
-        for report in reports:
-            count = len(report.micropacks)
-            calls = by_kind[report.kind][cursor[report.kind]:cursor[report.kind] + count]
-            if not calls:
-                continue
-            cursor[report.kind] += count
-            records.append({"rank": rank, "stage": stage, "kind": report.kind, "unit": report.index,
-                            "start": calls[0][1], "end": calls[-1][2], "detail": f"{report.tokens} tokens"})
-        return records
-
-
 # ---- one process (one pipeline stage) ------------------------------------------------------
 def _worker(rank: int, world_size: int, port: int, options: DemoOptions, results) -> None:
     try:
@@ -199,138 +162,236 @@ def _worker(rank: int, world_size: int, port: int, options: DemoOptions, results
 
 
 def _train(rank: int, world_size: int, port: int, options: DemoOptions) -> dict | None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import torch
-
-    from .runtime.host_memory import keep_freed_host_memory
-
-    keep_freed_host_memory()
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from .config import SlimPackConfig
-    from .costmodel import CostModel
-    from .megatron.data import PlannerIterator
-    from .runtime import compat
-    from .runtime.model import build_gpt_model
-    from .runtime.schedule import slimpack_forward_backward
-    from .specs import ParallelConfig, get_model
-    from .workload import GlobalBatchSampler, TextCorpus
-
-    compat.apply()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    pp = options.pp
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(options.seed + 1234)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    dp = world_size // pp
-    dp_rank = parallel_state.get_data_parallel_rank()
-    spec = get_model(options.model)
-    corpus = TextCorpus(options.data_dir)
-    if spec.vocab_size != corpus.VOCAB_SIZE:
-        spec = spec.__class__(**{**spec.to_dict(), "vocab_size": corpus.VOCAB_SIZE})
-    cost = (CostModel.analytic(spec, "cpu", dtype_bytes=4, attention_backend="torch")
-            if options.cost_model == "analytic" else CostModel.from_profile(options.cost_model))
-    parallel = ParallelConfig(dp=dp, pp=pp)
-    config = SlimPackConfig(context_length=options.context_length, seed=options.seed,
-                            solver_time_limit_s=options.solver_time_limit)
-
-    def build_chunk():
-        torch.manual_seed(options.seed)
-        return build_gpt_model(model_config(spec, pp), vocab_size=corpus.VOCAB_SIZE,
-                               max_sequence_length=options.context_length, backend="torch",
-                               pre_process=stage == 0, post_process=stage == pp - 1)
-
-    # One model copy, optimizer and planner iterator per strategy, all from the same weights; the
-    # strategies then alternate step by step on the same batches, so machine load (other jobs on
-    # the CPU) affects both alike.
-    runs = {}
-    initial = None
-    for strategy in options.strategies:
-        chunk = build_chunk()
-        if initial is None:
-            initial = {k: (v.detach().clone() if v is not None else None) for k, v in chunk.state_dict().items()}
-        chunk.load_state_dict(initial)
-        sampler = GlobalBatchSampler(corpus.lengths, options.context_length, options.global_batch_size,
-                                     seed=options.seed)
-        runs[strategy] = {
-            "chunk": chunk, "optimizer": torch.optim.Adam(chunk.parameters(), lr=options.lr),
-            "planner": PlannerIterator(sampler, make_plan_function(strategy, cost, parallel, config),
-                                       plan_ahead=options.plan_ahead, steps=options.steps),
-            "steps": [], "gantt": [],
-        }
-    show = rank == 0
-    out: dict = {"runs": {}, "stage_params": sum(p.numel() for p in runs[options.strategies[0]]["chunk"].parameters())}
-    bar = None
-    if show and options.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=options.steps * len(runs), desc="demo steps", file=sys.stderr, leave=False)
+    """This process's whole demo: the strategies alternate step by step on the same batches, so
+    machine load (other jobs on the CPU) affects them alike. Rank 0 returns every run's figures."""
+    runner = DemoRunner(rank, world_size, port, options)
     for _ in range(options.steps):
-        for strategy, run in runs.items():
-            planned = next(run["planner"])
-            chunk, optimizer = run["chunk"], run["optimizer"]
-            optimizer.zero_grad(set_to_none=True)
-            dist.barrier()
-            with TaskTimer() as timer:
-                began = time.perf_counter()
-                result = slimpack_forward_backward(model=[chunk], plan=planned.plan,
-                                                   token_source=planned.token_source(corpus),
-                                                   num_microbatches=len(planned.plan.replicas[0].micropacks),
-                                                   seq_length=options.context_length, micro_batch_size=1)
-                optimizer.step()
-                ended = time.perf_counter()
-            records = timer.unit_records(result, dp_rank, stage)
-            compute = sum(r["end"] - r["start"] for r in records)
-            figures = torch.tensor([ended - began, result.loss or 0.0, compute], dtype=torch.float64)
-            gathered = [torch.zeros_like(figures) for _ in range(world_size)]
-            dist.all_gather(gathered, figures)
-            step_s = max(float(g[0]) for g in gathered)
-            loss = float(gathered[pp - 1][1])  # the last pipeline stage of replica 0 (dp=1 here)
-            stage_compute = [float(g[2]) for g in gathered[:pp]]
-            record_lists = [None] * world_size
-            dist.all_gather_object(record_lists, [dict(r, start=r["start"] - began, end=r["end"] - began)
-                                                  for r in records])
-            if show:
-                run["gantt"] = [r for rank_records in record_lists for r in rank_records]
-                predicted = planned.plan.metadata.get("predicted", {})
-                tokens = planned.plan.num_tokens  # WLB-LLM may delay some of the batch, or add earlier ones
-                mean_compute = sum(stage_compute) / len(stage_compute)
-                entry = {
-                    "iteration": len(run["steps"]) + 1, "loss": loss, "step_s": step_s, "tokens": tokens,
-                    "tokens_per_s": tokens / step_s, "predicted_s": predicted.get("iteration_s"),
-                    "pp_imbalance": max(stage_compute) / mean_compute if mean_compute else 1.0,
-                    "predicted_pp_imbalance": predicted.get("pp_imbalance"),
-                    "dp_imbalance": predicted.get("dp_imbalance", 1.0),
-                    "planning_s": planned.planning_time_s,
-                    "exposed_s": min(planned.exposed_s, planned.planning_time_s),
-                    "micropacks": len(planned.plan.replicas[0].micropacks),
-                    "documents": len(planned.batch.lengths),
-                    "stage_busy_s": stage_compute,  # measured forward/backward compute per stage
-                }
-                run["steps"].append(entry)
-                _log(strategy, entry, options.steps, bar)
-    if bar is not None:
-        bar.close()
-    for strategy, run in runs.items():
-        summary = run["planner"].planning_summary()
-        run["planner"].close()
-        if show:
-            out["runs"][strategy] = {"steps": run["steps"], "planning": summary, "gantt": run["gantt"]}
-    dist.barrier()
-    dist.destroy_process_group()
-    return out if show else None
+        for run in runner.runs:
+            runner.train_step(run)
+    return runner.finish()
 
 
-def _log(strategy: str, e: dict, total: int, bar) -> None:
+@dataclass
+class StrategyRun:
+    """One strategy on this rank: its model chunk (every strategy starts from the same weights),
+    optimizer and background planner (`megatron.data.PlannerIterator`, which hands out each step's
+    plan and token source); on rank 0 also its measured figures, one dict per step, and the compute
+    tasks of its latest step (the Gantt chart)."""
+
+    strategy: str
+    chunk: Any
+    optimizer: Any
+    planner: Any
+    steps: list[dict] = field(default_factory=list)
+    gantt: list[dict] = field(default_factory=list)
+
+    def record_step(self, planned, step_s: float, loss: float, tasks: list[dict], pp: int) -> dict:
+        """Rank 0: the step's figures from its measured time, loss and compute tasks (all ranks')."""
+        plan = planned.plan
+        predicted = plan.metadata.get("predicted", {})
+        busy = stage_busy_s(tasks, pp)
+        mean_busy = sum(busy) / len(busy)
+        tokens = plan.num_tokens  # WLB-LLM may delay some of the batch, or add earlier ones
+        entry = {
+            "iteration": len(self.steps) + 1, "loss": loss, "step_s": step_s, "tokens": tokens,
+            "tokens_per_s": tokens / step_s, "predicted_s": predicted.get("iteration_s"),
+            "pp_imbalance": max(busy) / mean_busy if mean_busy else 1.0,
+            "predicted_pp_imbalance": predicted.get("pp_imbalance"),
+            "dp_imbalance": predicted.get("dp_imbalance", 1.0),
+            "planning_s": planned.planning_time_s,
+            "exposed_s": min(planned.exposed_s, planned.planning_time_s),
+            "micropacks": len(plan.replicas[0].micropacks),
+            "documents": len(planned.batch.lengths),
+            "stage_busy_s": busy,  # measured forward/backward compute per stage
+        }
+        self.steps.append(entry)
+        self.gantt = tasks
+        return entry
+
+    def close(self) -> dict:
+        """Stop the planner; its planning summary."""
+        summary = self.planner.planning_summary()
+        self.planner.close()
+        return summary
+
+
+def gantt_tasks(records, plan) -> list[dict]:
+    """The measured forward/backward tasks of a step (`runtime.timing.TimedTask`s or their dicts),
+    as Gantt records: rank, stage, kind, unit, start, end (seconds from the step's start) and detail
+    (the unit's tokens, after "merge group [...]: " for a DP-Merge group's)."""
+    tasks = []
+    for record in records:
+        r = record.to_dict() if hasattr(record, "to_dict") else dict(record)
+        if r["kind"] not in ("F", "B"):
+            continue
+        replica = plan.replicas[r["replica"]]
+        units = replica.forward_units if r["kind"] == "F" else replica.backward_units
+        tokens = sum(replica.micropacks[mp].num_tokens for mp in units[r["unit"]])
+        detail = f"{r['detail']}: {tokens} tokens" if r.get("detail") else f"{tokens} tokens"
+        tasks.append({"rank": r["rank"], "stage": r["stage"], "kind": r["kind"], "unit": r["unit"],
+                      "start": r["start"], "end": r["end"], "detail": detail})
+    return tasks
+
+
+def stage_busy_s(tasks: list[dict], pp: int) -> list[float]:
+    """Measured forward/backward seconds per pipeline stage of replica 0 (data-parallel rank 0)."""
+    return [sum(t["end"] - t["start"] for t in tasks if t["rank"] == 0 and t["stage"] == stage) for stage in range(pp)]
+
+
+class DemoRunner:
+    """One process of the demo, holding one pipeline stage of every strategy's model: sets up
+    gloo and megatron's parallel state, builds a `StrategyRun` per strategy, runs their steps
+    (`train_step`) and hands rank 0 the figures (`finish`).
+
+    Task times come from the schedule's own timeline (`slimpack_forward_backward(...,
+    timeline=...)`, runtime/timing.py): every F/B task's compute interval on every rank, against a
+    clock the ranks start together. They are gathered to rank 0 after the step, outside the timed
+    interval; the step time is the wall time of schedule + optimizer step, the maximum over ranks.
+    """
+
+    def __init__(self, rank: int, world_size: int, port: int, options: DemoOptions):
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        import torch
+
+        from .runtime.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from .config import SlimPackConfig
+        from .runtime import compat
+        from .specs import ParallelConfig
+        from .workload import TextCorpus
+
+        compat.apply()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=options.pp)
+        model_parallel_cuda_manual_seed(options.seed + 1234)
+        self.options, self.world_size, self.pp = options, world_size, options.pp
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.show = rank == 0
+        self.corpus = TextCorpus(options.data_dir)
+        spec = demo_model_spec(options.model, self.corpus.VOCAB_SIZE)
+        parallel = ParallelConfig(dp=world_size // self.pp, pp=self.pp)
+        config = SlimPackConfig(context_length=options.context_length, seed=options.seed,
+                                solver_time_limit_s=options.solver_time_limit)
+        self.runs = self._build_runs(spec, demo_cost_model(spec, options.cost_model), parallel, config)
+        self.predicted_tag = "uncalibrated" if options.cost_model == "analytic" else "profiled"
+        self.bar = None
+        if self.show and options.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=options.steps * len(self.runs), desc="demo steps", file=sys.stderr, leave=False)
+
+    def _build_runs(self, spec, cost, parallel, config) -> list[StrategyRun]:
+        """One model chunk, optimizer and planner per strategy, all chunks from the same weights."""
+        import torch
+
+        from .megatron.data import PlannerIterator
+        from .runtime.model import build_gpt_model
+        from .workload import GlobalBatchSampler
+
+        options = self.options
+        runs, initial = [], None
+        for strategy in options.strategies:
+            torch.manual_seed(options.seed)
+            chunk = build_gpt_model(model_config(spec, self.pp), vocab_size=self.corpus.VOCAB_SIZE,
+                                    max_sequence_length=options.context_length, backend="torch",
+                                    pre_process=self.stage == 0, post_process=self.stage == self.pp - 1)
+            if initial is None:
+                initial = {k: (v.detach().clone() if v is not None else None) for k, v in chunk.state_dict().items()}
+            chunk.load_state_dict(initial)
+            sampler = GlobalBatchSampler(self.corpus.lengths, options.context_length, options.global_batch_size,
+                                         seed=options.seed)
+            planner = PlannerIterator(sampler, make_plan_function(strategy, cost, parallel, config),
+                                      plan_ahead=options.plan_ahead, steps=options.steps)
+            runs.append(StrategyRun(strategy, chunk, torch.optim.Adam(chunk.parameters(), lr=options.lr), planner))
+        return runs
+
+    def train_step(self, run: StrategyRun) -> None:
+        """One training step of `run` on its next planned batch, timed; rank 0 records and logs it."""
+        import torch.distributed as dist
+
+        from .runtime.schedule import slimpack_forward_backward
+        from .runtime.timing import Timeline
+
+        planned = next(run.planner)
+        plan = planned.plan
+        run.optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        timeline = Timeline(gather=False)  # gathered below, after the timed interval
+        began = time.perf_counter()
+        result = slimpack_forward_backward(model=[run.chunk], plan=plan, token_source=planned.token_source(self.corpus),
+                                           num_microbatches=len(plan.replicas[0].micropacks),
+                                           seq_length=self.options.context_length, micro_batch_size=1,
+                                           timeline=timeline)
+        run.optimizer.step()
+        elapsed = time.perf_counter() - began
+        mine = (elapsed, result.loss, [r.to_dict() for r in timeline.compute_records()])
+        everyone = [None] * self.world_size if self.show else None
+        dist.gather_object(mine, everyone, dst=0)
+        if not self.show:
+            return
+        step_s = max(elapsed for elapsed, _, _ in everyone)
+        loss = everyone[self.pp - 1][1]  # the last pipeline stage of replica 0 (dp=1 here)
+        tasks = gantt_tasks([r for _, _, records in everyone for r in records], plan)
+        entry = run.record_step(planned, step_s, loss, tasks, self.pp)
+        _log(run.strategy, entry, self.options.steps, self.bar, self.predicted_tag)
+
+    def finish(self) -> dict | None:
+        """Stop the planners and the process group; rank 0's result (None elsewhere)."""
+        import torch.distributed as dist
+
+        if self.bar is not None:
+            self.bar.close()
+        out: dict = {"runs": {}, "stage_params": sum(p.numel() for p in self.runs[0].chunk.parameters())}
+        for run in self.runs:
+            planning = run.close()
+            if self.show:
+                out["runs"][run.strategy] = {"steps": run.steps, "planning": planning, "gantt": run.gantt}
+        dist.barrier()
+        dist.destroy_process_group()
+        return out if self.show else None
+
+
+def demo_model_spec(model: str, vocab_size: int):
+    """The model preset, with the corpus's (byte-level) vocabulary."""
+    from .specs import get_model
+
+    spec = get_model(model)
+    if spec.vocab_size != vocab_size:
+        spec = spec.__class__(**{**spec.to_dict(), "vocab_size": vocab_size})
+    return spec
+
+
+def demo_cost_model(spec, cost_model: str):
+    """The planners' and the prediction's cost model: "analytic" (uncalibrated CPU figures) or a
+    `slimpack profile` JSON measured on this machine."""
+    from .costmodel import CostModel
+
+    if cost_model == "analytic":
+        return CostModel.analytic(spec, "cpu", dtype_bytes=4, attention_backend="torch")
+    return CostModel.from_profile(cost_model)
+
+
+def predicted_by(cost_model: str) -> str:
+    """What the "predicted" figures come from, for the table's header and legend."""
+    if cost_model == "analytic":
+        return "uncalibrated analytic CPU model"
+    return f"cost model profiled in {cost_model}"
+
+
+def _log(strategy: str, e: dict, total: int, bar, predicted_tag: str = "uncalibrated") -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     predicted = f"{e['predicted_s'] * 1000:9.1f}" if e["predicted_s"] is not None else "        -"
     line = (f" [{stamp}] [{strategy:>14}] iteration {e['iteration']:5d}/{total:5d} | "
-            f"elapsed time per iteration (ms): {e['step_s'] * 1000:8.1f} | predicted (ms): {predicted} | "
+            f"elapsed time per iteration (ms): {e['step_s'] * 1000:8.1f} | "
+            f"predicted (ms, {predicted_tag}): {predicted} | "
             f"tokens/s: {e['tokens_per_s']:8.0f} | lm loss: {e['loss']:.6E} | micropacks: {e['micropacks']:3d} | "
             f"PP imbalance: {e['pp_imbalance']:.3f} | DP imbalance: {e['dp_imbalance']:.3f} | "
             f"planning (ms): {e['planning_s'] * 1000:6.1f} (exposed {e['exposed_s'] * 1000:5.1f}) |")
@@ -353,7 +414,8 @@ def launch(options: DemoOptions) -> dict:
 
     port = free_port()
     world = options.pp
-    procs = [context.Process(target=_worker, args=(r, world, port, options, results), daemon=True) for r in range(world)]
+    procs = [context.Process(target=_worker, args=(r, world, port, options, results), daemon=True)
+             for r in range(world)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + options.timeout_s
@@ -390,13 +452,15 @@ def summarize(result: dict, options: DemoOptions) -> dict:
     for strategy, run in result["runs"].items():
         steps = run["steps"]
         timed = steps[1:] if len(steps) > 1 else steps
-        mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+        mean = lambda key, timed=timed: sum(s[key] for s in timed) / len(timed)  # noqa: E731
         predicted = [s["predicted_s"] for s in timed if s["predicted_s"] is not None]
         rows[strategy] = {
             "strategy": strategy, "steps": len(steps), "ms_per_iter": mean("step_s") * 1000,
             "median_ms_per_iter": _median([s["step_s"] for s in timed]) * 1000,
             "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["step_s"] for s in timed),
             "predicted_ms": sum(predicted) / len(predicted) * 1000 if predicted else None,
+            "measured_over_predicted": (_median([s["step_s"] for s in timed]) / _median(predicted)
+                                        if predicted else None),
             "pp_imbalance": mean("pp_imbalance"), "dp_imbalance": mean("dp_imbalance"),
             "micropacks": mean("micropacks"),
             "stage_busy_ms": [sum(s["stage_busy_s"][i] for s in timed) / len(timed) * 1000
@@ -410,7 +474,7 @@ def summarize(result: dict, options: DemoOptions) -> dict:
             "losses": [s["loss"] for s in steps],
         }
     summary = {"options": {k: v for k, v in options.__dict__.items() if k != "strategies"},
-               "strategies": list(rows), "rows": rows}
+               "strategies": list(rows), "rows": rows, "predicted_by": predicted_by(options.cost_model)}
     if "megatron-fixed" in rows and "slimpack" in rows:
         base, ours = rows["megatron-fixed"], rows["slimpack"]
         # The median is robust to other jobs on a shared CPU; the mean is reported alongside.
@@ -433,8 +497,10 @@ def _median(values: list[float]) -> float:
 
 def format_summary(summary: dict) -> str:
     rows = summary["rows"]
-    header = ("| strategy | steps | ms/iter (mean) | ms/iter (median) | tokens/s | predicted ms/iter | PP imbalance | DP imbalance | "
-              "MicroPacks | planning ms/step | planning hidden | first loss | final loss |")
+    source = summary.get("predicted_by", predicted_by("analytic"))
+    header = (f"| strategy | steps | ms/iter (mean) | ms/iter (median) | tokens/s | predicted ms/iter ({source}) "
+              "| PP imbalance | DP imbalance | MicroPacks | planning ms/step | planning hidden | first loss "
+              "| final loss |")
     lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows.values():
         predicted = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] is not None else "-"
@@ -443,6 +509,8 @@ def format_summary(summary: dict) -> str:
                      f"{predicted} | {r['pp_imbalance']:.3f} | {r['dp_imbalance']:.3f} | {r['micropacks']:.1f} | "
                      f"{r['planning_ms']:.1f} | {r['hidden_fraction']:.0%} | {r['first_loss']:.6f} | "
                      f"{r['final_loss']:.6f} |")
+    lines.append("")
+    lines.append(_predicted_legend(source, rows))
     if "speedup" in summary:
         lines.append("")
         lines.append(f"measured speedup of slimpack over megatron-fixed: {summary['speedup']:.3f}x median step time "
@@ -459,6 +527,19 @@ def format_summary(summary: dict) -> str:
     for path in summary.get("gantt_files", []):
         lines.append(f"Gantt chart of a measured step: {path}")
     return "\n".join(lines)
+
+
+def _predicted_legend(source: str, rows: dict) -> str:
+    """The table's note on its "predicted" column: what model it comes from and how far off it is."""
+    ratios = ", ".join(f"{r['strategy']} {r['measured_over_predicted']:.2f}" for r in rows.values()
+                       if r.get("measured_over_predicted") is not None)
+    measured = f"; measured/predicted median step time: {ratios}" if ratios else ""
+    if source == predicted_by("analytic"):
+        return ("predicted ms/iter: the simulator's step time for each plan from the analytic CPU cost model, "
+                "UNCALIBRATED (generic CPU figures, not fitted to this machine; issue 25 found it 40-60% off the "
+                f"measured times){measured}. To calibrate: `slimpack profile --out profile.json`, then "
+                "`slimpack demo --cost-model profile.json` (the planners then use the profiled model too)")
+    return f"predicted ms/iter: the simulator's step time for each plan from the {source}{measured}"
 
 
 def run_demo(args) -> int:
@@ -482,7 +563,8 @@ def run_demo(args) -> int:
         summary["rows"][strategy]["last_step_tasks"] = run["gantt"]
         if run["gantt"]:
             path = out_dir / f"gantt_{strategy}.png"
-            write_gantt(run["gantt"], path, title=f"{strategy}: measured step {len(run['steps'])} (pp={options.pp}, CPU)")
+            write_gantt(run["gantt"], path,
+                        title=f"{strategy}: measured step {len(run['steps'])} (pp={options.pp}, CPU)")
             summary["gantt_files"].append(str(path))
     summary["wall_s"] = time.perf_counter() - began
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))

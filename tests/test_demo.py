@@ -1,5 +1,6 @@
 """`slimpack demo` end to end with a reduced step count: two gloo processes (PP=2), megatron-fixed
-packing and SlimPack on the same batches, identical losses, a decreasing loss, a Gantt PNG."""
+packing and SlimPack on the same batches, identical losses, a decreasing loss, a Gantt PNG; and its
+pieces: the measured tasks from the schedule's timeline, the honestly labelled prediction."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,68 @@ def test_exact_fixed_plan_keeps_megatron_packing():
     assert any(piece.start > 0 for m in exact.replicas[0].micropacks for piece in m.slices)
 
 
+def _fixed_plan():
+    from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
+    from megatron_slimpack.demo import exact_fixed_plan
+    from megatron_slimpack.solver.strategies import new_planner
+
+    lengths = [700, 300, 1000, 100, 900]
+    parallel = ParallelConfig(pp=2)
+    fixed = new_planner("megatron-fixed").plan(lengths, parallel, CostModel.analytic("tiny", "cpu"),
+                                               SlimPackConfig(context_length=1024))
+    return exact_fixed_plan(fixed, lengths, parallel)
+
+
+def test_gantt_tasks_and_stage_busy_from_timeline_records():
+    """The schedule's timeline records -> the demo's Gantt records (compute only, unit tokens) and
+    per-stage busy seconds of replica 0."""
+    from megatron_slimpack.demo import gantt_tasks, stage_busy_s
+    from megatron_slimpack.runtime.timing import TimedTask
+
+    plan = _fixed_plan()
+    replica = plan.replicas[0]
+    records = [TimedTask(0, 0, 0, "F", 0, 0.0, 0.1, ""), TimedTask(0, 0, 0, "RECV", 0, 0.1, 0.3, "B 1->0"),
+               TimedTask(0, 1, 0, "F", 0, 0.1, 0.3, ""), TimedTask(0, 1, 0, "B", 0, 0.3, 0.6, ""),
+               TimedTask(0, 0, 0, "P2P", 0, 0.1, 0.2, "F 0->1"), TimedTask(0, 0, 0, "B", 0, 0.6, 0.8, ""),
+               TimedTask(0, 0, -1, "DP", -1, 0.8, 0.9, "gradient reduction")]
+    tasks = gantt_tasks(records, plan)
+    assert [(t["stage"], t["kind"]) for t in tasks] == [(0, "F"), (1, "F"), (1, "B"), (0, "B")]
+    forward_tokens = sum(replica.micropacks[mp].num_tokens for mp in replica.forward_units[0])
+    assert tasks[0]["detail"] == f"{forward_tokens} tokens"
+    assert set(tasks[0]) == {"rank", "stage", "kind", "unit", "start", "end", "detail"}
+    assert stage_busy_s(tasks, 2) == pytest.approx([0.3, 0.5])
+    merged = gantt_tasks([TimedTask(0, 0, 0, "F", 0, 0.0, 0.1, "merge group [0, 1]")], plan)
+    assert merged[0]["detail"].startswith("merge group [0, 1]: ")  # hatched in the Gantt chart
+
+
+def _fake_result(strategies, predicted_s=0.2, step_s=0.1):
+    def step(i):
+        return {"iteration": i + 1, "loss": 5.0 - i, "step_s": step_s, "tokens": 1024, "tokens_per_s": 1024 / step_s,
+                "predicted_s": predicted_s, "pp_imbalance": 1.0, "dp_imbalance": 1.0, "micropacks": 2,
+                "stage_busy_s": [0.04, 0.05]}
+
+    return {"runs": {name: {"steps": [step(i) for i in range(3)], "gantt": [],
+                            "planning": {"planning_s": 0.003, "hidden_fraction": 0.5}} for name in strategies}}
+
+
+def test_summary_labels_the_prediction_uncalibrated():
+    from megatron_slimpack.demo import DemoOptions, format_summary, summarize
+
+    summary = summarize(_fake_result(["megatron-fixed", "slimpack"]), DemoOptions(steps=3))
+    assert summary["predicted_by"] == "uncalibrated analytic CPU model"
+    assert summary["rows"]["slimpack"]["measured_over_predicted"] == pytest.approx(0.5)
+    text = format_summary(summary)
+    header = text.splitlines()[0]
+    assert "| predicted ms/iter (uncalibrated analytic CPU model) |" in header
+    assert header.count("|") == text.splitlines()[1].count("|")  # still 13 columns
+    assert "UNCALIBRATED" in text and "slimpack 0.50" in text and "--cost-model profile.json" in text
+    assert "loss check: OK" in text
+
+    profiled = summarize(_fake_result(["slimpack"]), DemoOptions(steps=3, cost_model="profile.json"))
+    text = format_summary(profiled)
+    assert "predicted ms/iter (cost model profiled in profile.json)" in text and "UNCALIBRATED" not in text
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     from megatron_slimpack.demo import run_demo
@@ -37,8 +100,32 @@ def test_demo_end_to_end(tmp_path):
     assert set(rows) == {"megatron-fixed", "slimpack"}
     assert summary["losses_match"] and summary["max_loss_rel_diff"] < 1e-4
     assert summary["loss_decreased"]
+    assert summary["predicted_by"] == "uncalibrated analytic CPU model"
     for row in rows.values():
         assert row["steps"] == 3 and row["ms_per_iter"] > 0 and row["predicted_ms"] > 0
+        # measured task intervals (the schedule's timeline): forward and backward on both stages
+        tasks = row["last_step_tasks"]
+        assert {(t["stage"], t["kind"]) for t in tasks} == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+        assert all(0 <= t["start"] < t["end"] for t in tasks)
+        assert len(row["stage_busy_ms"]) == 2 and all(ms > 0 for ms in row["stage_busy_ms"])
     assert summary["speedup"] > 0
+    assert len(summary["gantt_files"]) == 2
     for path in summary["gantt_files"]:
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_demo_other_strategies(tmp_path):
+    """Any trainable strategies side by side (no loss check without megatron-fixed and slimpack)."""
+    from megatron_slimpack.demo import run_demo
+
+    args = types.SimpleNamespace(steps=2, data_dir=None, model="tiny", out_dir=str(tmp_path), json=True,
+                                 context_length=512, global_batch_size=2, progress=False,
+                                 strategies="slimpipe,wlb-llm,megatron-fixed")
+    assert run_demo(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["strategies"] == ["slimpipe", "wlb-llm", "megatron-fixed"]
+    assert "losses_match" not in summary and "speedup" not in summary
+    for row in summary["rows"].values():
+        assert row["steps"] == 2 and row["ms_per_iter"] > 0 and row["last_step_tasks"]
+    assert len(summary["gantt_files"]) == 3
