@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,11 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(BIN)/slimpack demo
 
-test: $(STAMP)
+# ruff.toml holds the rules; `make test` lints first and stops on a finding.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -24,7 +24,10 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.1"],
         # The real-trainer tests import megatron.training (../shared/megatron-lm), which needs these;
         # triton is imported, unguarded, by megatron-core's inference engine (never called in training).
-        "test": ["pytest", "pytest-timeout", "hypothesis", "six", "regex", "pydantic", "IPython", "triton"],
+        # ruff: `make lint` (run first by `make test`), rules in ruff.toml; one minor series, since a
+        # new minor release may change what the selected rules report.
+        "test": ["pytest", "pytest-timeout", "hypothesis", "six", "regex", "pydantic", "IPython", "triton",
+                 "ruff>=0.17,<0.18"],
     },
     entry_points={"console_scripts": ["slimpack=megatron_slimpack.cli:main"]},
 )

@@ -78,8 +78,9 @@ def simulated_sweep(cost, context_length: int, dp: int, pp: int, short: int = 25
         plans = plan_both(lengths, cost, context_length, dp, pp, forced_threshold=0.3)
         times = {name: simulate(plan, cost, detail=False).iteration_time_s for name, plan in plans.items()}
         sizes = {name: [len(r.dp_ranks) for r in plan.replicas if r.is_merge_group] for name, plan in plans.items()}
-        rows.append({"dp": dp, "pp": pp, "share": outlier / sum(lengths), "outlier": outlier, "merge": sizes["slimpack"],
-                     "forced_merge": sizes["forced"], "gain": times["slimpack-nomerge"] / times["slimpack"],
+        rows.append({"dp": dp, "pp": pp, "share": outlier / sum(lengths), "outlier": outlier,
+                     "merge": sizes["slimpack"], "forced_merge": sizes["forced"],
+                     "gain": times["slimpack-nomerge"] / times["slimpack"],
                      "forced_gain": times["slimpack-nomerge"] / times["forced"], **times})
     return rows
 
@@ -140,8 +141,8 @@ def main() -> int:
               "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|"]
     for dp, pp in ((2, 1), (4, 1), (4, 2)):
         for row in simulated_sweep(cost, args.outlier, dp, pp):
-            lines.append(f"| {row['dp']} | {row['pp']} | {row['outlier']} | {row['share']:.0%} | {row['merge'] or '-'} | "
-                         f"{row['slimpack']:.2f} | {row['slimpack-nomerge']:.2f} | {row['gain']:.2f}x | "
+            lines.append(f"| {row['dp']} | {row['pp']} | {row['outlier']} | {row['share']:.0%} | {row['merge'] or '-'} "
+                         f"| {row['slimpack']:.2f} | {row['slimpack-nomerge']:.2f} | {row['gain']:.2f}x | "
                          f"{row['forced_merge'] or '-'} | {row['forced']:.2f} | {row['forced_gain']:.2f}x |")
     lines += ["", "Machine: 2 shared CPU cores (other jobs may run: measured figures vary between runs)."]
     Path(args.out).write_text("\n".join(lines) + "\n")

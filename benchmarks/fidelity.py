@@ -59,7 +59,8 @@ def main() -> int:
         f"`{cost.model.name}`, fp32, torch attention)",
         "",
         "Profile: `slimpack profile` grid " + json.dumps(fit.get("grid"))
-        + f" (1 thread per process, {fit.get('concurrent_processes', 1)} processes measuring at once), fitted by least squares; "
+        + f" (1 thread per process, {fit.get('concurrent_processes', 1)} processes measuring at once), "
+        "fitted by least squares; "
         f"validation: {args.plans} global batches of real text lengths (context {args.context_length}, "
         f"{args.global_batch_size} contexts each, sampler seed 100, not the profiling shapes), planned by "
         f"{', '.join(strategies)}, each run 1 + {args.repeats} times (first discarded).",

@@ -248,7 +248,8 @@ def main() -> None:
     def pick(values, text, cast=str):
         return [v for v in values if text is None or cast(v) in [cast(t) for t in text.split(",")]]
 
-    clusters = [c for c in bench["clusters"] if args.gpus is None or str(bench["cluster_gpus"][c][0]) in args.gpus.split(",")]
+    clusters = [c for c in bench["clusters"]
+                if args.gpus is None or str(bench["cluster_gpus"][c][0]) in args.gpus.split(",")]
     order = grid_order(bench)
     cells_wanted = [(model, context, cluster, dataset)
                     for model in pick(bench["models"], args.models)

@@ -50,8 +50,9 @@ def main() -> int:
     steps = measure_plans([p for _, _, p in planned], cost.model, batches=[b for _, b, _ in planned],
                           repeats=args.repeats, warmup=1)
     wall = time.perf_counter() - began
-    rows = {name: {"tokens": 0, "measured_s": 0.0, "simulated_s": 0.0, "micropacks": 0, "units": []} for name in STRATEGIES}
-    for index, (name, batch, plan) in enumerate(planned):
+    rows = {name: {"tokens": 0, "measured_s": 0.0, "simulated_s": 0.0, "micropacks": 0, "units": []}
+            for name in STRATEGIES}
+    for index, (name, _batch, plan) in enumerate(planned):
         measured = statistics.median(s.iteration_time_s for s in steps if s.plan_index == index)
         row = rows[name]
         row["tokens"] += plan.num_tokens
@@ -68,19 +69,22 @@ def main() -> int:
         f"median of {args.repeats} timed steps after 1 warm-up per plan; the same processes run every strategy. "
         f"Simulator: {source} cost model. Total wall time {wall:.0f} s.",
         "",
-        "| strategy | tokens | MicroPacks | units per batch | measured (s) | measured tokens/s | vs megatron-fixed | simulated (s) | simulated tokens/s | sim. error |",
+        "| strategy | tokens | MicroPacks | units per batch | measured (s) | measured tokens/s | vs megatron-fixed "
+        "| simulated (s) | simulated tokens/s | sim. error |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         tps = row["tokens"] / row["measured_s"]
         sim_tps = row["tokens"] / row["simulated_s"]
         error = (row["simulated_s"] - row["measured_s"]) / row["measured_s"]
-        lines.append(f"| {name} | {row['tokens']} | {row['micropacks']} | {', '.join(row['units'])} | {row['measured_s']:.2f} | "
-                     f"{tps:,.0f} | {tps / base:.2f}x | {row['simulated_s']:.2f} | {sim_tps:,.0f} | {100 * error:+.1f}% |")
+        lines.append(f"| {name} | {row['tokens']} | {row['micropacks']} | {', '.join(row['units'])} | "
+                     f"{row['measured_s']:.2f} | {tps:,.0f} | {tps / base:.2f}x | {row['simulated_s']:.2f} | "
+                     f"{sim_tps:,.0f} | {100 * error:+.1f}% |")
     import os
 
     load = os.getloadavg()
-    lines += ["", f"Machine: {os.cpu_count()} shared CPU cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+    lines += ["", f"Machine: {os.cpu_count()} shared CPU cores, "
+              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
               "(1/5/15 min) at the end of the run: other developers' jobs compete for the cores, so absolute "
               "times (and the simulator's error against a profile taken under different load) vary between runs; "
               "the strategies ran interleaved in the same processes, so their ratio is the fairer comparison.", ""]

@@ -48,8 +48,10 @@ def measure(lengths, context: int, gpus: int, batches: int, global_batch_size: i
         status.add(plan.metadata["phase1"].get("status", "-"))
     return {
         "context": context, "gpus": gpus, "layout": parallel.describe(), "plan_s_mean": statistics.mean(times),
-        "plan_s_max": max(times), "simulate_ms": 1e3 * statistics.mean(simulate_times), "quality_mean": statistics.mean(quality), "quality_max": max(quality),
-        "iteration_s": statistics.mean(iteration), "to_lower_bound": statistics.mean(i / b for i, b in zip(iteration, bound)),
+        "plan_s_max": max(times), "simulate_ms": 1e3 * statistics.mean(simulate_times),
+        "quality_mean": statistics.mean(quality), "quality_max": max(quality),
+        "iteration_s": statistics.mean(iteration),
+        "to_lower_bound": statistics.mean(i / b for i, b in zip(iteration, bound)),
         "cp_sat": ",".join(sorted(status)),
     }
 
@@ -82,14 +84,17 @@ def main() -> None:
             for gpus in CLUSTERS for context in CONTEXTS]
     speed_after = core_speed_s()
     header = ("| context | GPUs | layout | plan s (mean) | plan s (max) | quality (mean) | quality (max) "
-              "| simulate ms | iteration s | / lower bound | CP-SAT |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+              "| simulate ms | iteration s | / lower bound | CP-SAT |\n"
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     lines = [header] + [
         f"| {r['context'] // 1024}K | {r['gpus']} | {r['layout']} | {r['plan_s_mean']:.2f} | {r['plan_s_max']:.2f} "
-        f"| {r['quality_mean']:.4f} | {r['quality_max']:.4f} | {r['simulate_ms']:.0f} | {r['iteration_s']:.2f} | {r['to_lower_bound']:.3f} | {r['cp_sat']} |"
+        f"| {r['quality_mean']:.4f} | {r['quality_max']:.4f} | {r['simulate_ms']:.0f} | {r['iteration_s']:.2f} "
+        f"| {r['to_lower_bound']:.3f} | {r['cp_sat']} |"
         for r in rows
     ]
     text = (f"Planner benchmark: Wikipedia lengths, {args.model}, global batch {args.global_batch_size} x context, "
-            f"{args.batches} consecutive batches per cell (after one untimed warm-up plan), one process.\n\n" + "\n".join(lines)
+            f"{args.batches} consecutive batches per cell (after one untimed warm-up plan), one process.\n\n"
+            + "\n".join(lines)
             + f"\n\nCore speed (a 10^7-iteration Python loop, best of 3) before and after: {speed_before:.2f} s and "
             f"{speed_after:.2f} s; planning times scale with it on this shared machine.\n")
     print(text)

@@ -11,7 +11,7 @@ from . import __version__
 from .config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
 from .costmodel import CostModel
 from .plan import Plan, PlanError
-from .specs import SpecError, ParallelConfig
+from .specs import ParallelConfig, SpecError
 
 DEFAULT_WORKLOAD = "text"  # the running Python's standard library: real text, no download
 
@@ -128,7 +128,8 @@ PLAN_COLUMNS = [
     ("replica", "replica", ""), ("dp_ranks", "DP ranks", ""), ("documents", "docs", ","), ("tokens", "tokens", ","),
     ("slices", "slices", ","), ("micropacks", "MicroPacks", ","), ("forward_units", "F units", ""),
     ("backward_units", "B units", ""), ("forward_s_per_stage", "F s/stage", ".3f"),
-    ("backward_s_per_stage", "B s/stage", ".3f"), ("pipeline_s", "pipeline s", ".3f"), ("imbalance", "imbalance", ".3f"),
+    ("backward_s_per_stage", "B s/stage", ".3f"), ("pipeline_s", "pipeline s", ".3f"),
+    ("imbalance", "imbalance", ".3f"),
 ]
 
 
@@ -222,7 +223,8 @@ def cmd_demo(args) -> int:
 # ---- entry ---------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slimpack", description="SlimPack planning, simulation and training for Megatron-LM")
+    parser = argparse.ArgumentParser(prog="slimpack",
+                                     description="SlimPack planning, simulation and training for Megatron-LM")
     parser.add_argument("--version", action="version", version=f"megatron-slimpack {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 

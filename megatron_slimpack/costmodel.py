@@ -15,7 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .specs import GIB, HardwareSpec, ModelSpec, ParallelConfig, get_hardware, get_model, hardware_from_dict, model_from_dict
+from .specs import (
+    GIB,
+    HardwareSpec,
+    ModelSpec,
+    ParallelConfig,
+    get_hardware,
+    get_model,
+    hardware_from_dict,
+    model_from_dict,
+)
 
 # Backward/forward FLOP ratios (paper notes): linear layers 2x; FlashAttention's backward
 # recomputes the scores, 2.5x.
@@ -69,7 +78,8 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
     if attention_backend == "torch":
-        per_token = (3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1) + fc1 + 3 * f
+        per_token = ((3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1)
+                     + fc1 + 3 * f)
         return ActivationCoefficients(per_token * dtype_bytes, 0.0, 2 * kv * dtype_bytes, (3 * h + 1) * dtype_bytes,
                                       per_masked_entry=dtype_bytes)
     per_token = (2 * h + 2) + (h + 2 * kv) + h + h + fc1 + f
@@ -135,7 +145,8 @@ class CostModel:
         except FileNotFoundError:
             raise ValueError(f"cost-model profile {path} does not exist; create it with `slimpack profile`") from None
         except (KeyError, TypeError, json.JSONDecodeError) as error:
-            raise ValueError(f"cost-model profile {path} is malformed ({error!r}); regenerate it with `slimpack profile`") from error
+            raise ValueError(f"cost-model profile {path} is malformed ({error!r}); "
+                             "regenerate it with `slimpack profile`") from error
 
     def to_profile_dict(self) -> dict:
         def coefficients(value):
@@ -188,7 +199,8 @@ class CostModel:
 
     def attention_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
         """The attention share of `layer_time` (the part that scales with attention pairs)."""
-        return self.layer_time(tokens, pairs, parallel, backward) - self.layer_time(tokens, 0.0 * pairs, parallel, backward)
+        return (self.layer_time(tokens, pairs, parallel, backward)
+                - self.layer_time(tokens, 0.0 * pairs, parallel, backward))
 
     def _recompute_time(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
         if parallel.recompute == "none":
@@ -213,7 +225,8 @@ class CostModel:
         t = parallel.tp
         volume = tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes * (t - 1) / t
         passes = 1 + (backward and parallel.recompute == "full")
-        bandwidth = self.hardware.intra_node_bandwidth if t <= self.hardware.gpus_per_node else self.hardware.inter_node_bandwidth
+        bandwidth = (self.hardware.intra_node_bandwidth if t <= self.hardware.gpus_per_node
+                     else self.hardware.inter_node_bandwidth)
         return passes * 4 * (volume / bandwidth + self.hardware.link_latency_s)
 
     def cp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
@@ -265,7 +278,8 @@ class CostModel:
         packs = tokens / size
         seconds = 0.0
         for backward in (False, True):
-            per_layer = self.layer_time(size, pairs / packs, parallel, backward) + self.tp_comm_time(size, parallel, backward)
+            per_layer = (self.layer_time(size, pairs / packs, parallel, backward)
+                         + self.tp_comm_time(size, parallel, backward))
             seconds += (self.layers_per_stage(parallel) * per_layer + self.hardware.kernel_overhead_s
                         + self.head_time(size, parallel, backward))
         return packs * seconds
@@ -308,8 +322,8 @@ class CostModel:
         return params * (self.dtype_bytes + 4.0) + optimizer
 
     def activation_bytes(
-        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False, prefix_tokens: float = 0.0,
-        masked_entries: float = 0.0,
+        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False,
+        prefix_tokens: float = 0.0, masked_entries: float = 0.0,
     ) -> float:
         """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward.
         `prefix_tokens`: KV-prefix tokens its slices read; `masked_entries`: query x key entries of

@@ -37,7 +37,8 @@ class BatchTokens:
 
     def __init__(self, corpus, batch, plan: Optional[Plan] = None):
         self.corpus = corpus
-        self.where = {sid: (doc, offset, n) for sid, (doc, offset), n in zip(batch.sample_ids, batch.sources, batch.lengths)}
+        self.where = {sid: (doc, offset, n)
+                      for sid, (doc, offset), n in zip(batch.sample_ids, batch.sources, batch.lengths)}
         pieces = (plan.metadata or {}).get("pieces") if plan is not None else None
         if pieces:
             # Baselines that re-cut documents (megatron-fixed's concatenate-and-cut) renumber samples:
@@ -220,19 +221,20 @@ class StepComparison:
         return statistics.median(self.measured_iteration_s)
 
 
-def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *, out_dir: Optional[str | Path] = None) -> list[StepComparison]:
+def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *,
+            out_dir: Optional[str | Path] = None) -> list[StepComparison]:
     """Simulate each plan with `cost` and compare it with its measured steps."""
+    from .runtime.timing import overlay_records, write_overlay_gantt
     from .simulator.dag import simulate
-    from .runtime.timing import write_overlay_gantt
     from .simulator.report import write_chrome_trace
-    from .runtime.timing import overlay_records
 
     out = []
     for index, plan in enumerate(plans):
         mine = [s for s in steps if s.plan_index == index]
         report = simulate(plan, cost)
         static = cost.static_memory_bytes(plan.parallel)
-        simulated_tasks = {(t.rank, t.stage, t.replica, t.kind, t.unit): t.end - t.start for t in report.tasks if t.kind in ("F", "B")}
+        simulated_tasks = {(t.rank, t.stage, t.replica, t.kind, t.unit): t.end - t.start
+                           for t in report.tasks if t.kind in ("F", "B")}
         reference = getattr(cost, "reference", None)
         drift = ([s.reference_s / reference["seconds"] for s in mine]
                  if reference and all(s.reference_s for s in mine) else [])
@@ -284,13 +286,15 @@ def summary_table(comparisons: Sequence[StepComparison]) -> str:
         meas = max(c.measured_peak_bytes.values(), default=0) / 2**20
         sim = max(c.simulated_peak_bytes.values(), default=0) / 2**20
         if c.drift:
-            corrected = (f"{statistics.mean(c.drift):.2f}x | {100 * statistics.mean(c.corrected_iteration_errors):.1f}% | "
+            corrected = (f"{statistics.mean(c.drift):.2f}x | "
+                         f"{100 * statistics.mean(c.corrected_iteration_errors):.1f}% | "
                          f"{100 * c.corrected_task_mape:.1f}%")
         else:
             corrected = "- | - | -"
-        lines.append(f"| {c.plan_index} | {c.strategy} | {c.median_iteration_s:.3f} | {min(c.measured_iteration_s):.3f}-"
-                     f"{max(c.measured_iteration_s):.3f} | {c.simulated_iteration_s:.3f} | {100 * c.iteration_mape:.1f}% | "
-                     f"{100 * c.task_mape:.1f}% | {corrected} | {meas:.1f} | {sim:.1f} | {100 * c.memory_mape:.1f}% |")
+        lines.append(f"| {c.plan_index} | {c.strategy} | {c.median_iteration_s:.3f} | "
+                     f"{min(c.measured_iteration_s):.3f}-{max(c.measured_iteration_s):.3f} | "
+                     f"{c.simulated_iteration_s:.3f} | {100 * c.iteration_mape:.1f}% | {100 * c.task_mape:.1f}% | "
+                     f"{corrected} | {meas:.1f} | {sim:.1f} | {100 * c.memory_mape:.1f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -369,7 +373,8 @@ def validate_main(args) -> int:
         print(json.dumps({"overall": figures, "plans": [c.__dict__ for c in comparisons]}, default=str))
     else:
         print(summary_table(comparisons))
-        print(f"iteration-time MAPE {100 * figures['iteration_mape']:.1f}%, per-task MAPE {100 * figures['task_mape']:.1f}%, "
+        print(f"iteration-time MAPE {100 * figures['iteration_mape']:.1f}%, "
+              f"per-task MAPE {100 * figures['task_mape']:.1f}%, "
               f"peak activation memory MAPE {100 * figures['memory_mape']:.1f}%")
     return 0
 

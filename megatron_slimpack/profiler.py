@@ -97,8 +97,9 @@ def transformer_config(spec: ModelSpec, *, num_layers: int, **overrides):
     """A megatron TransformerConfig for a ModelSpec (fp32, Llama-style, CPU-friendly)."""
     from .runtime.model import tiny_config
 
-    return tiny_config(num_layers=num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                       num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, **overrides)
+    return tiny_config(num_layers=num_layers, hidden_size=spec.hidden_size,
+                       num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+                       ffn_hidden_size=spec.ffn_hidden_size, **overrides)
 
 
 def ensure_megatron(seed: int = 1234) -> None:
@@ -138,14 +139,15 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     import torch
 
     from .plan import MicroPack, Slice
-    from .runtime.kv_store import KVStore
     from .runtime.batch import build_batch
     from .runtime.executor import backward_step, forward_step
+    from .runtime.kv_store import KVStore
     from .runtime.timing import SavedBytesMeter
 
     length = max(1, tokens // slices)
     generator = torch.Generator().manual_seed(tokens * 31 + slices * 7 + prefix)
-    documents = {i: torch.randint(0, spec.vocab_size, (prefix + length + 1,), generator=generator) for i in range(slices)}
+    documents = {i: torch.randint(0, spec.vocab_size, (prefix + length + 1,), generator=generator)
+                 for i in range(slices)}
 
     class Source:
         def tokens(self, sample_id, start, end):
@@ -206,7 +208,8 @@ def measure_head(model, spec: ModelSpec, tokens: int, repeats: int) -> dict:
         began = time.perf_counter()
         meter = SavedBytesMeter(params)
         with meter:
-            x = model.decoder.final_layernorm(hidden) if getattr(model.decoder, "final_layernorm", None) is not None else hidden
+            x = (model.decoder.final_layernorm(hidden) if getattr(model.decoder, "final_layernorm", None) is not None
+                 else hidden)
             logits, _ = model.output_layer(x)
             loss = (model.compute_language_model_loss(labels, logits).float() * mask).sum()
             float(loss.detach())
@@ -249,7 +252,8 @@ def _p2p_worker(rank, world_size, port, sizes, repeats, path):
     dist.destroy_process_group()
 
 
-def measure_p2p(sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20), repeats: int = 5, timeout_s: float = 120) -> list[dict]:
+def measure_p2p(sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20), repeats: int = 5,
+                timeout_s: float = 120) -> list[dict]:
     """One-way gloo send/recv seconds between two local processes (half a ping-pong)."""
     import tempfile
 
@@ -310,8 +314,8 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
         coefficients[name] = TimeCoefficients(c["c0"] / layers, c["per_token"] / layers, c["per_pair"] / layers)
     head_tokens = np.array([h["tokens"] for h in head_points], dtype=float)
     for name in ("forward", "backward"):
-        result = least_squares([np.ones_like(head_tokens), head_tokens], np.array([h[f"{name}_s"] for h in head_points]),
-                               ["c0", "per_token"])
+        result = least_squares([np.ones_like(head_tokens), head_tokens],
+                               np.array([h[f"{name}_s"] for h in head_points]), ["c0", "per_token"])
         fit[f"head_{name}"] = result
         c = result["coefficients"]
         coefficients[f"head_{name}"] = TimeCoefficients(c["c0"], c["per_token"], 0.0)
@@ -328,7 +332,8 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
                               ["per_prefix_token", "per_masked_entry"])
         for key in ("coefficients", "stderr", "relative_stderr"):
             result[key].update(extra[key])
-        prediction = base + extra["coefficients"]["per_prefix_token"] * prefix + extra["coefficients"]["per_masked_entry"] * masked
+        prediction = (base + extra["coefficients"]["per_prefix_token"] * prefix
+                      + extra["coefficients"]["per_masked_entry"] * masked)
         relative = (prediction - saved) / saved
         result["residuals"], result["mape"] = relative.tolist(), float(np.mean(np.abs(relative)))
     else:
@@ -387,7 +392,8 @@ def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, thread
         points.append(point)
         if progress:
             progress(f"[{index + 1}/{len(shapes)}] T={point.tokens} slices={n} prefix={p}: "
-                     f"F {point.forward_s * 1e3:.2f} ms, B {point.backward_s * 1e3:.2f} ms, saved {point.saved_bytes / 2**20:.1f} MiB")
+                     f"F {point.forward_s * 1e3:.2f} ms, B {point.backward_s * 1e3:.2f} ms, "
+                     f"saved {point.saved_bytes / 2**20:.1f} MiB")
     head_points = []
     for t in sorted(set(grid["tokens"])):
         before_each()
@@ -480,8 +486,8 @@ def describe_fit(fit: dict) -> str:
             continue
         for term, value in entry["coefficients"].items():
             rel = entry["relative_stderr"].get(term)
-            lines.append(f"{name + '.' + term:<28} {value:12.4e}  {('%.1f%%' % (100 * rel)) if rel is not None else '-':>9}"
-                         f"   {100 * entry['mape']:.1f}%")
+            lines.append(f"{name + '.' + term:<28} {value:12.4e}  "
+                         f"{('%.1f%%' % (100 * rel)) if rel is not None else '-':>9}   {100 * entry['mape']:.1f}%")
     return "\n".join(lines)
 
 

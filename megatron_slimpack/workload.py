@@ -340,7 +340,8 @@ def _generator(defaults, draw, source: str) -> Loader:
 
 
 def _describe_params(params) -> str:
-    return ", ".join(f"{f.name}={getattr(params, f.name):g}" if f.type == "float" else f"{f.name}={getattr(params, f.name)}"
+    return ", ".join(f"{f.name}={getattr(params, f.name):g}" if f.type == "float"
+                     else f"{f.name}={getattr(params, f.name)}"
                      for f in fields(params))
 
 
@@ -404,7 +405,8 @@ def _raise_first_bad_line(path: Path, lines: list[bytes]) -> None:
 def _raise_bad_line(path: Path, number: int, raw: bytes, problem: str) -> None:
     shown = raw.decode("utf-8", errors="replace")
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    raise WorkloadError(f"{path}:{number}: {shown!r} {problem}; each line must hold one positive integer (a length in tokens)")
+    raise WorkloadError(f"{path}:{number}: {shown!r} {problem}; "
+                        "each line must hold one positive integer (a length in tokens)")
 
 
 def read_jsonl_lengths(path: str | Path, field: str = "length") -> np.ndarray:
@@ -420,10 +422,12 @@ def read_jsonl_lengths(path: str | Path, field: str = "length") -> np.ndarray:
                 blank_at = blank_at or number
                 continue
             if blank_at is not None:
-                raise WorkloadError(f"{path}:{blank_at}: blank line before line {number}; blank lines are allowed only at the end")
+                raise WorkloadError(f"{path}:{blank_at}: blank line before line {number}; "
+                                    "blank lines are allowed only at the end")
             lengths.append(_jsonl_length(path, number, raw, field))
     if not lengths:
-        raise WorkloadError(f"{path}: the file has no JSON lines; write one JSON object per line with a {field!r} field")
+        raise WorkloadError(f"{path}: the file has no JSON lines; "
+                            f"write one JSON object per line with a {field!r} field")
     return np.array(lengths, dtype=np.int64)
 
 
@@ -448,7 +452,8 @@ def _jsonl_length(path: Path, number: int, raw: bytes, field: str) -> int:
     else:
         raise WorkloadError(f"{where}: field {field!r} is {value!r}; expected an integer length or a text string")
     if length <= 0:
-        raise WorkloadError(f"{where}: field {field!r} gives length {length}; lengths must be positive (remove empty documents)")
+        raise WorkloadError(f"{where}: field {field!r} gives length {length}; "
+                            "lengths must be positive (remove empty documents)")
     return length
 
 

@@ -137,10 +137,13 @@ def main(argv=None) -> int:
         return 0
     print("| model | context | GPUs | dataset | baseline ms/iter | SlimPack ms/iter | speedup |")
     print("|---|---:|---:|---|---:|---:|---:|")
+
+    def cell(v):
+        return f"{v:.1f}" if v else "-"
+
     for run, times in rows:
         gpus = run["cluster_cfg"]["nodes"] * run["cluster_cfg"]["gpus_per_node"]
         base, ours = times.get("baseline"), times.get("slimpack")
-        cell = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
         speedup = f"{base / ours:.2f}x" if base and ours else "-"
         print(f"| {run['model']} | {run['context'] // 1024}K | {gpus} | {run['dataset']} | {cell(base)} | "
               f"{cell(ours)} | {speedup} |")

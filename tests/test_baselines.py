@@ -236,7 +236,7 @@ def test_wlb_llm_drops_nothing_over_many_steps():
     config = ms.SlimPackConfig(strategy="wlb-llm", context_length=4096)
     parallel = ParallelConfig(dp=2, pp=2, tp=8)
     seen, given = [], []
-    for step in range(4):
+    for _ in range(4):
         lengths = [int(x) for x in np.clip(rng.lognormal(6.5, 1.3, 40), 1, 4096)]
         # No sources: the planner numbers documents in order of arrival over all steps.
         given += [(len(given) + i, 0, length) for i, length in enumerate(lengths)]

@@ -9,9 +9,19 @@ import math
 import pytest
 
 import megatron_slimpack as ms
-from megatron_slimpack.config import (CLI, MEGATRON, ConfigError, MegatronIntegrationConfig, PlannerTunables,
-                                      SlimPackConfig, add_options, from_options, not_options, option_fields,
-                                      option_name)
+from megatron_slimpack.config import (
+    CLI,
+    MEGATRON,
+    ConfigError,
+    MegatronIntegrationConfig,
+    PlannerTunables,
+    SlimPackConfig,
+    add_options,
+    from_options,
+    not_options,
+    option_fields,
+    option_name,
+)
 
 CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
 # Every --slimpack-* flag there is (README, patches, tests/real_megatron rely on these names).

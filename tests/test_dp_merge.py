@@ -251,7 +251,13 @@ def _merge_worker(rank, world_size, port, path, seed):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, ScheduleGroups, compat, slimpack_forward_backward
+    from megatron_slimpack.runtime import (
+        InMemoryTokenSource,
+        KVStore,
+        ScheduleGroups,
+        compat,
+        slimpack_forward_backward,
+    )
     from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
 
@@ -379,8 +385,8 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     else:
         assert result.loss is None
     if rank == 0:  # the gathered timeline names each task's replica plan, as the simulator does
-        from megatron_slimpack.simulator.dag import simulate
         from megatron_slimpack.costmodel import CostModel
+        from megatron_slimpack.simulator.dag import simulate
         from megatron_slimpack.specs import get_hardware, get_model
 
         measured = {(r.rank, r.stage, r.replica, r.kind, r.unit) for r in result.timeline.compute_records()}

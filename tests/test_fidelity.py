@@ -9,7 +9,7 @@ SPEC = ModelSpec("test-small", 2, 64, 128, 4, num_query_groups=2, vocab_size=256
 @pytest.mark.slow
 def test_validate_one_small_plan(tmp_path):
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import measure_plans, compare, overall, summary_table, text_plans
+    from megatron_slimpack.fidelity import compare, measure_plans, overall, summary_table, text_plans
 
     cost = CostModel.analytic(SPEC, "cpu", dtype_bytes=4, attention_backend="torch")
     planned = text_plans(cost, strategies=["slimpack"], pp=2, context_length=256, global_batch_size=2, steps=1, seed=3)

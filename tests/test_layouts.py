@@ -6,12 +6,16 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack.plan import PlanError
+from megatron_slimpack.simulator.dag import simulate
 from megatron_slimpack.solver.layouts import (
-    NoFeasibleLayout, best_layout, cheap_rejection, enumerate_layouts, iteration_lower_bound,
+    NoFeasibleLayout,
+    best_layout,
+    cheap_rejection,
+    enumerate_layouts,
+    iteration_lower_bound,
     minimum_memory_bytes,
 )
 from megatron_slimpack.solver.strategies import get_strategy, strategy_spec, strategy_specs
-from megatron_slimpack.simulator.dag import simulate
 from megatron_slimpack.specs import ParallelConfig
 
 COST_7B = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -32,7 +36,8 @@ def test_enumeration_respects_hardware_model_and_strategy():
         assert 80 % p.pp == 0 and p.cp & (p.cp - 1) == 0
     assert {p.recompute for p in layouts} == {"none", "selective", "full"}
     assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
-    assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}  # base merge
+    # base merge
+    assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
     assert all(p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "slimpack-nomerge"))
     assert strategy_spec("megatron-hybrid-cp").constraints.reason
 
@@ -75,7 +80,8 @@ def test_lower_bound_never_exceeds_the_simulated_time():
             config = FAST.with_(strategy=strategy, context_length=context)
             plan = get_strategy(strategy)(lengths, parallel, COST_7B, config)
             time_s = simulate(plan, COST_7B, detail=False).iteration_time_s
-            assert iteration_lower_bound(strategy, lengths, COST_7B, parallel, config=config) <= time_s, (strategy, parallel)
+            assert iteration_lower_bound(strategy, lengths, COST_7B, parallel, config=config) <= time_s, (
+                strategy, parallel)
 
 
 def test_a_memory_starved_layout_gets_a_higher_bound_that_still_holds():

@@ -115,7 +115,8 @@ def test_a_small_cap_does_not_cut_a_long_document_into_thousands_of_slices():
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8, cp=2)
     rates = WorkRates.from_cost(COST, parallel, 32768)
-    work_balanced = cut_document(Sample(0, 262144), PackOptions(4096, 4096), dataclasses.replace(rates, half_tokens=0.0))
+    work_balanced = cut_document(Sample(0, 262144), PackOptions(4096, 4096),
+                                 dataclasses.replace(rates, half_tokens=0.0))
     pieces = cut_document(Sample(0, 262144), PackOptions(4096, 4096), rates)
     assert len(work_balanced) <= len(pieces) <= len(work_balanced) + PlannerTunables().extra_slices
     assert sum(p.length for p in pieces) == 262144 and max(p.length for p in pieces) <= 4096
@@ -241,7 +242,7 @@ def test_fast_slice_check_agrees_with_the_per_slice_pass(seed, kind):
 
     import numpy as np
 
-    from megatron_slimpack.plan import _SliceTable, _check_slices
+    from megatron_slimpack.plan import _check_slices, _SliceTable
 
     rng = random.Random(seed)
     plan = make_plan([rng.randint(1, 30000) for _ in range(12)], dp=2, pp=1, context=30000,
@@ -503,7 +504,8 @@ def test_forward_targets_give_the_orders_and_peaks_of_a_plain_walk(sizes, pp, le
     bounds = np.cumsum([0] + sizes)
     forward_units = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
     sequence = rng.permutation(count).tolist()
-    cuts = np.sort(rng.choice(np.arange(1, count), size=int(rng.integers(0, count)), replace=False)) if count > 1 else []
+    cuts = (np.sort(rng.choice(np.arange(1, count), size=int(rng.integers(0, count)), replace=False))
+            if count > 1 else [])
     cuts = [0, *map(int, cuts), count]
     backward_units = [sequence[a:b] for a, b in zip(cuts, cuts[1:])]
     warmups = [min(pp - stage - 1 + int(rng.integers(0, 2)), len(forward_units)) for stage in range(pp)]
@@ -622,8 +624,8 @@ def test_document_too_long_for_one_replica_goes_to_a_memory_driven_merge_group()
 def test_planner_keeps_pipelined_units_within_memory():
     """1F1B keeps pp - s forward units in flight per stage: few large units are fast on paper but
     hold many MicroPacks at once. The planner must only pick unit counts whose stage orders fit."""
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
     from megatron_slimpack.solver.memory import activation_budget
+    from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
 
     parallel = ParallelConfig(dp=2, pp=2, tp=2, recompute="selective")
     rng = np.random.default_rng(5)
@@ -723,7 +725,8 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     samples = samples_of(lengths)
     budget = activation_budget(LLAMA_13B, TIGHT_PP2)
     even = pack_micropacks(SortedSamples(samples, rates), PackOptions(cap, cap, even_costs=True), rates)
-    assert any(piece.length < lengths[piece.sample_id] for pack in even for piece in pack.slices)  # sliced to even costs
+    assert any(piece.length < lengths[piece.sample_id]
+               for pack in even for piece in pack.slices)  # sliced to even costs
     search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, TIGHT_PP2, False, [0], budget)
     assert not search.consider(even, cap) and search.best is None
     replica, outcome = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
@@ -832,7 +835,8 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
     from megatron_slimpack.solver.outcomes import DoesNotFit
     from megatron_slimpack.solver.search import SlimPackSearch
 
-    cost, parallel = ms.CostModel.analytic("llama-70b", "h100-sxm"), ParallelConfig(dp=4, pp=8, tp=4, recompute="selective")
+    cost, parallel = (ms.CostModel.analytic("llama-70b", "h100-sxm"),
+                      ParallelConfig(dp=4, pp=8, tp=4, recompute="selective"))
     config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=18432, solver_time_limit_s=60,
                                solver_deterministic_limit=0.1)
     tunables, ladder = config.tunables, SizeLadder.below_cap(18432, config)
@@ -987,7 +991,7 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
     pp2 the small MicroPacks cost the replica more than the larger group idles), so the planner
     plans both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
     from megatron_slimpack.solver.memory import auto_token_cap
-    from megatron_slimpack.solver.search import SlimPackSearch, Sizing
+    from megatron_slimpack.solver.search import Sizing, SlimPackSearch
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)
     # A deterministic CP-SAT budget: the three plannings below must see the same solver results.
@@ -997,7 +1001,8 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
     lengths = [context] + [int(x) for x in rng.lognormal(8, 1.3, 150).clip(16, short_max)]
     cap = auto_token_cap(cost, parallel, config)
     search = SlimPackSearch(lengths, parallel, cost, config)
-    sized = [search.size_groups(sizing, parallel, cap) for sizing in (Sizing.SMALLEST_GROUPS, Sizing.LARGEST_MICROPACKS)]
+    sized = [search.size_groups(sizing, parallel, cap)
+             for sizing in (Sizing.SMALLEST_GROUPS, Sizing.LARGEST_MICROPACKS)]
     assert sized[0].token_cap == cap
     assert (sized[0].group_ranks[0], sized[1].group_ranks[0]) == groups
     both = [search.plan_sizing(parallel, sizing).predicted_iteration_s for sizing in sized]

@@ -15,7 +15,7 @@ from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.plan import PlanError, Sample
 from megatron_slimpack.solver.ladder import SizeLadder
 from megatron_slimpack.solver.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
-from megatron_slimpack.solver.search import Attempt, SlimPackSearch, Sizing
+from megatron_slimpack.solver.search import Attempt, Sizing, SlimPackSearch
 from megatron_slimpack.specs import ParallelConfig
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")

@@ -23,9 +23,8 @@ def test_profile_loads_and_predicts_held_out(profiled):
     import json
 
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.profiler import measure_chunk, predict_point
+    from megatron_slimpack.profiler import measure_chunk, predict_point, transformer_config
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.profiler import transformer_config
     from megatron_slimpack.specs import ParallelConfig
 
     result, path = profiled

@@ -42,7 +42,8 @@ def relative_difference(a, b) -> float:
 def assert_same_training(run, reference, tolerance: float = RELATIVE) -> None:
     assert len(run.losses) == len(reference.losses) >= 3
     assert len(run.grad_norms) == len(reference.grad_norms)
-    loss, norm = relative_difference(run.losses, reference.losses), relative_difference(run.grad_norms, reference.grad_norms)
+    loss, norm = (relative_difference(run.losses, reference.losses),
+                  relative_difference(run.grad_norms, reference.grad_norms))
     assert loss <= tolerance and norm <= tolerance, (
         f"lm loss {run.losses} vs {reference.losses} (rel {loss:.2e}); grad norm {run.grad_norms} vs "
         f"{reference.grad_norms} (rel {norm:.2e})")
@@ -57,8 +58,8 @@ class Workspace:
         rng = np.random.default_rng(0)
         lengths = rng.integers(5, 601, size=NUM_DOCUMENTS)
         self.documents = [
-            rng.integers(0 if i < TRAIN_DOCUMENTS else TRAIN_IDS, TRAIN_IDS if i < TRAIN_DOCUMENTS else harness.VOCAB_SIZE - 1,
-                         size=int(n)).tolist()
+            rng.integers(0 if i < TRAIN_DOCUMENTS else TRAIN_IDS,
+                         TRAIN_IDS if i < TRAIN_DOCUMENTS else harness.VOCAB_SIZE - 1, size=int(n)).tolist()
             for i, n in enumerate(lengths)]
         self.prefix = harness.build_dataset(root / "data" / "documents", self.documents)
         self.runs: dict[str, harness.TrainRun] = {}
@@ -180,7 +181,8 @@ def test_low_precision_matches_fp32(workspace, precision):
 def test_the_patch_changes_nothing_without_slimpack(workspace):
     """The patched pretrain_gpt.py without --slimpack trains exactly as Megatron-LM's own."""
     runs = [harness.train(script, workspace.prefix, workspace.root / name, split=SPLIT, slimpack=False, train_iters=3)
-            for name, script in (("stock", harness.megatron_lm() / "pretrain_gpt.py"), ("patched-off", workspace.script))]
+            for name, script in (("stock", harness.megatron_lm() / "pretrain_gpt.py"),
+                                 ("patched-off", workspace.script))]
     assert runs[0].losses == runs[1].losses and runs[0].grad_norms == runs[1].grad_norms
     assert not runs[1].plans()
 
@@ -291,7 +293,8 @@ def test_strategies_the_runtime_cannot_run_are_refused():
     from megatron_slimpack.solver.strategies import strategy_names
 
     assert sorted(STRATEGY_CHOICES) == sorted(STRATEGIES)
-    args = type("Args", (), dict(slimpack=True, calculate_per_token_loss=True, slimpack_strategy="megatron-hybrid-cp"))()
+    args = type("Args", (), dict(slimpack=True, calculate_per_token_loss=True,
+                                 slimpack_strategy="megatron-hybrid-cp"))()
     refused = [name for name in strategy_names() if name not in STRATEGIES]
     assert refused, "megatron-hybrid-cp is registered for simulation and must be refused for training"
     for name in refused:

@@ -3,7 +3,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import assert_grads_close, grads_of, random_plan, random_slicing, twin_models, whole_document_step
 

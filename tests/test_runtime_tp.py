@@ -4,8 +4,16 @@ import random
 import pytest
 import torch
 
-from conftest import (assert_grads_close, grads_of, init_megatron, random_plan, random_slicing, run_multiprocess,
-                      twin_models, whole_document_step)
+from conftest import (
+    assert_grads_close,
+    grads_of,
+    init_megatron,
+    random_plan,
+    random_slicing,
+    run_multiprocess,
+    twin_models,
+    whole_document_step,
+)
 
 
 def tp_worker(rank, world_size, port, seed):

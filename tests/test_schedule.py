@@ -49,7 +49,8 @@ def make_case(seed: int, pp: int, dp: int, num_docs: int = 3, max_len: int = 24,
         ids = range(rank * num_docs, (rank + 1) * num_docs)
         lengths = {sid: rng.randint(2, max_len) for sid in ids}
         slicings = {sid: random_slicing(rng, n, max_slices) for sid, n in lengths.items()}
-        sub = random_plan(rng, slicings, num_micropacks=max(len(s) for s in slicings.values()) + rng.randint(0, extra_micropacks))
+        sub = random_plan(rng, slicings,
+                          num_micropacks=max(len(s) for s in slicings.values()) + rng.randint(0, extra_micropacks))
         replica = sub.replicas[0]
         replica.dp_ranks = [rank]
         replica.stage_orders = _stage_orders(rng, replica, pp)
@@ -191,8 +192,11 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
     if options.get("ddp"):
         import contextlib
 
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=False), chunk)
 
@@ -375,11 +379,10 @@ def test_moved_process_group_keywords_are_refused(megatron_cpu):
 
 def test_merge_groups_are_required(megatron_cpu):
     """A rank that belongs to a DP-Merge group needs the merge process groups, before anything runs."""
-    from test_dp_merge import make_case as merge_case
-
     from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+    from test_dp_merge import make_case as merge_case
 
     plan, documents = merge_case(2)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")

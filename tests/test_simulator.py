@@ -12,7 +12,13 @@ from megatron_slimpack import CostModel, ParallelConfig
 from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice, backward_sequence
 from megatron_slimpack.simulator import SimulationError, SimulationReport, score, simulate
 from megatron_slimpack.simulator.report import (
-    ComparisonRow, chrome_trace, comparison_table, csv_table, markdown_table, write_chrome_trace, write_gantt,
+    ComparisonRow,
+    chrome_trace,
+    comparison_table,
+    csv_table,
+    markdown_table,
+    write_chrome_trace,
+    write_gantt,
 )
 
 

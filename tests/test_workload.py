@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_slimpack.workload import (
-    GlobalBatchSampler,
     PRESETS,
+    GlobalBatchSampler,
     TextCorpus,
     TokenSource,
     WorkloadError,
@@ -80,7 +80,8 @@ def test_bad_specs_name_the_problem(spec, words):
 
 def test_describe_sources_lists_every_form():
     text = describe_sources()
-    for form in ("lognormal", "longtail", "commoncrawl", "github", "file:PATH", "jsonl:PATH", "megatron:PREFIX", "text"):
+    for form in ("lognormal", "longtail", "commoncrawl", "github", "file:PATH", "jsonl:PATH", "megatron:PREFIX",
+                 "text"):
         assert form in text
 
 
@@ -96,7 +97,8 @@ def test_length_file_with_trailing_blank_lines(tmp_path):
 
 @pytest.mark.parametrize(
     "content, line, shown",
-    [("5\n-2\n7\n", 2, "-2"), ("5\n7\nabc\n", 3, "abc"), ("5\n\n7\n", 2, "blank"), ("0\n", 1, "'0'"), ("4\n2.5\n", 2, "2.5")],
+    [("5\n-2\n7\n", 2, "-2"), ("5\n7\nabc\n", 3, "abc"), ("5\n\n7\n", 2, "blank"), ("0\n", 1, "'0'"),
+     ("4\n2.5\n", 2, "2.5")],
 )
 def test_malformed_length_file_names_file_and_line(tmp_path, content, line, shown):
     path = tmp_path / "bad.txt"

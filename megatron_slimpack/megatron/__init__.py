@@ -8,7 +8,11 @@
 `scripts/apply_patches.sh`. Importing this package does not import megatron.training.
 """
 from .args import (
-    SlimPackArgumentError, add_slimpack_args, slimpack_config_from_args, validate_slimpack_args, with_slimpack_args,
+    SlimPackArgumentError,
+    add_slimpack_args,
+    slimpack_config_from_args,
+    validate_slimpack_args,
+    with_slimpack_args,
 )
 
 

@@ -17,7 +17,15 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from ..config import MEGATRON, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
+from ..config import (
+    MEGATRON,
+    ConfigError,
+    MegatronIntegrationConfig,
+    SlimPackConfig,
+    add_options,
+    from_options,
+    option_name,
+)
 
 # megatron-core versions whose trainer seams (design.md section 7) hooks.py knows.
 SUPPORTED_MCORE = ((0, 16), (0, 17), (0, 18), (0, 19))

@@ -82,7 +82,7 @@ def _swap(module, name: str, replacement) -> None:
 
 
 def _original(name: str):
-    for module, attribute, original in _state.swapped:
+    for _module, attribute, original in _state.swapped:
         if attribute == name:
             return original
     raise KeyError(name)
@@ -288,7 +288,8 @@ def training_range(num_sequences: int, split: Optional[str]) -> tuple[int, int]:
     if split is None:
         return 0, num_sequences
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
     )
 
     begin, end = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]

@@ -5,13 +5,24 @@ drives it for a step (design.md section 3).
 Import `compat` and call `compat.apply()` first on a machine without a GPU.
 """
 from .attention import (
-    BACKENDS, BackendUnavailable, KVStore, SlicedDotProductAttention, SlicedSeqParams, available_backends,
-    resolve_backend, slimpack_layer_spec,
+    BACKENDS,
+    BackendUnavailable,
+    KVStore,
+    SlicedDotProductAttention,
+    SlicedSeqParams,
+    available_backends,
+    resolve_backend,
+    slimpack_layer_spec,
 )
 from .batch import InMemoryTokenSource, MicroPackBatch, TokenSource, build_batch
 from .executor import StageExecutor, UnitReport, backward_step, forward_step, global_loss_tokens, split_into_leaves
 from .schedule import (
-    ScheduleError, ScheduleGroups, ScheduleResult, check_same_plan, check_stage_orders, slimpack_forward_backward,
+    ScheduleError,
+    ScheduleGroups,
+    ScheduleResult,
+    check_same_plan,
+    check_stage_orders,
+    slimpack_forward_backward,
 )
 from .timing import SavedBytesMeter, StageMemory, TimedTask, Timeline, overlay_records, write_overlay_gantt
 

@@ -24,7 +24,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .context_parallel import cp_sliced_attention, runs_attention
 from .kernels import (  # noqa: F401  (re-exported: the runtime's public names)
-    BACKENDS, KERNELS, BackendUnavailable, available_backends, resolve_backend, segment_attention, torch_kernel,
+    BACKENDS,
+    KERNELS,
+    BackendUnavailable,
+    available_backends,
+    resolve_backend,
+    segment_attention,
+    torch_kernel,
 )
 from .kv_store import KVStore, stored_and_prefixed  # noqa: F401
 from .seq_params import PositionRuns, SlicedSeqParams
@@ -47,10 +53,14 @@ class SlicedAttentionMixin:
             return self._sliced(query, key, value, packed_seq_params)
         if packed_seq_params is not None:  # stock THD packing: whole sequences, causal
             cu = packed_seq_params.cu_seqlens_q
-            return self._attend(query, key, value, cu, cu, packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_q)
+            return self._attend(query, key, value, cu, cu, packed_seq_params.max_seqlen_q,
+                                packed_seq_params.max_seqlen_q)
         # sbhd [s, b, h, d]: every batch row is one causal sequence (the mask is assumed causal)
         s, b = query.shape[:2]
-        to_thd = lambda x: x.transpose(0, 1).reshape(b * s, *x.shape[2:])  # noqa: E731
+
+        def to_thd(x):
+            return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
+
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu, cu, s, s)
         return out.view(b, s, -1).transpose(0, 1).contiguous()
@@ -83,8 +93,9 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise NotImplementedError("sliced attention runs with context_parallel_size=1: SlimPack replaces Megatron's "
-                                      "context parallelism with slicing and DP-Merge groups (runtime/merge.py)")
+            raise NotImplementedError("sliced attention runs with context_parallel_size=1: SlimPack replaces "
+                                      "Megatron's context parallelism with slicing and DP-Merge groups "
+                                      "(runtime/merge.py)")
         self.layer_number = max(1, layer_number)
         self.kernel = KERNELS[backend]
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5

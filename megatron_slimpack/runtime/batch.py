@@ -87,7 +87,10 @@ def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | N
         keeps_kv=keeps_kv, kv_store=kv_store,
         cu_seqlens_attn_kv=cu_seqlens(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
     )
-    as_row = lambda parts, dtype: torch.cat(parts).to(device=device, dtype=dtype).unsqueeze(0)  # noqa: E731
+
+    def as_row(parts, dtype):
+        return torch.cat(parts).to(device=device, dtype=dtype).unsqueeze(0)
+
     return MicroPackBatch(
         tokens=as_row(tokens, torch.long), labels=as_row(labels, torch.long),
         loss_mask=as_row(loss_mask, torch.float32), position_ids=as_row(positions, torch.long),

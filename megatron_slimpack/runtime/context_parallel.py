@@ -7,8 +7,9 @@ attention layer the K/V of the MicroPack's slices are all-gathered within the gr
 Token split (`split_slice`), balanced for causal cost
 -----------------------------------------------------
 A slice of n >= 2k tokens is cut into 2k contiguous chunks of (almost) equal size (the n mod 2k
-leftover tokens go one per rank); group rank i takes chunks i and 2k-1-i ("zigzag", as in Megatron/TE's load-balanced CP). A query at position
-p attends p+1 keys (prefix included), so the cost of a chunk grows linearly with its position;
+leftover tokens go one per rank); group rank i takes chunks i and 2k-1-i ("zigzag", as in
+Megatron/TE's load-balanced CP). A query at position p attends p+1 keys (prefix included), so
+the cost of a chunk grows linearly with its position;
 pairing the i-th chunk from the front with the i-th from the back gives every rank the same
 query count and (up to the +-1 token of uneven chunk sizes) the same number of attention pairs.
 The prefix [0, start) adds the same per-query cost on every rank, so it does not unbalance.
@@ -158,7 +159,10 @@ def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size:
         cu_seqlens_attn_kv=fp.cu_seqlens_attn_kv.to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
         token_positions=layout.local_positions, cp=layout,
     )
-    pick = lambda row: row[:, local].to(device)  # noqa: E731
+
+    def pick(row):
+        return row[:, local].to(device)
+
     return MicroPackBatch(tokens=pick(full.tokens), labels=pick(full.labels), loss_mask=pick(full.loss_mask),
                           position_ids=pick(full.position_ids), packed_seq_params=params)
 

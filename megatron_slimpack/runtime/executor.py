@@ -49,8 +49,8 @@ from torch import Tensor
 
 from ..plan import Plan, ReplicaPlan
 from . import p2p
-from .kv_store import KVStore
 from .batch import MicroPackBatch
+from .kv_store import KVStore
 
 
 # ---- per-MicroPack steps -------------------------------------------------------------------
@@ -73,7 +73,8 @@ def forward_step(model, batch: MicroPackBatch, input_tensor: Optional[Tensor] = 
     return output
 
 
-def backward_step(output: Tensor, output_grad: Tensor | float, input_tensor: Optional[Tensor] = None) -> Optional[Tensor]:
+def backward_step(output: Tensor, output_grad: Tensor | float,
+                  input_tensor: Optional[Tensor] = None) -> Optional[Tensor]:
     """Backward of one MicroPack; returns the gradient for the previous stage (or None)."""
     if not isinstance(output_grad, Tensor):
         output_grad = torch.tensor(output_grad, dtype=output.dtype, device=output.device)
@@ -233,8 +234,10 @@ class StageExecutor:
         def members_of(kind: str, unit: int) -> list[int]:
             return (replica.forward_units if kind == "F" else replica.backward_units)[unit]
 
+        def tokens_of(transfer) -> int:
+            return sum(counts[mp] for mp in members_of(transfer.kind, transfer.unit))
+
         calls = {call.before: call for call in p2p.stage_program(stage_tasks, self.pp_rank)}
-        tokens_of = lambda transfer: sum(counts[mp] for mp in members_of(transfer.kind, transfer.unit))  # noqa: E731
         if self.timeline is not None:
             self.timeline.replica = replica_index
         held = _HeldTensors()
@@ -263,7 +266,8 @@ class StageExecutor:
                     time.perf_counter() - began, loss_sum, detail))
             self._post(calls.get(len(tasks)), tokens_of)
         if not self.forward_only and held.outputs:
-            raise RuntimeError(f"after the step {len(held.outputs)} MicroPack outputs remain: some backward did not run")
+            raise RuntimeError(f"after the step {len(held.outputs)} MicroPack outputs remain: "
+                               "some backward did not run")
         self.live_bytes.clear()
         return reports
 

@@ -20,7 +20,8 @@ from torch import Tensor
 
 BACKENDS = ("te", "flash", "torch")  # fastest first
 _PACKAGE_OF = {"te": "transformer_engine", "flash": "flash_attn"}
-_INSTALL_HINT = {"te": "pip install transformer-engine[pytorch]", "flash": "pip install flash-attn --no-build-isolation"}
+_INSTALL_HINT = {"te": "pip install transformer-engine[pytorch]",
+                 "flash": "pip install flash-attn --no-build-isolation"}
 
 Kernel = Callable[..., Tensor]
 

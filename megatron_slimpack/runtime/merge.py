@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..plan import Plan, ReplicaPlan
-from .kv_store import KVStore
 from .context_parallel import build_cp_batch
+from .kv_store import KVStore
 
 
 def merge_layouts(dp: int) -> list[tuple[int, ...]]:

@@ -164,7 +164,8 @@ def find_deadlock(programs: Sequence[Sequence[P2PCall]]) -> str:
         for stage, program in enumerate(programs):
             while position[stage] < len(program):
                 call = program[position[stage]]
-                if not (all(t in posted_receives for t in call.sends) and all(t in posted_sends for t in call.receives)):
+                if not (all(t in posted_receives for t in call.sends)
+                        and all(t in posted_sends for t in call.receives)):
                     break
                 position[stage] += 1
                 post(stage)

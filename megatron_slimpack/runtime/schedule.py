@@ -62,9 +62,9 @@ from torch import Tensor
 
 from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed
 from . import p2p
-from .kv_store import KVStore
 from .batch import TokenSource, build_batch
 from .executor import StageExecutor, global_loss_tokens, megatron_config
+from .kv_store import KVStore
 from .merge import member_batches
 
 

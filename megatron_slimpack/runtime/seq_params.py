@@ -90,7 +90,10 @@ class PositionRuns:
         offsets = np.concatenate([[0], np.cumsum(keys)])
         key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
         device = q_positions.device
-        to = lambda a: torch.as_tensor(a, dtype=torch.int32, device=device)  # noqa: E731
+
+        def to(a):
+            return torch.as_tensor(a, dtype=torch.int32, device=device)
+
         return cls(to(np.concatenate([first, [len(positions)]])), to(offsets),
                    torch.as_tensor(key_index, dtype=torch.long, device=device),
                    int((last - first + 1).max(initial=0)), int(keys.max(initial=0)))

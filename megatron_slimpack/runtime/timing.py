@@ -118,7 +118,8 @@ class Timeline:
         return time.perf_counter() - self.origin
 
     def record(self, kind: str, unit: int, start: float, end: float, detail: str = "") -> None:
-        self.records.append(TimedTask(self.rank, self.stage, self.replica, kind, unit, start, end, detail, self.tp_rank))
+        self.records.append(TimedTask(self.rank, self.stage, self.replica, kind, unit, start, end, detail,
+                                      self.tp_rank))
 
     def gather(self) -> None:
         """Collect all ranks' records (and memory) on the group's first rank."""
@@ -170,14 +171,16 @@ class Timeline:
         return path
 
 
-def overlay_records(measured, simulated, *, measured_label: str = "measured", simulated_label: str = "simulated") -> list[dict]:
+def overlay_records(measured, simulated, *, measured_label: str = "measured",
+                    simulated_label: str = "simulated") -> list[dict]:
     """Measured and simulated records in one list for a single Chrome trace / Gantt chart: measured
     devices keep their ranks, simulated ones are shifted to ranks after them (and named)."""
     measured = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in measured]
     simulated = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in simulated]
     shift = 1 + max((int(r["rank"]) for r in measured), default=-1)
     out = [{**r, "name": f"{measured_label} {r['kind']}{r['unit'] if r['unit'] >= 0 else ''}"} for r in measured]
-    out += [{**r, "rank": int(r["rank"]) + shift, "name": f"{simulated_label} {r['kind']}{r['unit'] if r['unit'] >= 0 else ''}"}
+    out += [{**r, "rank": int(r["rank"]) + shift,
+             "name": f"{simulated_label} {r['kind']}{r['unit'] if r['unit'] >= 0 else ''}"}
             for r in simulated]
     return out
 

@@ -332,7 +332,8 @@ class _Graph:
 
     def task(self, replica: int, stage: int, backward: bool, unit: int) -> int:
         rc = self.replicas[replica]
-        return self.offset[replica] + stage * (rc.num_forward + rc.num_backward) + (rc.num_forward if backward else 0) + unit
+        return (self.offset[replica] + stage * (rc.num_forward + rc.num_backward)
+                + (rc.num_forward if backward else 0) + unit)
 
     def _programs(self) -> list[list[int]]:
         position = {id(r): i for i, r in enumerate(self.plan.replicas)}
@@ -540,7 +541,8 @@ def _bucket_count(cost, plan: Plan) -> int:
     return max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * plan.parallel.dp)))
 
 
-def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool, dp_buckets: int | None) -> SimulationReport:
+def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
+            dp_buckets: int | None) -> SimulationReport:
     parallel, pp, dp = plan.parallel, graph.pp, graph.dp
     start, end, duration = schedule.start, schedule.end, graph.duration
     seconds = np.asarray(duration)
@@ -620,7 +622,8 @@ def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRec
         ranks = graph.replicas[replica].ranks
         detail = f"merge group {ranks}" if len(ranks) > 1 else ""
         for rank in ranks:
-            records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task], detail))
+            records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task],
+                                      detail))
     for task, began, finished in schedule.transfers:
         replica, stage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
         detail = f"B {stage}->{stage - 1}" if graph.is_backward[task] else f"F {stage}->{stage + 1}"
@@ -641,13 +644,14 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
     start, end = np.asarray(schedule.start), np.asarray(schedule.end)
     for rc in graph.replicas:
         effective, tokens, pairs, kv_tokens = rc.parallel, rc.tokens, rc.pairs, rc.kv_tokens
-        kv = _per_item(lambda t: cost.kv_cache_bytes(t, effective), kv_tokens) * (kv_tokens > 0)
-        recompute = _per_item(lambda t, a: cost.recompute_peak_bytes(t, a, effective), tokens, pairs)
+        kv = _per_item(lambda t, effective=effective: cost.kv_cache_bytes(t, effective), kv_tokens) * (kv_tokens > 0)
+        recompute = _per_item(lambda t, a, effective=effective: cost.recompute_peak_bytes(t, a, effective),
+                              tokens, pairs)
         recompute_unit = np.zeros(rc.num_backward)
         np.maximum.at(recompute_unit, rc.backward_unit_of, recompute)
         held, offsets = {}, {}
         for last in {stage == pp - 1 for stage in range(pp)}:
-            activation = _per_item(lambda t, a, prefix, masked: cost.activation_bytes(
+            activation = _per_item(lambda t, a, prefix, masked, effective=effective, last=last: cost.activation_bytes(
                 t, a, effective, last_stage=last, prefix_tokens=prefix, masked_entries=masked),
                 tokens, pairs, rc.prefix_tokens, rc.masked_entries)
             held[last] = activation + kv

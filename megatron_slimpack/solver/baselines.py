@@ -1,10 +1,11 @@
 """Baselines: the peers SlimPack is compared against, in the same framework.
 
-Every baseline is a strategy in the registry (`registry.py`, with its `StrategySpec` facts): it turns one global batch of
-document lengths into a `Plan` that `Plan.validate()` accepts, priced by the same cost model and
-timed by the same simulator as SlimPack, so a comparison is a comparison of schedules only. The
-building blocks are the planner's own (`stage_orders`, `cut_document`, `WorkRates`); what
-differs is how documents become micro-batches and where the micro-batches run.
+Every baseline is a strategy in the registry (`registry.py`, with its `StrategySpec` facts): it
+turns one global batch of document lengths into a `Plan` that `Plan.validate()` accepts, priced
+by the same cost model and timed by the same simulator as SlimPack, so a comparison is a
+comparison of schedules only. The building blocks are the planner's own (`stage_orders`,
+`cut_document`, `WorkRates`); what differs is how documents become micro-batches and where the
+micro-batches run.
 
 Registered names and what each reproduces (details in each function's docstring):
 
@@ -32,8 +33,19 @@ import numpy as np
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import (MicroPack, Plan, PlanError, ReplicaPlan, Sample, SampleSource, Slice, backward_sequence,
-                    check_sources, overlapping_documents, samples_of)
+from ..plan import (
+    MicroPack,
+    Plan,
+    PlanError,
+    ReplicaPlan,
+    Sample,
+    SampleSource,
+    Slice,
+    backward_sequence,
+    check_sources,
+    overlapping_documents,
+    samples_of,
+)
 from ..specs import ParallelConfig
 from .orders import stage_orders
 from .outcomes import DoesNotFit

@@ -17,10 +17,11 @@ Search, cheapest checks first:
    of the batch on the layout, packed perfectly, spread over dp ranks): plan and simulate; a
    PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
    layout whose bound is already above the best screened time is not planned (branch and
-   bound; stateful strategies (`StrategySpec.stateful`), whose step may hold other documents than the batch, are screened
-   without the bound). Recompute modes cascade: selective is tried only where none does not
-   fit, full only where selective does not, since recompute only adds time (not for strategies
-   that size their work to memory, `StrategySpec.sizes_to_memory`: more memory can buy larger MicroPacks).
+   bound; stateful strategies (`StrategySpec.stateful`), whose step may hold other documents
+   than the batch, are screened without the bound). Recompute modes cascade: selective is tried
+   only where none does not fit, full only where selective does not, since recompute only adds
+   time (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
+   more memory can buy larger MicroPacks).
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
@@ -42,7 +43,6 @@ from .outcomes import DoesNotFit
 from .registry import LayoutConstraints, StepPlanner, StrategySpec
 from .strategies import check_plan_input, cyclic_gc_paused, new_planner, strategy_spec
 from .work import causal_pairs
-
 
 # ==== results ===================================================================================
 
@@ -225,7 +225,8 @@ def largest_pack_tokens(strategy: str, cost: CostModel, parallel: ParallelConfig
     only lower that. Given its `config` (the context length, any cap set), SlimPack also never
     exceeds its own MicroPack cap (`_largest_micropack`)."""
     room = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
-    per_token = cost.activation_bytes(1.0, 1.0, parallel, last_stage=True) + cost.recompute_peak_bytes(1.0, 1.0, parallel)
+    per_token = (cost.activation_bytes(1.0, 1.0, parallel, last_stage=True)
+                 + cost.recompute_peak_bytes(1.0, 1.0, parallel))
     largest = max(room, 0.0) / per_token
     if strategy_spec(strategy).sizes_to_memory and config is not None:
         largest = min(largest, _largest_micropack(cost, parallel, config))
@@ -488,6 +489,6 @@ def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> s
 
 __all__ = [
     "LayoutConstraints", "Rejection", "LayoutEvaluation", "LayoutResult",
-    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens", "iteration_lower_bound", "cheap_rejection",
-    "best_layout",
+    "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens",
+    "iteration_lower_bound", "cheap_rejection", "best_layout",
 ]

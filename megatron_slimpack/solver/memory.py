@@ -51,8 +51,9 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
         total = cost.static_memory_bytes(parallel) + need(cap)
         raise DoesNotFit(
             f"memory: weights, optimizer state and {parallel.pp} MicroPacks of {cap} tokens need at least "
-            f"{format_bytes(total)} per device with {parallel.describe()} but {format_bytes(cost.memory_budget_bytes())} "
-            f"is usable on {cost.hardware.name}; use activation recompute, more tensor or pipeline parallelism, "
+            f"{format_bytes(total)} per device with {parallel.describe()} but "
+            f"{format_bytes(cost.memory_budget_bytes())} is usable on {cost.hardware.name}; "
+            f"use activation recompute, more tensor or pipeline parallelism, "
             f"or a shorter context",
             bytes_needed=total, bytes_available=cost.memory_budget_bytes())
     step = max(cap // 8, 1)
@@ -62,7 +63,8 @@ def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackCo
     return min(grown, config.context_length)
 
 
-def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig, token_cap: int | None = None) -> float:
+def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig,
+                          token_cap: int | None = None) -> float:
     """Per-device memory of one document whose slices are all in flight, as its backward needs.
 
     Without `token_cap` this is a lower bound (the document alone, in one MicroPack). With it, the
@@ -76,8 +78,8 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
         in_flight = -(-length // token_cap) * token_cap
         kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
         other_pack_tokens = token_cap
-    return (cost.static_memory_bytes(parallel) + fullest_stage_bytes(cost, parallel, in_flight, pairs, other_pack_tokens)
-            + kv)
+    return (cost.static_memory_bytes(parallel)
+            + fullest_stage_bytes(cost, parallel, in_flight, pairs, other_pack_tokens) + kv)
 
 
 def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelConfig, micropack_tokens: list[int],
@@ -107,7 +109,8 @@ def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelCon
                 f"memory: a {length}-token document needs at least {format_bytes(need(length, 1))} per device with "
                 f"{parallel.describe()} but {format_bytes(budget)} is usable on {cost.hardware.name}"
                 f"{'' if dp_merge else ' (DP-Merge is off)'}; use activation recompute (recompute='full'), "
-                f"more tensor or pipeline parallelism, {'DP-Merge, ' if not dp_merge else 'more data-parallel replicas, '}"
+                f"more tensor or pipeline parallelism, "
+                f"{'DP-Merge, ' if not dp_merge else 'more data-parallel replicas, '}"
                 f"or a shorter context",
                 sample_ids=[int(index)], bytes_needed=need(length, 1), bytes_available=budget)
         group_ranks[index] = ranks

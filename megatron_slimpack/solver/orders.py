@@ -111,7 +111,8 @@ def warmup_counts(work: StageWork, pp: int) -> list[int]:
         classic = min(pp - stage - 1, len(sizes))
         used = sum(sizes[: classic + 1])
         extra = 0
-        while classic + extra + 1 < len(sizes) and extra < 1 and used + sizes[classic + extra + 1] <= work.budget[stage]:
+        while (classic + extra + 1 < len(sizes) and extra < 1
+               and used + sizes[classic + extra + 1] <= work.budget[stage]):
             used += sizes[classic + extra + 1]
             extra += 1
         counts.append(classic + extra)

@@ -42,7 +42,8 @@ class PackOptions:
     tunables: PlannerTunables = PlannerTunables()
 
 
-def cut_document(sample: Sample, options: PackOptions, rates: WorkRates, slice_cost: float | None = None) -> list[Slice]:
+def cut_document(sample: Sample, options: PackOptions, rates: WorkRates,
+                 slice_cost: float | None = None) -> list[Slice]:
     """Cut a document into slices of equal cost, none longer than the token cap and, with
     `slice_cost`, none costing more than it (seconds at a cap-full MicroPack's efficiency).
 
@@ -157,7 +158,8 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     # seconds than its work says. Costs are compared at a cap-full MicroPack's efficiency.
     scale = _at_cap_efficiency(np.array([p.length for p in pieces], dtype=float), rates, options.token_cap)
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
-    target = max((slice_costs * scale).tolist() + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
+    target = max((slice_costs * scale).tolist()
+                 + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
 
     # The smallest documents are the sand that tops up each slice's MicroPack to the target cost:
     # each takes the longest run of the smallest remaining documents that fits its room (costs are
@@ -251,8 +253,8 @@ class MicroPackCosts:
         activation = rows(cost.activation_bytes, prefix_tokens=figures.prefix, masked_entries=figures.masked)
         held = activation + cost.kv_cache_bytes(figures.continued, parallel)
         recompute = cost.recompute_peak_bytes(tokens, pairs, parallel) * np.ones_like(tokens)
-        return cls(rows(cost.forward_time), rows(cost.backward_time), held, tokens, backward_sequence(micropacks, table),
-                   float(recompute.max(initial=0.0)))
+        return cls(rows(cost.forward_time), rows(cost.backward_time), held, tokens,
+                   backward_sequence(micropacks, table), float(recompute.max(initial=0.0)))
 
     def busiest_stage_s(self, pp: int) -> float:
         """Forward plus backward seconds of the busiest stage: no schedule of these MicroPacks

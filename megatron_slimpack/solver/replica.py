@@ -67,7 +67,8 @@ class ReplicaSearch:
     def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
                  symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables()):
         self.ordered, self.rates, self.tunables = ordered, rates, tunables
-        self.cost, self.parallel, self.symmetric, self.dp_ranks, self.budget = cost, parallel, symmetric, dp_ranks, budget
+        self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
+        self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
         self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack tokens) of the smallest need seen
 
@@ -118,8 +119,9 @@ class ReplicaSearch:
         costs = MicroPackCosts.of(micropacks, self.cost, self.parallel)
         if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best_makespan_s:
             return True
-        candidates = [(UnitCandidate.of(micropacks, costs, units, self.symmetric, self.cost, self.parallel, self.budget),
-                       units) for units in unit_candidates(self.parallel.pp, len(micropacks))]
+        candidates = [(UnitCandidate.of(micropacks, costs, units, self.symmetric, self.cost, self.parallel,
+                                        self.budget), units)
+                      for units in unit_candidates(self.parallel.pp, len(micropacks))]
         candidates.sort(key=lambda entry: entry[0].estimate_s)
         replayed = 0
         for candidate, units in candidates:

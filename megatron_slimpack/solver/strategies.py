@@ -17,13 +17,23 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel
 from ..plan import Plan, PlanError, check_sources
 from ..specs import ParallelConfig
+
 # SlimPack's memory rules and search live in their own modules; these names stay importable here.
 from .memory import activation_budget, auto_token_cap, document_memory_bytes  # noqa: F401
 from .outcomes import DoesNotFit  # noqa: F401
-from .registry import (REGISTRY, ROLES, LayoutConstraints, Sources, StepPlanner, Strategy, StrategySpec,  # noqa: F401
-                       register, register_stateful, with_input_sources)
+from .registry import (  # noqa: F401
+    REGISTRY,
+    ROLES,
+    LayoutConstraints,
+    Sources,
+    StepPlanner,
+    Strategy,
+    StrategySpec,
+    register,
+    register_stateful,
+    with_input_sources,
+)
 from .search import SlimPackSearch, shared_by_groups  # noqa: F401
-
 
 # ---- SlimPack -------------------------------------------------------------------------------
 
@@ -66,7 +76,6 @@ def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
 
 # Every other registering module (it imports `registry`, never this module).
 from . import baselines  # noqa: E402,F401
-
 
 # ---- the complete registry ---------------------------------------------------------------------
 

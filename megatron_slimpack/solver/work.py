@@ -63,7 +63,8 @@ class WorkRates:
         size (scalars or arrays; 1 where the rates carry no efficiency curve)."""
         if not self.half_tokens:
             return 1.0 + 0.0 * tokens
-        return ((tokens + self.half_tokens) / tokens) / ((self.reference_tokens + self.half_tokens) / self.reference_tokens)
+        return (((tokens + self.half_tokens) / tokens)
+                / ((self.reference_tokens + self.half_tokens) / self.reference_tokens))
 
     def document(self, length: int) -> float:
         """Forward + backward seconds of a whole document run alone."""

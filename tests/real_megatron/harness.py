@@ -166,7 +166,8 @@ def train(script: Path, data_prefix: Path, directory: Path, *, nproc: int = 1, e
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
                                 cwd=directory)
     except subprocess.TimeoutExpired as error:
-        raise HarnessError(f"the trainer did not finish in {timeout_s} s:\n{_tail(error.stdout)}{_tail(error.stderr)}")
+        raise HarnessError(
+            f"the trainer did not finish in {timeout_s} s:\n{_tail(error.stdout)}{_tail(error.stderr)}") from error
     log = result.stdout + result.stderr
     (directory / "log.txt").write_text(log)
     if result.returncode != 0:
