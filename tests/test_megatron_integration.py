@@ -4,7 +4,6 @@ patches with scripts/apply_patches.sh."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,9 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--fp8-format", dest="fp8", default=None)
+    parser.add_argument("--qk-clip", action="store_true")
+    parser.add_argument("--log-max-attention-logit", action="store_true")
     return parser
 
 
@@ -59,7 +61,8 @@ def test_flags_parse_with_defaults():
     args.slimpack_dp_merge = True
     validate_slimpack_args(args)
     config = slimpack_config_from_args(args)
-    assert (config.strategy, config.context_length, config.dp_merge, config.slice_tokens) == ("slimpack-sym", 4096, True, 2048)
+    assert (config.strategy, config.context_length, config.dp_merge, config.slice_tokens) == (
+        "slimpack-sym", 4096, True, 2048)
     assert config.base_merge == 2 and slimpack_config_from_args(parse()).base_merge == 1
     assert config.solver_deterministic_limit == 0.25 and parse().slimpack_solver_deterministic_limit is None
 
@@ -92,9 +95,15 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--tensor-model-parallel-size", "2", "--sequence-parallel"), "--sequence-parallel"),
     # The configs' own checks (`__post_init__`), named by flag:
     (("--calculate-per-token-loss", "--slimpack-base-merge", "0"), "--slimpack-base-merge must be a power of two"),
-    (("--calculate-per-token-loss", "--slimpack-slice-tokens", "8192"), "--slimpack-slice-tokens 8192 exceeds --seq-length"),
+    (("--calculate-per-token-loss", "--slimpack-slice-tokens", "8192"),
+     "--slimpack-slice-tokens 8192 exceeds --seq-length"),
     (("--calculate-per-token-loss", "--slimpack-solver-time-limit", "0"), "--slimpack-solver-time-limit must be > 0"),
-    (("--calculate-per-token-loss", "--slimpack-hardware", "tpu"), "--slimpack-hardware 'tpu' is not a hardware preset"),
+    (("--calculate-per-token-loss", "--slimpack-hardware", "tpu"),
+     "--slimpack-hardware 'tpu' is not a hardware preset"),
+    # Megatron features the sliced runtime cannot serve (issue 22):
+    (("--calculate-per-token-loss", "--fp8-format", "hybrid"), "--fp8-format"),
+    (("--calculate-per-token-loss", "--qk-clip"), "--qk-clip"),
+    (("--calculate-per-token-loss", "--log-max-attention-logit"), "--log-max-attention-logit"),
     (("--calculate-per-token-loss", "--seq-length", "0"), "--seq-length must be a positive integer"),
 ])
 def test_validation_errors_name_the_flag(argv, message):
@@ -139,8 +148,7 @@ def real_megatron_training(monkeypatch):
 
     monkeypatch.syspath_prepend(str(harness.megatron_lm()))
     import gpt_builders
-    from megatron.training import global_vars
-    from megatron.training import training
+    from megatron.training import global_vars, training
 
     originals = {name: getattr(training, name) for name in
                  ("get_forward_backward_func", "build_train_valid_test_data_iterators", "get_model_config")}
@@ -454,7 +462,8 @@ def test_seams_exist_in_a_real_megatron_lm_checkout():
             names.add(node.name)
     assert set(TRAINING_SEAMS) <= names
     builders = ast.parse((Path(root) / "gpt_builders.py").read_text())
-    assert "GPTModel" in {a.asname or a.name for n in ast.walk(builders) if isinstance(n, ast.ImportFrom) for a in n.names}
+    imported = {a.asname or a.name for n in ast.walk(builders) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "GPTModel" in imported
 
 
 def _merge_groups_worker(rank, world_size, port):
