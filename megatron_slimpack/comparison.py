@@ -9,7 +9,7 @@ from pathlib import Path
 from .config import SlimPackConfig
 from .costmodel import CostModel
 from .plan import PlanError
-from .simulator import simulate
+from .simulator import per_batch_report, simulate
 from .simulator.report import ComparisonRow, comparison_table, write_gantt
 from .solver.layouts import LayoutResult, NoFeasibleLayout, best_layout
 from .solver.strategies import strategy_names, strategy_spec
@@ -27,7 +27,7 @@ class ComparisonResult:
         reference = self.results.get(REFERENCE)
         rows = []
         for name, result in self.results.items():
-            report = _mean_report(result)
+            report = per_batch_report(result.reports, result.best.num_batches)
             planning = [p.metadata.get("planning_time_s") for p in result.plans if p.metadata.get("planning_time_s")]
             rows.append(ComparisonRow(
                 strategy=name, layout=result.parallel.describe(), report=report,
@@ -53,18 +53,6 @@ class ComparisonResult:
             "layouts": {name: result.to_dict() for name, result in self.results.items()},
             "failures": self.failures,
         }
-
-
-def _mean_report(result: LayoutResult):
-    """The step whose time is closest to the mean stands for the strategy; the iteration time
-    shown is the mean over all steps (delayed documents of stateful strategies included)."""
-    reports = result.reports
-    mean = result.mean_iteration_time_s
-    closest = min(reports, key=lambda r: abs(r.iteration_time_s - mean))
-    tokens = sum(r.num_tokens for r in reports)
-    closest.tokens_per_s = tokens / (mean * result.best.num_batches) if mean > 0 else 0.0
-    closest.iteration_time_s = mean
-    return closest
 
 
 def resolve_strategies(text: str) -> list[str]:

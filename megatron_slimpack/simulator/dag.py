@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -123,6 +123,48 @@ class SimulationReport:
         values["memory_timeline"] = [MemoryTimeline.from_dict(m) for m in data.get("memory_timeline", [])]
         values["tasks"] = [TaskRecord(**t) for t in data.get("tasks", [])]
         return cls(**values)
+
+
+def per_batch_report(reports: list[SimulationReport], num_batches: int) -> SimulationReport:
+    """Several steps of one layout as one report per global batch: times, bounds and busy/idle
+    seconds summed and divided by `num_batches` (a stateful strategy's final flush is an extra
+    report, counted in, not an extra batch); MFU, bubble and imbalances weighted by time; peak
+    memory the largest. Each figure is of the same steps, so the time never beats the bound."""
+    if not reports or num_batches < 1:
+        raise ValueError("per_batch_report needs at least one report and one batch")
+    times = np.array([r.iteration_time_s for r in reports])
+    total = float(times.sum())
+
+    def per_batch(values) -> float:
+        return float(np.sum(values)) / num_batches
+
+    def time_weighted(values) -> float:
+        return float(np.dot(values, times) / total) if total > 0 else float(np.mean(values))
+
+    def per_batch_lists(name: str) -> list:
+        return (np.sum([getattr(r, name) for r in reports], axis=0) / num_batches).tolist()
+
+    return replace(
+        reports[0],
+        num_tokens=round(per_batch([r.num_tokens for r in reports])),
+        iteration_time_s=total / num_batches,
+        tokens_per_s=sum(r.num_tokens for r in reports) / total if total > 0 else 0.0,
+        mfu=time_weighted([r.mfu for r in reports]),
+        stage_busy_s=per_batch_lists("stage_busy_s"), stage_idle_s=per_batch_lists("stage_idle_s"),
+        device_busy_s=per_batch_lists("device_busy_s"),
+        bubble_ratio=time_weighted([r.bubble_ratio for r in reports]),
+        dp_imbalance=time_weighted([r.dp_imbalance for r in reports]),
+        pp_imbalance=time_weighted([r.pp_imbalance for r in reports]),
+        peak_memory_bytes=np.max([r.peak_memory_bytes for r in reports], axis=0).tolist(),
+        fits_memory=all(r.fits_memory for r in reports),
+        dp_reduce_time_s=per_batch([r.dp_reduce_time_s for r in reports]),
+        dp_reduce_overlap_s=per_batch_lists("dp_reduce_overlap_s"),
+        dp_reduce_exposed_s=per_batch_lists("dp_reduce_exposed_s"),
+        work_bound_s=per_batch([r.work_bound_s for r in reports]),
+        critical_path_s=per_batch([r.critical_path_s for r in reports]),
+        lower_bound_s=per_batch([r.lower_bound_s for r in reports]),
+        memory_timeline=[], tasks=[],
+    )
 
 
 def simulate(plan: Plan, cost, *, detail: bool = True, dp_buckets: int | None = None) -> SimulationReport:

@@ -1,0 +1,64 @@
+"""`slimpack compare` rows: one figure per batch, consistent with `plan` + `simulate` (issue 25:
+a row showed the mean time of all steps beside one step's MFU and lower bound, and beat it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import megatron_slimpack as ms
+from megatron_slimpack.comparison import run_comparison
+from megatron_slimpack.simulator import per_batch_report, simulate
+
+COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
+CONTEXT = 32768
+CONFIG = ms.SlimPackConfig(context_length=CONTEXT, solver_time_limit_s=60.0, solver_deterministic_limit=0.2)
+
+
+def batches(count: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [[int(x) for x in np.clip(rng.lognormal(8.0, 1.6, 120), 1, CONTEXT)] for _ in range(count)]
+
+
+def compare(steps: int, strategies: str):
+    return run_comparison(workload="given", model="llama-7b", hardware="h100-sxm", cost=COST, gpus=8,
+                          global_batch_size=120, strategies=strategies, config=CONFIG, show_progress=False,
+                          batches=batches(steps))
+
+
+@pytest.mark.parametrize("strategy", ["slimpack", "wlb-llm"])
+def test_a_row_is_every_step_together_and_never_beats_its_bound(strategy):
+    result = compare(3, strategy)
+    steps = result.results[strategy].reports  # wlb-llm: three batches and the final flush
+    times = [r.iteration_time_s for r in steps]
+    for row in result.rows():
+        report = row.report
+        assert report.iteration_time_s == pytest.approx(sum(times) / 3)
+        assert report.lower_bound_s == pytest.approx(sum(r.lower_bound_s for r in steps) / 3)
+        assert report.mfu == pytest.approx(sum(r.mfu * t for r, t in zip(steps, times)) / sum(times))
+        assert report.iteration_time_s >= report.lower_bound_s * (1 - 1e-12)
+
+
+def test_one_batch_compare_equals_plan_and_simulate_of_its_layout():
+    result = compare(1, "slimpack")
+    row = result.rows()[0]
+    layout = result.results["slimpack"]
+    plan = ms.plan(batches(1)[0], parallel=layout.parallel, cost=COST, config=CONFIG)
+    report = ms.simulate(plan, COST)
+    assert row.report.iteration_time_s == pytest.approx(report.iteration_time_s, rel=1e-12)
+    assert row.report.mfu == pytest.approx(report.mfu, rel=1e-12)
+    assert row.report.lower_bound_s == pytest.approx(report.lower_bound_s, rel=1e-12)
+
+
+def test_per_batch_report_is_the_steps_together():
+    plans = [ms.plan(lengths, parallel=ms.ParallelConfig(dp=2, pp=2, tp=2), cost=COST, config=CONFIG)
+             for lengths in batches(3)]
+    reports = [simulate(plan, COST, detail=False) for plan in plans]
+    combined = per_batch_report(reports, 3)
+    times = [r.iteration_time_s for r in reports]
+    assert combined.iteration_time_s == pytest.approx(sum(times) / 3)
+    assert combined.lower_bound_s == pytest.approx(sum(r.lower_bound_s for r in reports) / 3)
+    assert combined.mfu == pytest.approx(sum(r.mfu * t for r, t in zip(reports, times)) / sum(times))
+    assert combined.peak_memory_bytes == [max(r.peak_memory_bytes[s] for r in reports) for s in range(2)]
+    assert min(r.mfu for r in reports) <= combined.mfu <= max(r.mfu for r in reports)
+    with pytest.raises(ValueError):
+        per_batch_report([], 1)
