@@ -28,6 +28,29 @@ def add_cost_options(parser: argparse.ArgumentParser, *, model: str = "llama-7b"
     add_options(parser, MegatronIntegrationConfig, CLI, only=("cost_model", "hardware"))
 
 
+def cost_record(args) -> dict:
+    """What a plan written by `plan` records of its cost model, so `simulate` prices it the same."""
+    options = _from_options(MegatronIntegrationConfig, args)
+    if options.cost_model != "analytic":
+        return {"cost_model": options.cost_model}
+    return {"model": args.model, "hardware": options.hardware}
+
+
+def cost_of_plan(plan: Plan, args) -> CostModel:
+    """The cost model the plan was made with (`plan` records it); options given to `simulate`
+    must agree with it. A plan without the record (older files): the options, or their defaults."""
+    recorded = plan.metadata.get("cost", {})
+    given = {name: getattr(args, name) for name in ("model", "hardware", "cost_model") if getattr(args, name)}
+    clashes = [f"--{name.replace('_', '-')} {given[name]} (the plan was made with {recorded[name]})"
+               for name in given if name in recorded and given[name] != recorded[name]]
+    if clashes:
+        raise CliError(f"{args.plan}: {'; '.join(clashes)}: leave the option out to use the plan's, or re-plan")
+    chosen = {**{"model": "llama-7b", "hardware": "h100-sxm", "cost_model": "analytic"}, **given, **recorded}
+    if chosen["cost_model"] != "analytic":
+        return CostModel.from_profile(chosen["cost_model"])
+    return CostModel.analytic(chosen["model"], chosen["hardware"])
+
+
 def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
     """One option per `SlimPackConfig` field that is a CLI option (type, default and help from the
     field; `config.add_options`), but those in `exclude`."""
@@ -150,25 +173,28 @@ def cmd_plan(args) -> int:
         plan = planner.plan(check_plan_input(lengths, config.context_length), parallel, cost, config).validate()
         elapsed = time.perf_counter() - started
         plan.metadata.setdefault("planning_time_s", elapsed)
+        plan.metadata["cost"] = cost_record(args)
+        path = None
         if args.out:
             path = Path(args.out)
             if len(batches) > 1:
                 path = path.with_name(f"{path.stem}.step{step}{path.suffix}")
             plan.to_json(path)
-        outputs.append((step, lengths, plan, elapsed))
+        outputs.append((step, lengths, plan, elapsed, path))
     if args.json:
         print(json.dumps([{"step": step, "documents": len(lengths), "planning_time_s": elapsed,
-                           "metadata": plan.metadata, "replicas": replica_summary(plan, cost)}
-                          for step, lengths, plan, elapsed in outputs], indent=1, default=float))
+                           "metadata": plan.metadata, "replicas": replica_summary(plan, cost),
+                           "file": str(path) if path else None}
+                          for step, lengths, plan, elapsed, path in outputs], indent=1, default=float))
         return 0
-    for step, lengths, plan, elapsed in outputs:
+    for step, lengths, plan, elapsed, path in outputs:
         phase1 = plan.metadata.get("phase1", {})
         print(f"step {step}: {len(lengths)} documents, {sum(lengths):,} tokens, strategy {plan.strategy}, "
               f"{parallel.describe()}, planned in {elapsed * 1000:.0f} ms "
               f"(CP-SAT {phase1.get('status', '-')}, gap {phase1.get('gap', 0):.2%})")
         print(format_table(replica_summary(plan, cost), PLAN_COLUMNS))
-        if args.out:
-            print(f"plan written to {args.out}")
+        if path is not None:
+            print(f"plan written to {path}")
     return 0
 
 
@@ -179,7 +205,7 @@ def cmd_simulate(args) -> int:
     from .simulator.report import markdown_table, summary, write_chrome_trace, write_gantt
 
     plan = Plan.from_json(args.plan).validate()
-    cost = load_cost(args)
+    cost = cost_of_plan(plan, args)
     report = simulate(plan, cost)
     if args.gantt:
         write_gantt(report, args.gantt, title=f"{plan.strategy} {plan.parallel.describe()}")
@@ -240,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser("simulate", help="simulate a plan JSON: time, MFU, bubbles, memory")
     simulate.add_argument("plan")
-    add_cost_options(simulate)
+    simulate.add_argument("--model", default=None, help="model preset (default: the one the plan was made with)")
+    simulate.add_argument("--hardware", default=None, help="hardware preset (default: the plan's)")
+    simulate.add_argument("--cost-model", default=None, metavar="{analytic,PATH}",
+                          help="'analytic' or a `slimpack profile` JSON (default: the plan's)")
     simulate.add_argument("--gantt", help="write a Gantt chart PNG")
     simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
     simulate.add_argument("--json", action="store_true")

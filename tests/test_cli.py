@@ -78,3 +78,21 @@ def test_plan_runs_with_generated_options(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)[0]["documents"] > 0
     plan = ms.Plan.from_json(tmp_path / "plan.json").validate()
     assert plan.strategy == "bfd" and plan.context_length == 4096
+
+
+def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, capsys):
+    """issue 25: a llama-13b/a100 plan was simulated as llama-7b/h100 unless the flags were repeated."""
+    out = tmp_path / "p.json"
+    argv = ["plan", "--workload", "longtail", "--model", "llama-13b", "--hardware", "a100", "--tp", "8", "--pp", "2",
+            "--dp", "2", "--context-length", "32768", "--global-batch-size", "16", "--steps", "2", "--out", str(out)]
+    assert cli.main(argv) == 0
+    written = [tmp_path / "p.step0.json", tmp_path / "p.step1.json"]
+    printed = capsys.readouterr().out
+    assert all(f"plan written to {path}" in printed for path in written) and f"written to {out}\n" not in printed
+    plan = ms.Plan.from_json(written[0])
+    expected = ms.simulate(plan, ms.CostModel.analytic("llama-13b", "a100")).iteration_time_s
+    assert cli.main(["simulate", str(written[0]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_s"] == pytest.approx(expected, rel=1e-12)
+    assert cli.main(["simulate", str(written[0]), "--model", "llama-7b"]) == 2
+    assert "--model llama-7b (the plan was made with llama-13b)" in capsys.readouterr().err
+    assert cli.main(["simulate", str(written[0]), "--hardware", "a100"]) == 0  # agreeing: fine
