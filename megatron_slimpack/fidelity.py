@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,7 +341,8 @@ def text_plans(cost, *, strategies: Sequence[str], pp: int = 2, dp: int = 1, con
 
 def validate(cost, *, plans: int = 2, pp: int = 2, dp: int = 1, strategies: Sequence[str] = ("slimpack",),
              context_length: int = 2048, global_batch_size: int = 4, repeats: int = 3, warmup: int = 1,
-             seed: int = 100, out_dir: Optional[str | Path] = None, progress: Callable[[str], None] | None = print):
+             seed: int = 100, out_dir: Optional[str | Path] = None,
+             progress: Callable[[str], None] | None = lambda line: print(line, file=sys.stderr, flush=True)):
     """K = `plans` global batches (not those the profile was fitted on: a separate seed), planned by
     each strategy, measured and simulated. Returns (comparisons, overall figures)."""
     planned = text_plans(cost, strategies=strategies, pp=pp, dp=dp, context_length=context_length,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -513,8 +514,10 @@ def profile_main(args) -> int:
     out = getattr(args, "out", None) or "profile.json"
     result.write(out)
     if getattr(args, "json", False):
-        print(json.dumps(result.fit))
-    print(f"wrote {out}")
+        print(json.dumps(result.fit))  # --json: one JSON document on stdout, the rest on stderr
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        print(f"wrote {out}")
     return 0
 
 

@@ -54,3 +54,21 @@ def test_speed_reference_gives_drift_corrected_errors():
     exact = dataclasses.replace(comparison, drift=[m / comparison.simulated_iteration_s
                                                    for m in comparison.measured_iteration_s])
     assert max(StepComparison.corrected_iteration_errors.fget(exact)) < 1e-12
+
+
+def test_validate_json_is_one_document_on_stdout(monkeypatch, capsys):
+    """issue 25: `slimpack validate --json` printed its progress line on stdout before the JSON.
+    (Measurement is replaced: this checks where the output goes, not what is measured.)"""
+    import argparse
+    import json
+
+    from megatron_slimpack import fidelity
+
+    monkeypatch.setattr(fidelity, "text_plans", lambda cost, **kw: [("slimpack", None, None)])
+    monkeypatch.setattr(fidelity, "measure_plans", lambda plans, model, **kw: [])
+    monkeypatch.setattr(fidelity, "compare", lambda plans, steps, cost, out_dir=None: [])
+    monkeypatch.setattr(fidelity, "overall", lambda comparisons: {"iteration_mape": 0.0})
+    assert fidelity.validate_main(argparse.Namespace(json=True)) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"overall": {"iteration_mape": 0.0}, "plans": []}
+    assert "running 1 plans" in captured.err
