@@ -22,6 +22,17 @@ class CliError(Exception):
 
 # ---- shared options ---------------------------------------------------------------------------
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_cost_options(parser: argparse.ArgumentParser, *, model: str = "llama-7b"):
     """--model, and --cost-model / --hardware (generated from `MegatronIntegrationConfig`'s fields)."""
     parser.add_argument("--model", default=model, help=f"model preset (default {model})")
@@ -66,8 +77,9 @@ def add_workload_options(parser: argparse.ArgumentParser, *, batch: int, model: 
                         help="length source, e.g. file:../shared/data/wikipedia_lengths.txt, longtail, text[:DIR] "
                              f"(default: {DEFAULT_WORKLOAD}, the Python standard library's files)")
     add_cost_options(parser, model=model)
-    parser.add_argument("--global-batch-size", type=int, default=batch, help="sequences of context length per step")
-    parser.add_argument("--steps", type=int, default=1, help="consecutive global batches")
+    parser.add_argument("--global-batch-size", type=positive_int, default=batch,
+                        help="sequences of context length per step")
+    parser.add_argument("--steps", type=positive_int, default=1, help="consecutive global batches")
     add_planner_options(parser, exclude=planner_exclude)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -160,6 +172,7 @@ def cmd_plan(args) -> int:
     cost = load_cost(args)
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
+    warn_about_inputs(args, config, dp=parallel.dp)
     from .solver.strategies import new_planner
 
     planner = new_planner(config.strategy)
@@ -224,11 +237,15 @@ def cmd_compare(args) -> int:
     from .comparison import run_comparison
 
     config = planner_config(args)
+    warn_about_inputs(args, config)
     result = run_comparison(
         workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args),
         gpus=args.gpus, global_batch_size=args.global_batch_size, steps=args.steps, strategies=args.strategies,
         config=config, gantt_dir=args.gantt_dir, show_progress=not args.json,
     )
+    if not result.results:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in result.failures.items())
+        raise CliError(f"no strategy has a feasible layout on {args.gpus} GPUs ({reasons})")
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=float))
     else:
@@ -236,6 +253,17 @@ def cmd_compare(args) -> int:
         for line in result.notes():
             print(line)
     return 0
+
+
+def warn_about_inputs(args, config: SlimPackConfig, dp: int | None = None) -> None:
+    """Inputs that run but are unlikely to be what was meant: said on stderr."""
+    if config.context_length < 1024:
+        print(f"slimpack {args.command}: warning: --context-length {config.context_length} is below 1K tokens",
+              file=sys.stderr)
+    if dp is not None and args.global_batch_size < dp:
+        print(f"slimpack {args.command}: warning: --global-batch-size {args.global_batch_size} gives fewer "
+              f"sequences than the {dp} data-parallel replicas (--dp): some replicas get little or no work",
+              file=sys.stderr)
 
 
 # ---- demo ------------------------------------------------------------------------------------------
@@ -256,10 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plan global batches and print a per-replica summary")
     add_workload_options(plan, batch=512, model="llama-7b")
-    plan.add_argument("--tp", type=int, default=8)
-    plan.add_argument("--pp", type=int, default=4)
-    plan.add_argument("--dp", type=int, default=4)
-    plan.add_argument("--cp", type=int, default=1)
+    plan.add_argument("--tp", type=positive_int, default=8, help="tensor parallel size")
+    plan.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
+    plan.add_argument("--dp", type=positive_int, default=4, help="data-parallel replicas")
+    plan.add_argument("--cp", type=positive_int, default=1, help="context parallel size (SlimPack: its base merge)")
     plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
     plan.set_defaults(run=cmd_plan)
@@ -280,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each strategy is compared in its own best layout: no --strategy, and no --base-merge (SlimPack's
     # layouts with cp K are its base merge K).
     add_workload_options(compare, batch=512, model="llama-7b", planner_exclude=("strategy", "base_merge"))
-    compare.add_argument("--gpus", type=int, default=128)
+    compare.add_argument("--gpus", type=positive_int, default=128, help="GPUs every strategy's layout uses")
     compare.add_argument("--strategies", default="all", help="comma-separated names or 'all'")
     compare.add_argument("--csv", action="store_true")
     compare.add_argument("--markdown", action="store_true", help="markdown table (the default)")

@@ -61,6 +61,8 @@ def resolve_strategies(text: str) -> list[str]:
         ordered = [REFERENCE] + [n for n in known if n != REFERENCE]
         return [n for n in ordered if n in known]
     names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise PlanError(f"--strategies {text!r} names no strategy; give 'all' or some of: {', '.join(known)}")
     unknown = [n for n in names if n not in known]
     if unknown:
         raise PlanError(f"unknown strategies {unknown}; known: {', '.join(known)}")

@@ -48,11 +48,11 @@ def test_compare_passes_the_planner_options_on(monkeypatch):
 
     def fake(**kwargs):
         seen.update(kwargs)
-        return comparison.ComparisonResult({})
+        return comparison.ComparisonResult({}, failures={"slimpack": "a stand-in comparison: nothing searched"})
 
     monkeypatch.setattr(comparison, "run_comparison", fake)
     assert cli.main(["compare", "--json", "--solver-time-limit", "2", "--slice-tokens", "512",
-                     "--context-length", "4096", "--hardware", "h200"]) == 0
+                     "--context-length", "4096", "--hardware", "h200"]) == 2  # no row: exit 2
     assert seen["config"] == SlimPackConfig(solver_time_limit_s=2.0, slice_tokens=512, context_length=4096)
     assert seen["hardware"] == "h200" and seen["cost"].hardware.name == "h200"
 
@@ -96,3 +96,36 @@ def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, c
     assert cli.main(["simulate", str(written[0]), "--model", "llama-7b"]) == 2
     assert "--model llama-7b (the plan was made with llama-13b)" in capsys.readouterr().err
     assert cli.main(["simulate", str(written[0]), "--hardware", "a100"]) == 0  # agreeing: fine
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--gpus", "0"], "argument --gpus: must be a positive integer, got 0"),
+    (["compare", "--gpus", "-8"], "argument --gpus: must be a positive integer, got -8"),
+    (["plan", "--steps", "0"], "argument --steps: must be a positive integer"),
+    (["plan", "--steps", "-3"], "argument --steps: must be a positive integer"),
+    (["plan", "--dp", "0"], "argument --dp: must be a positive integer"),
+    (["plan", "--global-batch-size", "x"], "argument --global-batch-size: expected a positive integer"),
+])
+def test_nonsense_numbers_exit_2_naming_the_flag(argv, message, capsys):
+    """issue 25: these ran and printed nothing (or an empty table) with exit 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_without_any_strategy_or_feasible_layout_exits_2(capsys):
+    assert cli.main(["compare", "--strategies", ""]) == 2
+    assert "--strategies '' names no strategy" in capsys.readouterr().err
+    argv = ["compare", "--workload", "longtail", "--model", "llama-70b", "--gpus", "1", "--context-length", "131072",
+            "--global-batch-size", "4", "--strategies", "megatron-fixed,bfd"]
+    assert cli.main(argv) == 2
+    assert "no strategy has a feasible layout on 1 GPUs (megatron-fixed: " in capsys.readouterr().err
+
+
+def test_unlikely_inputs_are_warned_about(tmp_path, capsys):
+    argv = ["plan", "--workload", "longtail", "--context-length", "512", "--global-batch-size", "2", "--dp", "4",
+            "--tp", "1", "--pp", "1", "--model", "tiny", "--hardware", "cpu"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "--context-length 512 is below 1K tokens" in err
+    assert "--global-batch-size 2 gives fewer sequences than the 4 data-parallel replicas" in err
