@@ -129,3 +129,13 @@ def test_unlikely_inputs_are_warned_about(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--context-length 512 is below 1K tokens" in err
     assert "--global-batch-size 2 gives fewer sequences than the 4 data-parallel replicas" in err
+
+
+def test_the_planning_commands_do_not_import_torch_or_megatron():
+    """issue 25: every command, even --help, imported torch and megatron-core (4-6 s, warnings)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_slimpack.cli as c; c.build_parser(); "
+            "sys.exit(int('torch' in sys.modules or 'megatron.core' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

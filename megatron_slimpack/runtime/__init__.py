@@ -3,34 +3,31 @@ executor that runs a plan's forward and backward units on megatron-core, and the
 drives it for a step (design.md section 3).
 
 Import `compat` and call `compat.apply()` first on a machine without a GPU.
-"""
-from .attention import (
-    BACKENDS,
-    BackendUnavailable,
-    KVStore,
-    SlicedDotProductAttention,
-    SlicedSeqParams,
-    available_backends,
-    resolve_backend,
-    slimpack_layer_spec,
-)
-from .batch import InMemoryTokenSource, MicroPackBatch, TokenSource, build_batch
-from .executor import StageExecutor, UnitReport, backward_step, forward_step, global_loss_tokens, split_into_leaves
-from .schedule import (
-    ScheduleError,
-    ScheduleGroups,
-    ScheduleResult,
-    check_same_plan,
-    check_stage_orders,
-    slimpack_forward_backward,
-)
-from .timing import SavedBytesMeter, StageMemory, TimedTask, Timeline, overlay_records, write_overlay_gantt
 
-__all__ = [
-    "BACKENDS", "BackendUnavailable", "KVStore", "SlicedDotProductAttention", "SlicedSeqParams",
-    "available_backends", "resolve_backend", "slimpack_layer_spec", "InMemoryTokenSource", "MicroPackBatch",
-    "TokenSource", "build_batch", "StageExecutor", "UnitReport", "backward_step",
-    "forward_step", "global_loss_tokens", "split_into_leaves", "ScheduleError", "ScheduleGroups", "ScheduleResult",
-    "check_same_plan", "check_stage_orders", "slimpack_forward_backward", "SavedBytesMeter", "StageMemory",
-    "TimedTask", "Timeline", "overlay_records", "write_overlay_gantt",
-]
+The names below load on first use (PEP 562), so that importing a light submodule (e.g.
+`runtime.processes`) does not import torch and megatron-core: `slimpack plan`, `simulate`,
+`compare` and `--help` never need them.
+"""
+from importlib import import_module
+
+_HOME = {
+    "attention": ("BACKENDS", "BackendUnavailable", "KVStore", "SlicedDotProductAttention", "SlicedSeqParams",
+                  "available_backends", "resolve_backend", "slimpack_layer_spec"),
+    "batch": ("InMemoryTokenSource", "MicroPackBatch", "TokenSource", "build_batch"),
+    "executor": ("StageExecutor", "UnitReport", "backward_step", "forward_step", "global_loss_tokens",
+                 "split_into_leaves"),
+    "schedule": ("ScheduleError", "ScheduleGroups", "ScheduleResult", "check_same_plan", "check_stage_orders",
+                 "slimpack_forward_backward"),
+    "timing": ("SavedBytesMeter", "StageMemory", "TimedTask", "Timeline", "overlay_records", "write_overlay_gantt"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
+
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
