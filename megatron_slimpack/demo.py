@@ -31,7 +31,6 @@ which is not calibrated to the machine (the table says so, with the measured/pre
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import traceback
@@ -575,14 +574,3 @@ def run_demo(args) -> int:
         print(f"(demo wall time {summary['wall_s']:.0f} s; summary in {out_dir / 'summary.json'})")
     ok = summary.get("losses_match", True)
     return 0 if ok else 1
-
-
-def main(argv=None) -> int:  # python -m megatron_slimpack.demo
-    from .cli import main as cli_main
-
-    return cli_main(["demo", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
