@@ -374,7 +374,11 @@ class MegatronIntegrationConfig:
     `--slimpack-*` flags besides `SlimPackConfig`'s. The cost model's two also serve the CLI."""
 
     plan_ahead: int = field(default=1, metadata=option(
-        "Global batches planned ahead in a background thread; 0 plans inline.",
+        "Global batches planned ahead in a background worker (see --slimpack-planner-process); 0 plans inline.",
+        cli="the CLI plans its batches in turn"))
+    planner_process: bool = field(default=True, metadata=option(
+        "Plan ahead in a spawned worker process, off the training process's GIL (a thread where the process "
+        "cannot start); --no-slimpack-planner-process plans in a thread of the training process.",
         cli="the CLI plans its batches in turn"))
     cost_model: str = field(default="analytic", metadata=option(
         "'analytic' or a profile JSON written by `slimpack profile`.", metavar="{analytic,PATH}"))
@@ -391,6 +395,9 @@ class MegatronIntegrationConfig:
     def find_problems(values: dict, n: Namer = str) -> Problems:
         problems: Problems = []
         _integer(problems, values, n, "plan_ahead", 0)
+        if not isinstance(values["planner_process"], bool):
+            problems.append(("planner_process",
+                             f"{n('planner_process')} must be True or False, got {values['planner_process']!r}"))
         cost = values["cost_model"]
         if not isinstance(cost, str) or (cost != "analytic" and not Path(cost).is_file()):
             problems.append(("cost_model", f"{n('cost_model')} {cost!r} is neither 'analytic' nor an existing "

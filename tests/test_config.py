@@ -29,11 +29,11 @@ MEGATRON_FLAGS = {
     "--slimpack-strategy", "--slimpack-slice-tokens", "--slimpack-max-micropack-tokens",
     "--slimpack-solver-time-limit", "--slimpack-solver-deterministic-limit", "--slimpack-plan-ahead",
     "--slimpack-dp-merge", "--no-slimpack-dp-merge", "--slimpack-base-merge", "--slimpack-cost-model",
-    "--slimpack-hardware", "--slimpack-dump-plans",
+    "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
 }
 # Fields deliberately not flags, on each surface.
 NOT_MEGATRON_FLAGS = {"context_length", "seed", "merge_threshold", "solver_workers", "tunables"}
-NOT_CLI_OPTIONS = {"merge_threshold", "solver_workers", "tunables", "plan_ahead", "dump_plans"}
+NOT_CLI_OPTIONS = {"merge_threshold", "solver_workers", "tunables", "plan_ahead", "dump_plans", "planner_process"}
 
 
 def megatron_parser() -> argparse.ArgumentParser:

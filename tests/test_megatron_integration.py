@@ -418,6 +418,7 @@ def test_planner_iterator_from_megatron_args_on_an_indexed_dataset(tmp_path):
     iterator = build_planner_iterator(args)
     planned = next(iterator)
     planned.plan.validate()
+    assert iterator.planner.backend == "process"  # the hook's plan function pickles: planned in a worker process
     assert planned.plan.parallel.dp == 2 and planned.plan.parallel.pp == 2
     source = planned.token_source(iterator.corpus)
     sample = planned.batch.sample_ids[0]

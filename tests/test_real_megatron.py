@@ -114,6 +114,8 @@ LAYOUTS = {
     "dp2-base-merge-2": dict(nproc=2, extra=["--slimpack-base-merge", "2"]),
     "dp2-distributed-optimizer": dict(nproc=2, extra=["--use-distributed-optimizer"]),
     "dp2-overlap-grad-reduce": dict(nproc=2, extra=["--overlap-grad-reduce"]),
+    # planned ahead in the worker process (the other runs plan inline, --slimpack-plan-ahead 0)
+    "dp2-planned-ahead-in-a-process": dict(nproc=2, extra=["--slimpack-plan-ahead", "2"]),
     # defect 2: recompute re-ran the KV store's side effects and crashed on sliced documents
     "recompute-selective": dict(extra=["--recompute-granularity", "selective"]),
     "recompute-full": dict(extra=["--recompute-granularity", "full", "--recompute-method", "uniform",

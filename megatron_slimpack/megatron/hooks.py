@@ -360,8 +360,12 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     # resumes its own samplers from the consumed samples: the sampler is deterministic, and a
     # stateful strategy (wlb-llm's delay queues) is brought to its state after those batches.
     fast_forward(sampler, planner, parallel, cost, config, int(getattr(args, "iteration", 0) or 0))
+    # Planned in a spawned worker process (off this process's GIL; a thread where that process
+    # cannot start), from the sampler and planner state after the fast-forward above.
     iterator = PlannerIterator(sampler, plan_function(planner, parallel, cost, config),
-                               plan_ahead=options.plan_ahead)
+                               plan_ahead=options.plan_ahead,
+                               backend="process" if options.planner_process else "thread")
+    iterator.start()  # the worker starts (imports, first plan) while Megatron finishes its setup
     return MegatronPlannerIterator(iterator, corpus, options.dump_plans)
 
 
