@@ -13,6 +13,7 @@ from .config import ConfigError, SlimPackConfig
 from .costmodel import CostModel
 from .plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
 from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
+from .workload import GlobalBatchSampler, load_lengths
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,6 @@ def simulate(plan: Plan, cost: CostModel):
 
 __all__ = [
     "plan", "simulate", "CostModel", "ModelSpec", "HardwareSpec", "ParallelConfig", "SlimPackConfig", "ConfigError",
-    "Plan", "ReplicaPlan", "MicroPack", "Slice", "Sample", "PlanError", "SpecError", "__version__",
+    "Plan", "ReplicaPlan", "MicroPack", "Slice", "Sample", "PlanError", "SpecError", "GlobalBatchSampler",
+    "load_lengths", "__version__",
 ]
