@@ -11,9 +11,10 @@ Public contract (design.md section 8):
 """
 from .config import ConfigError, SlimPackConfig
 from .costmodel import CostModel
+from .errors import SlimPackError
 from .plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
 from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
-from .workload import GlobalBatchSampler, load_lengths
+from .workload import GlobalBatchSampler, WorkloadError, load_lengths
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,5 @@ def simulate(plan: Plan, cost: CostModel):
 __all__ = [
     "plan", "simulate", "CostModel", "ModelSpec", "HardwareSpec", "ParallelConfig", "SlimPackConfig", "ConfigError",
     "Plan", "ReplicaPlan", "MicroPack", "Slice", "Sample", "PlanError", "SpecError", "GlobalBatchSampler",
-    "load_lengths", "__version__",
+    "load_lengths", "SlimPackError", "WorkloadError", "__version__",
 ]

@@ -23,6 +23,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replac
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from .errors import SlimPackError
+
 # ==== option metadata ===========================================================================
 
 OPTION = "slimpack_option"  # the key of an `Option` in a field's metadata
@@ -188,7 +190,7 @@ Namer = Callable[[str], str]
 Problems = list  # [(field, message)]
 
 
-class ConfigError(ValueError):
+class ConfigError(SlimPackError):
     """Values a config dataclass refuses. `problems`: [(field, message)], one per problem, each
     message naming the field as Python spells it (`SlimPackConfig.base_merge`); `messages(name)`
     renders the same problems with other names (a flag path: `option_name`)."""

@@ -16,10 +16,11 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+from .errors import SlimPackError
 from .specs import ParallelConfig
 
 
-class PlanError(ValueError):
+class PlanError(SlimPackError):
     """A plan (or planner input) that breaks a rule; the message names the rule and the culprit."""
 
 
@@ -415,12 +416,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Plan":
-        path = Path(path_or_text) if not str(path_or_text).lstrip().startswith("{") else None
+        path = Path(path_or_text) if not str(path_or_text).lstrip().startswith(("{", "[")) else None
+        where = f"{path}" if path else "plan text"
+        if path is not None and path.is_dir():
+            raise PlanError(f"{path} is a directory: give the plan's JSON file")
         try:
             data = json.loads(path.read_text() if path else str(path_or_text))
         except json.JSONDecodeError as error:
-            where = f"{path}" if path else "plan text"
             raise PlanError(f"{where} is not valid JSON: line {error.lineno}: {error.msg}") from error
+        if not isinstance(data, dict):
+            raise PlanError(f"{where} holds a JSON {type(data).__name__}, not a plan (an object with "
+                            "format_version, replicas, samples, ...)")
         return cls.from_dict(data)
 
     # ---- invariants ----------------------------------------------------------------------

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from .errors import SlimPackError
+
 GIB = 1024**3
 
 
-class SpecError(ValueError):
+class SpecError(SlimPackError):
     """A preset that does not exist or a layout that does not fit the model."""
 
 

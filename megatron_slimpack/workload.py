@@ -33,10 +33,12 @@ from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import SlimPackError
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
-class WorkloadError(ValueError):
+class WorkloadError(SlimPackError):
     """A length source, length list or sampler setting that cannot be used; the message names the
     problem and the fix."""
 
@@ -73,6 +75,8 @@ def _as_length_array(lengths, what: str) -> np.ndarray:
     """Validate document lengths and return them as an int64 array (vectorized for arrays)."""
     if isinstance(lengths, (str, bytes)):
         raise WorkloadError(f"{what} must be a sequence of positive integers, got the string {lengths!r}")
+    if not hasattr(lengths, "__iter__"):
+        raise WorkloadError(f"{what} must be a sequence of positive integers, got {type(lengths).__name__}")
     array = lengths if isinstance(lengths, np.ndarray) else None
     if array is None and isinstance(lengths, list) and all(type(value) is int for value in lengths):
         array = np.array(lengths, dtype=np.int64)  # the common case, without a per-item check

@@ -139,3 +139,17 @@ def test_the_planning_commands_do_not_import_torch_or_megatron():
     code = ("import sys, megatron_slimpack.cli as c; c.build_parser(); "
             "sys.exit(int('torch' in sys.modules or 'megatron.core' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_bad_plan_files_and_inputs_are_one_line_errors(tmp_path, capsys):
+    """issue 25: tracebacks for a plan JSON that is a list, a directory given as the plan, plan(None)."""
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    assert cli.main(["simulate", str(listed)]) == 2
+    assert "holds a JSON list, not a plan" in capsys.readouterr().err
+    assert cli.main(["simulate", str(tmp_path)]) == 2
+    assert "is a directory: give the plan's JSON file" in capsys.readouterr().err
+    with pytest.raises(ms.SlimPackError, match="lengths must be a sequence of positive integers, got NoneType"):
+        ms.plan(None, parallel=ms.ParallelConfig(), cost=ms.CostModel.analytic("llama-7b", "h100-sxm"))
+    for error in (ms.PlanError, ms.SpecError, ms.WorkloadError, ms.ConfigError):
+        assert issubclass(error, ms.SlimPackError)
