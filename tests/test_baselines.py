@@ -73,58 +73,16 @@ def test_every_strategy_has_one_spec_with_its_facts():
     assert "new-one" not in REGISTRY
 
 
-def _solver_import_graph() -> dict[str, set[str]]:
-    """solver module -> the solver modules it imports, at module level or inside functions."""
-    import ast
-    from pathlib import Path
+def test_the_registry_sits_below_the_strategies():
+    """Counting function-level imports: strategies -> baselines -> registry, nothing imports
+    strategies back (no cycle anywhere in the package: tests/test_imports.py)."""
+    from test_imports import import_graph
 
-    import megatron_slimpack.solver as solver
-
-    root = Path(solver.__file__).parent
-    names = {path.stem for path in root.glob("*.py")}
-    graph = {}
-    for path in root.glob("*.py"):
-        text = path.read_text()
-        assert "import_module" not in text and "__import__" not in text, f"{path.name} imports by name"
-        imported = set()
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level == 1:  # from .x import y / from . import x
-                    targets = [module.split(".")[0]] if module else [alias.name for alias in node.names]
-                elif node.level == 0 and module.startswith("megatron_slimpack.solver"):
-                    rest = module[len("megatron_slimpack.solver"):].lstrip(".")
-                    targets = [rest.split(".")[0]] if rest else [alias.name for alias in node.names]
-                else:
-                    targets = []
-                imported |= {target for target in targets if target in names}
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.startswith("megatron_slimpack.solver."):
-                        imported.add(alias.name.split(".")[2])
-        graph[path.stem] = imported - {path.stem}
-    return graph
-
-
-def test_no_import_cycle_among_solver_modules():
-    """Counting function-level imports: the registry sits below the strategies that register in it
-    (strategies -> baselines -> registry; nothing imports strategies back)."""
-    graph = _solver_import_graph()
+    solver = "megatron_slimpack.solver."
+    graph = {name[len(solver):]: {t[len(solver):] for t in targets if t.startswith(solver)}
+             for name, targets in import_graph().items() if name.startswith(solver)}
     assert graph["registry"] == set()
     assert "strategies" not in graph["baselines"] and "baselines" in graph["strategies"]
-    state: dict[str, int] = {}
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(graph[module]):
-            assert state.get(target) != 1, f"import cycle: {' -> '.join(path + [target])}"
-            if target not in state:
-                visit(target, path + [target])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
 
 
 # ---- megatron-fixed ---------------------------------------------------------------------------

@@ -33,7 +33,6 @@ initialises CUDA (pretrain_gpt.py's imports, re-run) must not open a context on 
 """
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import queue
@@ -46,6 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..solver.strategies import cyclic_gc_paused
 from .planned import _DONE, PlannedBatch, PlannerError, _plan_one, _restore_position
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -76,19 +76,6 @@ def _environment(changes: dict):
                     os.environ[name] = value
 
 
-@contextmanager
-def gc_paused():
-    """Pause the cyclic collector around allocating ~10^5 small acyclic objects (unpickling a plan):
-    the collector would otherwise rescan the whole heap several times for nothing."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def dump_planned(planned) -> tuple[bytes, bytes]:
     """A `PlannedBatch` as two pickles: (step, batch, figures and states) and the plan. The worker
     sends them; the source rank broadcasts the same bytes to the other ranks."""
@@ -100,7 +87,7 @@ def dump_planned(planned) -> tuple[bytes, bytes]:
 def load_planned(meta: bytes, plan: bytes):
     """The `PlannedBatch` of `dump_planned`'s bytes (unpickled with the cyclic collector paused)."""
 
-    with gc_paused():
+    with cyclic_gc_paused():
         data, loaded = pickle.loads(meta), pickle.loads(plan)
     return PlannedBatch(data["step"], data["batch"], loaded, data["planning_time_s"],
                         sampler_state=data["sampler_state"], planner_state=data["planner_state"])
@@ -153,7 +140,7 @@ def worker_main(job: WorkerJob, results, stop, started) -> None:
         _restore_position(job.sampler, job.plan_fn, job.sampler_state, job.planner_state)
         drawn = job.drawn
         while (job.steps is None or drawn < job.steps) and not _gone(stop, job.parent_pid):
-            with gc_paused():
+            with cyclic_gc_paused():
                 message = ("item", *dump_planned(_plan_one(job.sampler, job.plan_fn)))
             drawn += 1
             if not _send(results, message, stop, job.parent_pid):
@@ -277,4 +264,4 @@ class PlannerProcess:
         return self.process is not None and self.process.is_alive()
 
 
-__all__ = ["PlannerProcess", "WorkerJob", "WorkerStartError", "dump_planned", "load_planned", "gc_paused"]
+__all__ = ["PlannerProcess", "WorkerJob", "WorkerStartError", "dump_planned", "load_planned"]

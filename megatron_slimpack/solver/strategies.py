@@ -131,8 +131,9 @@ def cyclic_gc_paused():
     cyclic collector would rescan them over and over (a third of the planning time at 256K), and
     with them everything else alive (a layout search keeps every finalist's plans). Paused for one
     planning (`plan()`) or one layout search (`best_layout`); what cycles there are go in the next
-    pass after it. The planner that runs beside training does not pause it: that would pause it for
-    the training loop too."""
+    pass after it. A planner thread beside training does not pause it (that would pause it for the
+    training loop too); the planner worker process pauses its own, and the training process pauses
+    it while it unpickles a plan (megatron/planner_process.py)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
