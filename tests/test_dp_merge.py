@@ -191,7 +191,7 @@ def make_case(dp: int, seed: int = 0, pp: int = 1):
     merges, lengths = [], {}
     # group (0, 1): a long document in three slices sharing MicroPacks with a second one
     lengths.update({100: 45, 101: 13})
-    merges.append(_merge_replica([[Slice(100, 0, 17), Slice(101, 0, 5)], [Slice(101, 5, 13), Slice(100, 17, 33)],
+    merges.append(_merge_replica([[Slice(100, 0, 17), Slice(101, 0, 6)], [Slice(101, 6, 13), Slice(100, 17, 33)],
                                   [Slice(100, 33, 45)]], (0, 1)))
     if dp == 4:  # and a group of all four, with a short slice dealt round-robin
         lengths.update({200: 40, 201: 3})
@@ -345,7 +345,7 @@ def test_merge_groups_with_several_dp_groups():
     run_multiprocess(_groups_worker, 4, timeout_s=120)
 
 
-def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
+def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False, tp=1):
     """The DP-Merge case through the drop-in schedule: merge groups, then the own plan, then the
     data-parallel gradient reduction, all inside `slimpack_forward_backward`; with pp > 1 each
     rank holds one pipeline stage and runs the merge groups' stage orders on it."""
@@ -356,22 +356,28 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
     from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, compat, slimpack_forward_backward
     from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
-    from test_schedule import _global_name
+    from test_schedule import _global_name, _shard, _unshard
 
     torch.set_num_threads(1)
     compat.apply()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    plan, documents = (make_shared_case if shared else make_case)(world_size // pp, seed, pp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    plan, documents = (make_shared_case if shared else make_case)(world_size // (pp * tp), seed, pp)
     dp_group = parallel_state.get_data_parallel_group()
     merge = merge_groups(plan, dist.get_process_group_ranks(dp_group))  # every DP group's, on every rank
     saved = torch.load(path)
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
+    if tp > 1:  # with sequence parallelism: members' shares padded to even row counts
+        extra.update(tensor_model_parallel_size=tp, sequence_parallel=True)
     model = build_gpt_model(_config(**extra), vocab_size=VOCAB, max_sequence_length=64, backend="torch",
                             pre_process=stage == 0, post_process=stage == pp - 1)
-    model.load_state_dict({k: saved["state"][_global_name(k, stage, pp)] for k in model.state_dict()})
+    params = dict(model.named_parameters())
+    model.load_state_dict({k: _shard(k, saved["state"][_global_name(k, stage, pp)], params.get(k), tp, tp_rank)
+                           for k in model.state_dict()})
     result = slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
                                        groups=ScheduleGroups.from_parallel_state(merge_groups=merge), timeline=True)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -394,15 +400,16 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False):
         assert measured == {(t.rank, t.stage, t.replica, t.kind, t.unit) for t in report.tasks if t.kind in "FB"}
     for name, p in model.named_parameters():
         expected = saved["grads"][_global_name(name, stage, pp)]
-        error = ((p.grad - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+        grad = _unshard(name, p.grad, p, tp, tp_group)
+        error = ((grad - expected).norm() / expected.norm().clamp_min(1e-30)).item()
         assert error <= 1e-5, f"rank {rank} (stage {stage}): {name} relative gradient error {error:.2e}"
 
 
-def _run_schedule(tmp_path, *, dp, pp, seed, timeout_s, shared=False):
+def _run_schedule(tmp_path, *, dp, pp, seed, timeout_s, shared=False, tp=1):
     plan, documents = (make_shared_case if shared else make_case)(dp, seed, pp)
     path = tmp_path / "reference.pt"
     _reference(plan, documents, path)
-    run_multiprocess(_schedule_worker, dp * pp, str(path), seed, pp, shared, timeout_s=timeout_s)
+    run_multiprocess(_schedule_worker, dp * pp * tp, str(path), seed, pp, shared, tp, timeout_s=timeout_s)
 
 
 @pytest.mark.slow
@@ -424,3 +431,17 @@ def test_dp4_pp2_merges_of_four_and_two_plus_independent_replicas(tmp_path, mega
 def test_dp2_pp2_every_micropack_shared_by_a_merge_group(tmp_path, megatron_cpu):
     """The planner's base merge (no replica runs alone) through the schedule, pipelined."""
     _run_schedule(tmp_path, dp=2, pp=2, seed=5, timeout_s=240, shared=True)
+
+
+@pytest.mark.slow
+def test_dp2_pp2_merge_group_with_tensor_and_sequence_parallelism(tmp_path, megatron_cpu):
+    """TP=2 + sequence parallelism x PP=2 x DP=2 (8 processes) with a DP-Merge group: each
+    member's share of a merged MicroPack is padded to an even row count (the padding rows stay
+    out of the K/V gathered over the merge group)."""
+    from megatron_slimpack.runtime.context_parallel import build_layout
+
+    plan, _ = make_case(2, seed=3, pp=2)
+    merged = [r for r in plan.replicas if r.is_merge_group]
+    shares = [build_layout(mp, None, 2, rank)[1].numel() for r in merged for mp in r.micropacks for rank in (0, 1)]
+    assert any(n % 2 for n in shares)  # some share is padded
+    _run_schedule(tmp_path, dp=2, pp=2, seed=3, timeout_s=420, tp=2)

@@ -92,7 +92,6 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--slimpack-solver-deterministic-limit", "0"),
      "--slimpack-solver-deterministic-limit must be > 0"),
     (("--calculate-per-token-loss", "--slimpack-base-merge", "3"), "--slimpack-base-merge must be a power of two"),
-    (("--calculate-per-token-loss", "--tensor-model-parallel-size", "2", "--sequence-parallel"), "--sequence-parallel"),
     # The configs' own checks (`__post_init__`), named by flag:
     (("--calculate-per-token-loss", "--slimpack-base-merge", "0"), "--slimpack-base-merge must be a power of two"),
     (("--calculate-per-token-loss", "--slimpack-slice-tokens", "8192"),
@@ -133,6 +132,8 @@ def test_validation_is_silent_without_slimpack_and_checks_the_version():
     validate_slimpack_args(parse("--context-parallel-size", "4"))  # not our business without --slimpack
     args = parse("--slimpack", "--calculate-per-token-loss")
     validate_slimpack_args(args)  # the installed megatron-core (0.16.1) is supported
+    validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel"))  # sequence parallelism runs (issue 22)
     with pytest.raises(SlimPackArgumentError, match=r"megatron-core 0\.12\.0 is not supported"):
         validate_slimpack_args(args, version=(0, 12, 0))
 

@@ -176,6 +176,7 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
     if tp > 1:
         extra["tensor_model_parallel_size"] = tp
+        extra["sequence_parallel"] = bool(options.get("sp"))
     if options.get("ddp"):
         extra["calculate_per_token_loss"] = True
     if options.get("deallocate"):
@@ -320,21 +321,21 @@ def test_tensor_and_pipeline_parallel(tmp_path, megatron_cpu):
     _run(tmp_path, megatron_cpu, pp=2, dp=1, seed=3, timeout_s=240, options={"tp": 2})
 
 
-def test_sequence_parallel_is_refused(megatron_cpu):
-    """Sequence parallelism is refused up front with a clear error (megatron's CPU norms cannot
-    even be built with it, so the flag is set on a built model's config)."""
-    from megatron_slimpack.runtime import InMemoryTokenSource
-    from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+@pytest.mark.slow
+def test_tensor_sequence_and_pipeline_parallel(tmp_path, megatron_cpu):
+    """TP=2 + sequence parallelism x PP=2: MicroPacks padded to even row counts, TP shards of the
+    rows sent between stages, norm gradients summed over TP by the schedule's fallback."""
+    plan, _ = make_case(3, pp=2, dp=1)
+    assert any(mp.num_tokens % 2 for mp in plan.replicas[0].micropacks)  # padding is exercised
+    _run(tmp_path, megatron_cpu, pp=2, dp=1, seed=3, timeout_s=240, options={"tp": 2, "sp": True})
 
-    plan, documents = make_case(1, pp=1, dp=1)
-    model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
-    model.config.tensor_model_parallel_size, model.config.sequence_parallel = 2, True
-    try:
-        with pytest.raises(ScheduleError, match="sequence parallelism"):
-            slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents))
-    finally:
-        model.config.tensor_model_parallel_size, model.config.sequence_parallel = 1, False
+
+@pytest.mark.slow
+def test_tensor_sequence_and_data_parallel_megatron_ddp(tmp_path, megatron_cpu):
+    """TP=2 + sequence parallelism x DP=2 with megatron-core DDP: finalize_model_grads sums the
+    norms' partial gradients over TP (they are marked sequence_parallel)."""
+    _run(tmp_path, megatron_cpu, pp=1, dp=2, seed=6, timeout_s=240, case="interleaved",
+         options={"tp": 2, "sp": True, "ddp": True})
 
 
 def test_one_stage_megatron_call_reports_units(megatron_cpu):

@@ -125,9 +125,6 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                         "and --slimpack-base-merge K to share every MicroPack by K data-parallel replicas")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--slimpack cannot be combined with --hybrid-context-parallel")
-    if getattr(args, "sequence_parallel", False) and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1:
-        problems.append("--slimpack does not support --sequence-parallel yet (MicroPacks are not padded to a "
-                        "multiple of the TP size): remove --sequence-parallel")
     if getattr(args, "apply_rope_fusion", False):
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:

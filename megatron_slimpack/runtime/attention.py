@@ -72,14 +72,22 @@ class SlicedAttentionMixin:
         return runs_attention(self._attend, q, k, v, runs)
 
     def _sliced(self, query, key, value, params: SlicedSeqParams):
+        if not params.padding:
+            return self._sliced_tokens(query, key, value, params)
+        # Sequence-parallel padding rows (batch.py) attend to nothing: zeros, no gradient to anyone.
+        real = query.shape[0] - params.padding
+        out = self._sliced_tokens(query[:real], key[:real], value[:real], params)
+        return torch.cat([out, out.new_zeros((params.padding, *out.shape[1:]))])
+
+    def _sliced_tokens(self, query, key, value, params: SlicedSeqParams):
         if params.cp is not None:  # a merged MicroPack: this member's token share
             return cp_sliced_attention(self, query, key, value, params)
         if params.cu_seqlens_attn_kv is None:
             raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with runtime.batch)")
+        cu_q = params.slice_cu_seqlens
         keys, values = stored_and_prefixed(params.kv_store, self.layer_number, key, value,
-                                           params.cu_seqlens_q.tolist(), params.sample_ids, params.starts,
-                                           params.keeps_kv)
-        return self._attend(query, keys, values, params.cu_seqlens_q, params.cu_seqlens_attn_kv,
+                                           cu_q.tolist(), params.sample_ids, params.starts, params.keeps_kv)
+        return self._attend(query, keys, values, cu_q, params.cu_seqlens_attn_kv,
                             params.max_seqlen_q, params.max_seqlen_attn_kv)
 
 

@@ -4,6 +4,10 @@ Any dataset feeds the runtime through `TokenSource`: `tokens(sample_id, start, e
 token ids [start, end + 1) clipped at the document's end. The extra token is the label of the
 slice's last token; when the source returns none, the slice ends its document: that token has no
 label (masked out of the loss) and its K/V is not stored (no later slice will read it).
+
+Under sequence parallelism every batch is padded to a multiple of the TP size (`pad_to`): the
+padding rows are a segment of their own at the end, with no loss and no attention to real
+tokens (`SlicedSeqParams.padding`), so real tokens' outputs and every gradient are unchanged.
 """
 from __future__ import annotations
 
@@ -57,8 +61,23 @@ class MicroPackBatch:
         return int(self.loss_mask.sum())
 
 
+def padding_rows(num_tokens: int, pad_to: int) -> int:
+    """Rows that pad `num_tokens` to a multiple of `pad_to`."""
+    return -num_tokens % pad_to
+
+
+def append_padding(rows: int, tokens: list, labels: list, loss_mask: list, positions: list) -> None:
+    """Padding rows: token and label 0, no loss, positions 0.. (any value would do: padding
+    attends to nothing)."""
+    tokens.append(torch.zeros(rows, dtype=torch.long))
+    labels.append(torch.zeros(rows, dtype=torch.long))
+    loss_mask.append(torch.zeros(rows))
+    positions.append(torch.arange(rows))
+
+
 def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | None,
-                device: torch.device | str = "cpu") -> MicroPackBatch:
+                device: torch.device | str = "cpu", pad_to: int = 1) -> MicroPackBatch:
+    """The MicroPack's slices as one packed batch, padded to a multiple of `pad_to` rows."""
     tokens, labels, loss_mask, positions, keeps_kv = [], [], [], [], []
     for piece in micropack.slices:
         ids = torch.as_tensor(source.tokens(piece.sample_id, piece.start, piece.end), dtype=torch.long)
@@ -79,13 +98,18 @@ def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | N
         keeps_kv.append(continues)
     lengths = [s.length for s in micropack.slices]
     kv_lengths = [s.end for s in micropack.slices]  # prefix [0, start) + the slice
-    cu_q = cu_seqlens(lengths, device)
+    padding = padding_rows(sum(lengths), pad_to)
+    if padding:
+        append_padding(padding, tokens, labels, loss_mask, positions)
+    segments = lengths + [padding] * bool(padding)
+    cu_q = cu_seqlens(segments, device)
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
-        max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+        max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
         sample_ids=[s.sample_id for s in micropack.slices], starts=[s.start for s in micropack.slices],
         keeps_kv=keeps_kv, kv_store=kv_store,
         cu_seqlens_attn_kv=cu_seqlens(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
+        padding=padding,
     )
 
     def as_row(parts, dtype):

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..plan import MicroPack
-from .batch import MicroPackBatch, build_batch
+from .batch import MicroPackBatch, append_padding, build_batch, padding_rows
 from .kernels import cu_seqlens, segment_attention
 from .kv_store import stored_and_prefixed
 from .seq_params import CPLayout, PositionRuns, SlicedSeqParams
@@ -146,25 +146,27 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
 
 
 def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size: int, group_rank: int,
-                   device: torch.device | str = "cpu"):
-    """This member's share of a MicroPack as model inputs (a `MicroPackBatch` of local tokens)."""
+                   device: torch.device | str = "cpu", pad_to: int = 1):
+    """This member's share of a MicroPack as model inputs (a `MicroPackBatch` of local tokens),
+    padded to a multiple of `pad_to` rows (sequence parallelism; see batch.py)."""
     full = build_batch(micropack, source, kv_store, "cpu")
     layout, local, local_per_slice = build_layout(micropack, group, group_size, group_rank, device)
     fp = full.packed_seq_params
-    cu_q = cu_seqlens(local_per_slice, device)
+    padding = padding_rows(len(local), pad_to)
+    segments = local_per_slice + [padding] * bool(padding)
+    cu_q = cu_seqlens(segments, device)
+    rows = {name: [getattr(full, name)[0, local]] for name in ("tokens", "labels", "loss_mask", "position_ids")}
+    if padding:
+        append_padding(padding, rows["tokens"], rows["labels"], rows["loss_mask"], rows["position_ids"])
+    rows = {name: torch.cat(parts).to(device).unsqueeze(0) for name, parts in rows.items()}
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
-        max_seqlen_q=max(local_per_slice), max_seqlen_kv=max(local_per_slice),
+        max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
         sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
         cu_seqlens_attn_kv=fp.cu_seqlens_attn_kv.to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
-        token_positions=layout.local_positions, cp=layout,
+        token_positions=rows["position_ids"][0], cp=layout, padding=padding,
     )
-
-    def pick(row):
-        return row[:, local].to(device)
-
-    return MicroPackBatch(tokens=pick(full.tokens), labels=pick(full.labels), loss_mask=pick(full.loss_mask),
-                          position_ids=pick(full.position_ids), packed_seq_params=params)
+    return MicroPackBatch(packed_seq_params=params, **rows)
 
 
 # ---- collectives ---------------------------------------------------------------------------
@@ -252,5 +254,5 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
     if cu_kv is None:
         raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with build_cp_batch)")
     if layout.runs is None:  # the same for every layer of the MicroPack
-        layout.runs = PositionRuns.of(params.cu_seqlens_q, cu_kv, layout.local_positions)
+        layout.runs = PositionRuns.of(params.slice_cu_seqlens, cu_kv, layout.local_positions)
     return runs_attention(module._attend, query, keys, values, layout.runs)

@@ -19,7 +19,8 @@ MicroPacks in the plan's backward-sequence order.
 Per unit on stage s (`replica.stage_orders[s]`):
 
 * forward unit u: receive the unit's activation from the previous stage (a [sum of the unit's
-  MicroPack tokens, 1, hidden] tensor: the shape comes from the plan, there is no shape
+  MicroPack tokens, 1, hidden] tensor, this TP rank's share of the rows under sequence
+  parallelism: the shape comes from the plan, there is no shape
   exchange), split it into one leaf per MicroPack (`split_into_leaves`), run `forward_step` per
   MicroPack, concatenate the outputs: the activation for the next stage;
 * backward unit v: receive the gradient of the unit's outputs (ordered as the backward unit lists
@@ -101,6 +102,13 @@ def inner_module(model):
     while not hasattr(inner, "post_process") and hasattr(inner, "module"):
         inner = inner.module
     return inner
+
+
+def sequence_shards(config) -> int:
+    """Shares of every MicroPack's rows between TP ranks: the TP size under sequence parallelism
+    (batches are padded to a multiple of it), else 1."""
+    tp_size = getattr(config, "tensor_model_parallel_size", 1) or 1
+    return tp_size if getattr(config, "sequence_parallel", False) else 1
 
 
 def megatron_config(model):
@@ -204,6 +212,8 @@ class StageExecutor:
         self._outbox: dict = {}  # Transfer -> tensor produced, not yet posted
         self._inbox: dict = {}   # Transfer -> (buffer, request, posted at): posted, not yet consumed
         self.hidden = config.hidden_size
+        # Under sequence parallelism a stage's activations are this TP rank's share of the rows.
+        self.sequence_shards = sequence_shards(config)
         self.dtype = getattr(config, "pipeline_dtype", None) or param.dtype
         self.device = param.device
         self.deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not self.last
@@ -229,7 +239,7 @@ class StageExecutor:
                        for order in replica.stage_orders]
         tasks = stage_tasks[self.pp_rank]
         last_backward = max((i for i, (kind, _) in enumerate(tasks) if kind == "B"), default=None)
-        counts = [batch.num_tokens for batch in batches]
+        counts = [batch.num_tokens // self.sequence_shards for batch in batches]  # activation rows
 
         def members_of(kind: str, unit: int) -> list[int]:
             return (replica.forward_units if kind == "F" else replica.backward_units)[unit]
@@ -261,7 +271,7 @@ class StageExecutor:
                 if outgoing is not None:
                     self._outbox[outgoing] = sent
                 reports.append(UnitReport(
-                    kind, unit, list(members), sum(sizes),
+                    kind, unit, list(members), sum(batches[mp].num_tokens for mp in members),
                     sum(replica.micropacks[mp].attention_pairs for mp in members),
                     time.perf_counter() - began, loss_sum, detail))
             self._post(calls.get(len(tasks)), tokens_of)

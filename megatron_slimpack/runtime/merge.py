@@ -88,7 +88,9 @@ def merge_groups(plan: Plan | int, dp_group_ranks: Optional[Sequence[int]] = Non
     return groups
 
 
-def member_batches(replica: ReplicaPlan, token_source, kv_store: KVStore, group, group_rank: int, device) -> list:
-    """This member's share of every MicroPack of a merge group, as context-parallel batches."""
+def member_batches(replica: ReplicaPlan, token_source, kv_store: KVStore, group, group_rank: int, device,
+                   pad_to: int = 1) -> list:
+    """This member's share of every MicroPack of a merge group, as context-parallel batches
+    (padded to a multiple of `pad_to` rows under sequence parallelism)."""
     return [build_cp_batch(mp, token_source, kv_store, group=group, group_size=len(replica.dp_ranks),
-                           group_rank=group_rank, device=device) for mp in replica.micropacks]
+                           group_rank=group_rank, device=device, pad_to=pad_to) for mp in replica.micropacks]

@@ -1,7 +1,8 @@
 """A megatron-core GPTModel that runs SlimPack MicroPacks.
 
-The only change to `GPTModel`: for a sliced THD batch (`SlicedSeqParams`) the rotary table is
-built from each token's absolute position (see rope.py) instead of restarting per segment.
+Two changes to `GPTModel`: for a sliced THD batch (`SlicedSeqParams`) the rotary table is
+built from each token's absolute position (see rope.py) instead of restarting per segment; and
+under sequence parallelism torch norms are swapped for ones that support it (norm.py).
 Everything else, weights and state-dict keys included, is megatron's, so a checkpoint moves
 freely between this model and a stock one.
 """
@@ -13,10 +14,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import SlicedSeqParams, slimpack_layer_spec
+from .norm import sequence_parallel_spec
 from .rope import rotary_freqs_at, slice_positions
 
 
 class SlimPackGPTModel(GPTModel):
+    def __init__(self, config: TransformerConfig, transformer_layer_spec, *args, **kwargs):
+        spec = sequence_parallel_spec(transformer_layer_spec, config, vp_stage=kwargs.get("vp_stage"))
+        super().__init__(config, spec, *args, **kwargs)
+
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, **kwargs):
         outputs = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,

@@ -21,8 +21,9 @@ def slice_positions(params: SlicedSeqParams) -> Tensor:
     if getattr(params, "token_positions", None) is not None:
         return params.token_positions
     lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
+    starts = list(params.starts) + [0] * (len(lengths) - len(params.starts))  # padding: positions 0..
     device = params.cu_seqlens_q.device
-    return torch.cat([torch.arange(start, start + n, device=device) for start, n in zip(params.starts, lengths)])
+    return torch.cat([torch.arange(start, start + n, device=device) for start, n in zip(starts, lengths)])
 
 
 def rotary_freqs_at(rotary_embedding, positions: Tensor) -> Tensor:

@@ -35,12 +35,17 @@ divided by the global batch's loss-token count, so DDP must *sum*: build the con
 `calculate_per_token_loss=True` before wrapping, which the schedule checks). Megatron DDP
 (0.16.1) runs on CPU with gloo under `compat.apply()` (overlap_grad_reduce=False tested).
 Fallback without a finalize function: a Megatron DDP model gets `finish_grad_sync()`, a plain
-module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group
-(`reduce_grads=False` skips it).
+module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group, and the
+gradients that are partial per TP rank (sequence-parallel norms, q/k norms) are summed over the
+TP group, as `finalize_model_grads` does (`reduce_grads=False` skips both).
 
-Tensor parallelism without sequence parallelism works (each TP rank exchanges the full
-activation with its peer in the pipeline group); sequence parallelism is refused with a clear
-`ScheduleError`.
+Tensor parallelism runs with or without sequence parallelism. Without it each TP rank exchanges
+the full activation with its peer in the pipeline group; with it (`config.sequence_parallel`)
+every MicroPack (or a merge-group member's share of one) is padded to a multiple of the TP size
+(batch.py: a padding segment with no loss that attends to nothing), and stages exchange each TP
+rank's share of the rows. The sequence-parallel norms' weight gradients are partial sums per TP
+rank: Megatron's `finalize_model_grads` sums them over the TP group; without a finalize function
+the schedule does (`groups.tp_group`).
 
 Timing: `timeline=True` (or a `runtime.timing.Timeline`) records every F/B task, blocking
 receive and send on every rank against a clock started after a barrier, gathered to the first
@@ -83,7 +88,8 @@ class ScheduleGroups:
     `pp_group`/`pp_rank`: the pipeline group and this rank's stage (None: a single stage).
     `dp_group`/`dp_rank`: the data-parallel group (gradient and loss reduction; None: no data
     parallelism) and this rank's DP rank, which picks the replica plans it runs.
-    `tp_rank`: the tensor-parallel rank (timeline records). `check_group`: the ranks the plan's
+    `tp_group`/`tp_rank`: the tensor-parallel group (sequence-parallel norm gradients, when there
+    is no finalize function) and rank (timeline records). `check_group`: the ranks the plan's
     fingerprint is compared over and the timeline is gathered over (None: the world).
     `merge_groups`: {dp_ranks: process group} from `runtime.merge.merge_groups`, needed when the
     plan has DP-Merge groups.
@@ -94,6 +100,7 @@ class ScheduleGroups:
     dp_group: Any = None
     dp_rank: int = 0
     tp_rank: int = 0
+    tp_group: Any = None
     check_group: Any = None
     merge_groups: Optional[dict] = None
 
@@ -117,7 +124,8 @@ class ScheduleGroups:
         dp_group = parallel_state.get_data_parallel_group()
         return cls(pp_group=pp_group, pp_rank=dist.get_rank(pp_group) if _group_size(pp_group) > 1 else 0,
                    dp_group=dp_group, dp_rank=dist.get_rank(dp_group),
-                   tp_rank=parallel_state.get_tensor_model_parallel_rank(), merge_groups=merge_groups)
+                   tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                   tp_group=parallel_state.get_tensor_model_parallel_group(), merge_groups=merge_groups)
 
 
 class ScheduleResult(list):
@@ -188,12 +196,6 @@ def _pick_replicas(plan: Plan, dp_rank: int) -> tuple[list[ReplicaPlan], Replica
 
 
 def _check_model(model, config, groups: ScheduleGroups, forward_only: bool) -> None:
-    tp_size = getattr(config, "tensor_model_parallel_size", 1) or 1
-    if tp_size > 1 and getattr(config, "sequence_parallel", False):
-        raise ScheduleError(
-            "the SlimPack pipeline schedule does not support sequence parallelism yet (MicroPacks are not padded "
-            "to a multiple of tp and activations would be sent as TP shards); set sequence_parallel=False "
-            "(tensor parallelism without sequence parallelism is supported)")
     if (_is_megatron_ddp(model) and groups.dp_size > 1 and not getattr(config, "calculate_per_token_loss", False)
             and not forward_only):
         raise ScheduleError(
@@ -226,22 +228,47 @@ def _is_megatron_ddp(model) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def _all_reduce_sum(grads: list[Tensor], group) -> None:
+    """Sum tensors over `group` in place, one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(same)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for grad, reduced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            grad.copy_(reduced)
+
+
 def _reduce_grads(model, group) -> None:
-    """Sum parameter gradients over the data-parallel group, one flat buffer per dtype."""
+    """Sum parameter gradients over the data-parallel group."""
     if group is None or dist.get_world_size(group) == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+    _all_reduce_sum([p.grad for p in params], group)
+
+
+def _tp_partial_grads(model, config) -> list[Tensor]:
+    """Gradients that are partial sums per TP rank (Megatron's rule in finalize_model_grads):
+    weights marked `sequence_parallel` under sequence parallelism (norms that saw only this
+    rank's rows), and q/k norm weights (only this rank's heads)."""
+    sequence_parallel, qk_norm = getattr(config, "sequence_parallel", False), getattr(config, "qk_layernorm", False)
+    grads = []
+    for name, p in model.named_parameters():
+        partial = ((sequence_parallel and getattr(p, "sequence_parallel", False))
+                   or (qk_norm and ("q_layernorm" in name or "k_layernorm" in name)))
+        grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+        if p.requires_grad and partial and grad is not None:
+            grads.append(grad)
+    return grads
+
+
+def _reduce_tp_partial_grads(model, config, tp_group) -> None:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        _all_reduce_sum(_tp_partial_grads(model, config), tp_group)
 
 
 class _GradientSync:
@@ -249,8 +276,10 @@ class _GradientSync:
     sync is disabled (no_sync) around every backward but this stage's last one; then
     grad_sync_func (if any) and finalize_model_grads_func once per step."""
 
-    def __init__(self, model, config, *, first_stage: bool, dp_group, reduce_grads: bool, megatron_kwargs: dict):
-        self.model, self.first_stage, self.dp_group, self.reduce_grads = model, first_stage, dp_group, reduce_grads
+    def __init__(self, model, config, *, first_stage: bool, groups: ScheduleGroups, reduce_grads: bool,
+                 megatron_kwargs: dict):
+        self.model, self.config, self.first_stage, self.reduce_grads = model, config, first_stage, reduce_grads
+        self.dp_group, self.tp_group = groups.dp_group, groups.tp_group
         self.no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
         self.grad_sync_func = getattr(config, "grad_sync_func", None)
         self.finalize_func = getattr(config, "finalize_model_grads_func", None)
@@ -289,7 +318,8 @@ class _GradientSync:
             self.model.finish_grad_sync()
         else:
             _reduce_grads(self.model, self.dp_group)
-        return _group_size(self.dp_group) > 1
+        _reduce_tp_partial_grads(self.model, self.config, self.tp_group)
+        return _group_size(self.dp_group) > 1 or _group_size(self.tp_group) > 1
 
 
 # ---- the step ------------------------------------------------------------------------------
@@ -309,12 +339,14 @@ def _start_timeline(timeline, groups: ScheduleGroups):
     return timeline, StageMemory(groups.dp_rank, groups.pp_rank, tp_rank=groups.tp_rank)
 
 
-def _batches(replica: ReplicaPlan, token_source: TokenSource, store: KVStore, groups: ScheduleGroups, device) -> list:
-    """One batch per MicroPack: whole, or this member's share when `replica` is a merge group."""
+def _batches(replica: ReplicaPlan, token_source: TokenSource, store: KVStore, groups: ScheduleGroups, device,
+             pad_to: int) -> list:
+    """One batch per MicroPack: whole, or this member's share when `replica` is a merge group;
+    padded to a multiple of `pad_to` rows (sequence parallelism)."""
     if not replica.is_merge_group:
-        return [build_batch(mp, token_source, store, device) for mp in replica.micropacks]
+        return [build_batch(mp, token_source, store, device, pad_to) for mp in replica.micropacks]
     return member_batches(replica, token_source, store, groups.merge_groups[tuple(replica.dp_ranks)],
-                          replica.dp_ranks.index(groups.dp_rank), device)
+                          replica.dp_ranks.index(groups.dp_rank), device, pad_to)
 
 
 def _step_loss(result: ScheduleResult, loss_sum: float, dp_group) -> None:
@@ -375,7 +407,7 @@ def slimpack_forward_backward(
     executor = StageExecutor(model, num_loss_tokens=global_loss_tokens(plan), store=store, pp_group=groups.pp_group,
                              pp_rank=groups.pp_rank, pp_size=groups.pp_size, forward_only=forward_only,
                              timeline=timeline, memory_record=memory_record)
-    sync = _GradientSync(model, config, first_stage=executor.first, dp_group=groups.dp_group,
+    sync = _GradientSync(model, config, first_stage=executor.first, groups=groups,
                          reduce_grads=reduce_grads, megatron_kwargs=kwargs)
     result = ScheduleResult()
     result.num_loss_tokens = executor.num_loss_tokens
@@ -387,7 +419,7 @@ def slimpack_forward_backward(
         # DP-Merge groups first (design.md section 3): members share each outlier's tokens.
         for replica in merged + [own]:
             reports = executor.run(
-                replica, _batches(replica, token_source, store, groups, executor.device),
+                replica, _batches(replica, token_source, store, groups, executor.device, executor.sequence_shards),
                 replica_index=position_of[id(replica)],
                 detail=f"merge group {list(replica.dp_ranks)}" if replica.is_merge_group else "",
                 before_last_backward=None if replica.is_merge_group else sync.before_last_backward)

@@ -38,10 +38,20 @@ class SlicedSeqParams(PackedSeqParams):
     # MicroPack; their absolute positions, and how the shares fit together.
     token_positions: Optional[Tensor] = None
     cp: Optional["CPLayout"] = None  # how a merged MicroPack's tokens are shared
+    # Sequence parallelism: trailing rows that pad the tokens to a multiple of the TP size. They
+    # are the last segment of cu_seqlens_q/kv (megatron's reshapes and RoPE see every row), have
+    # no slice (sample_ids, starts, keeps_kv, cu_seqlens_attn_kv list only slices), no loss, and
+    # attention gives them zeros: they never meet a real token.
+    padding: int = 0
 
     def __post_init__(self):
         if not (len(self.sample_ids) == len(self.starts) == len(self.keeps_kv)):
             raise ValueError("SlicedSeqParams: sample_ids, starts and keeps_kv must have one entry per slice")
+
+    @property
+    def slice_cu_seqlens(self) -> Tensor:
+        """cu_seqlens_q of the slices alone (the padding segment left out)."""
+        return self.cu_seqlens_q[:-1] if self.padding else self.cu_seqlens_q
 
 
 @dataclass
