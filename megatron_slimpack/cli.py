@@ -7,11 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from . import __version__, library_noise
+from .cli_options import add_model_option, non_negative_int, positive_float, positive_int, restrict_choices
 from .config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
 from .costmodel import CostModel
 from .plan import Plan, PlanError
-from .specs import ParallelConfig, SpecError
+from .specs import HARDWARE, ParallelConfig, SpecError
 
 DEFAULT_WORKLOAD = "text"  # the running Python's standard library: real text, no download
 
@@ -22,21 +23,12 @@ class CliError(Exception):
 
 # ---- shared options ---------------------------------------------------------------------------
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_cost_options(parser: argparse.ArgumentParser, *, model: str = "llama-7b"):
     """--model, and --cost-model / --hardware (generated from `MegatronIntegrationConfig`'s fields)."""
-    parser.add_argument("--model", default=model, help=f"model preset (default {model})")
-    add_options(parser, MegatronIntegrationConfig, CLI, only=("cost_model", "hardware"))
+    add_model_option(parser, model, f"model preset (default {model})")
+    add_options(parser, MegatronIntegrationConfig, CLI, only=("cost_model", "hardware"),
+                help_extra={"hardware": f"One of: {', '.join(HARDWARE)}."})
+    restrict_choices(parser, "--hardware", HARDWARE)
 
 
 def cost_record(args) -> dict:
@@ -65,10 +57,11 @@ def cost_of_plan(plan: Plan, args) -> CostModel:
 def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
     """One option per `SlimPackConfig` field that is a CLI option (type, default and help from the
     field; `config.add_options`), but those in `exclude`."""
-    from .solver.strategies import strategy_help
+    from .solver.strategies import strategy_help, strategy_names
 
     add_options(parser, SlimPackConfig, CLI, exclude=exclude,
                 help_extra={"strategy": f"One of: {strategy_help()}."})
+    restrict_choices(parser, "--strategy", strategy_names())
 
 
 def add_workload_options(parser: argparse.ArgumentParser, *, batch: int, model: str,
@@ -236,6 +229,7 @@ def cmd_simulate(args) -> int:
 def cmd_compare(args) -> int:
     from .comparison import run_comparison
 
+    check_compare_output(args)
     config = planner_config(args)
     warn_about_inputs(args, config)
     result = run_comparison(
@@ -248,11 +242,23 @@ def cmd_compare(args) -> int:
         raise CliError(f"no strategy has a feasible layout on {args.gpus} GPUs ({reasons})")
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=float))
+    elif args.csv:
+        print(result.table("csv"), end="")
+    elif args.markdown:
+        print(result.markdown_document(), end="")
     else:
-        print(result.table("csv" if args.csv else "markdown"))
+        print(result.table("markdown"))
         for line in result.notes():
             print(line)
     return 0
+
+
+def check_compare_output(args) -> None:
+    """--json, --csv and --markdown each choose the whole output: at most one of them."""
+    chosen = [flag for flag, given in (("--json", args.json), ("--csv", args.csv), ("--markdown", args.markdown))
+              if given]
+    if len(chosen) > 1:
+        raise CliError(f"{' and '.join(chosen)} each choose the output format; give one of them")
 
 
 def warn_about_inputs(args, config: SlimPackConfig, dp: int | None = None) -> None:
@@ -276,6 +282,34 @@ def cmd_demo(args) -> int:
 
 # ---- entry ---------------------------------------------------------------------------------------
 
+def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """`slimpack demo`'s options; what argparse cannot check is checked by `demo.check_demo_options`
+    before any process starts."""
+    from .demo import DemoOptions
+
+    defaults = DemoOptions()
+    demo.add_argument("--steps", type=positive_int, default=None,
+                      help=f"training steps per strategy (default {defaults.steps})")
+    demo.add_argument("--data-dir", default=None, help="text files to train on (default: Python's standard library)")
+    add_model_option(demo, defaults.model, f"model preset (default {defaults.model}; larger ones are slow on a CPU)")
+    demo.add_argument("--out-dir", default=defaults.out_dir, help="where summary.json and the Gantt charts go")
+    demo.add_argument("--pp", type=positive_int, default=defaults.pp, help="pipeline stages (gloo processes)")
+    demo.add_argument("--context-length", type=positive_int, default=None,
+                      help=f"tokens per sequence (default {defaults.context_length})")
+    demo.add_argument("--global-batch-size", type=positive_int, default=None,
+                      help=f"sequences of context length per step (default {defaults.global_batch_size})")
+    demo.add_argument("--lr", type=positive_float, default=None, help=f"Adam learning rate (default {defaults.lr:g})")
+    demo.add_argument("--seed", type=non_negative_int, default=defaults.seed,
+                      help="seed of the weights and the batch sampler")
+    demo.add_argument("--plan-ahead", type=non_negative_int, default=None,
+                      help=f"steps planned ahead in the background (default {defaults.plan_ahead}; 0: inline)")
+    demo.add_argument("--cost-model", default=defaults.cost_model, help="'analytic' or a `slimpack profile` JSON")
+    demo.add_argument("--strategies", default=None, help="comma-separated strategies the runtime trains "
+                                                         f"(default {','.join(defaults.strategies)})")
+    demo.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    demo.add_argument("--json", action="store_true", help="the summary as one JSON document on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slimpack",
                                      description="SlimPack planning, simulation and training for Megatron-LM")
@@ -288,19 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
     plan.add_argument("--dp", type=positive_int, default=4, help="data-parallel replicas")
     plan.add_argument("--cp", type=positive_int, default=1, help="context parallel size (SlimPack: its base merge)")
-    plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                      help="activation recomputation (default: none)")
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
     plan.set_defaults(run=cmd_plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan JSON: time, MFU, bubbles, memory")
-    simulate.add_argument("plan")
-    simulate.add_argument("--model", default=None, help="model preset (default: the one the plan was made with)")
-    simulate.add_argument("--hardware", default=None, help="hardware preset (default: the plan's)")
+    simulate.add_argument("plan", help="a plan JSON written by `slimpack plan --out`")
+    add_model_option(simulate, None, "model preset (default: the one the plan was made with)")
+    simulate.add_argument("--hardware", default=None, choices=list(HARDWARE), metavar="HARDWARE",
+                          help=f"hardware preset (default: the plan's); one of: {', '.join(HARDWARE)}")
     simulate.add_argument("--cost-model", default=None, metavar="{analytic,PATH}",
                           help="'analytic' or a `slimpack profile` JSON (default: the plan's)")
     simulate.add_argument("--gantt", help="write a Gantt chart PNG")
     simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
-    simulate.add_argument("--json", action="store_true")
+    simulate.add_argument("--json", action="store_true", help="the figures as one JSON document on stdout")
     simulate.add_argument("--full", action="store_true", help="with --json: every task and the memory timeline")
     simulate.set_defaults(run=cmd_simulate)
 
@@ -310,8 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_options(compare, batch=512, model="llama-7b", planner_exclude=("strategy", "base_merge"))
     compare.add_argument("--gpus", type=positive_int, default=128, help="GPUs every strategy's layout uses")
     compare.add_argument("--strategies", default="all", help="comma-separated names or 'all'")
-    compare.add_argument("--csv", action="store_true")
-    compare.add_argument("--markdown", action="store_true", help="markdown table (the default)")
+    compare.add_argument("--csv", action="store_true", help="the table as CSV, nothing else")
+    compare.add_argument("--markdown", action="store_true",
+                         help="a Markdown document: the table, notes as a list, Gantt charts as images")
     compare.add_argument("--gantt-dir", help="write one Gantt PNG per strategy here")
     compare.set_defaults(run=cmd_compare)
 
@@ -334,31 +371,19 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.set_defaults(run=selftest_main)
 
     demo = commands.add_parser("demo", help="the main job on the embedded default workload")
-    demo.add_argument("--steps", type=int, default=None)
-    demo.add_argument("--data-dir", default=None, help="text files to train on (default: Python's standard library)")
-    demo.add_argument("--model", default="tiny")
-    demo.add_argument("--out-dir", default="out/demo")
-    demo.add_argument("--pp", type=int, default=2, help="pipeline stages (gloo processes)")
-    demo.add_argument("--context-length", type=int, default=None)
-    demo.add_argument("--global-batch-size", type=int, default=None, help="sequences of context length per step")
-    demo.add_argument("--lr", type=float, default=None)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--plan-ahead", type=int, default=None, help="steps planned ahead in the background")
-    demo.add_argument("--cost-model", default="analytic", help="'analytic' or a profile JSON")
-    demo.add_argument("--strategies", default=None, help="comma-separated, default megatron-fixed,slimpack")
-    demo.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    demo.add_argument("--json", action="store_true")
+    add_demo_arguments(demo)
     demo.set_defaults(run=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except (PlanError, SpecError, ValueError, FileNotFoundError, CliError) as error:
-        print(f"slimpack {args.command}: error: {error}", file=sys.stderr)
-        return 2
+    with library_noise.silenced():
+        try:
+            return args.run(args)
+        except (PlanError, SpecError, ValueError, FileNotFoundError, CliError) as error:
+            print(f"slimpack {args.command}: error: {error}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -40,12 +40,25 @@ class ComparisonResult:
         return comparison_table(self.rows(), fmt)
 
     def notes(self) -> list[str]:
+        return self._remarks() + [f"Gantt chart: {path}" for path in self.gantt_files]
+
+    def _remarks(self) -> list[str]:
+        """Strategies without a feasible layout, and how to run a base-merge layout in Megatron."""
         lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
         lines += [f"{name}: cp{r.parallel.cp} is its base merge; run it with --context-parallel-size 1, "
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
-        lines += [f"Gantt chart: {path}" for path in self.gantt_files]
         return lines
+
+    def markdown_document(self) -> str:
+        """The comparison as Markdown to paste into a page: the table, the notes as a list (plain
+        lines would run together into one paragraph) and each Gantt chart as an image."""
+        parts = [self.table("markdown")]
+        remarks = self._remarks()
+        if remarks:
+            parts.append("\n".join(f"- {line}" for line in remarks) + "\n")
+        parts += [f"![{Path(path).stem} Gantt chart]({path})\n" for path in self.gantt_files]
+        return "\n".join(parts)
 
     def to_dict(self) -> dict:
         return {

@@ -10,11 +10,13 @@ the planner and simulator never know which one they hold.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
+from .errors import SlimPackError
 from .specs import (
     GIB,
     HardwareSpec,
@@ -86,6 +88,79 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     return ActivationCoefficients(per_token * dtype_bytes, 0.0, 0.0, (2 * h + 1) * dtype_bytes)
 
 
+REGENERATE_PROFILE = "regenerate it with `slimpack profile --out FILE`"
+# What `to_profile_dict` writes and `from_profile` needs.
+PROFILE_KEYS = ("model", "hardware", "dtype_bytes", "attention_backend", "forward", "backward", "head_forward",
+                "head_backward", "activation")
+
+
+class ProfileError(SlimPackError):
+    """A cost-model profile that cannot be loaded: missing, not JSON, or not a `slimpack profile` file."""
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _profile_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(f"cost-model profile {path} does not exist; create it with `slimpack profile`") from None
+    except IsADirectoryError:
+        raise ProfileError(f"cost-model profile {path} is a directory; give the JSON file "
+                           "`slimpack profile --out FILE` wrote") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"cost-model profile {path} is not a text file (not UTF-8), so not JSON; "
+                           f"{REGENERATE_PROFILE}") from None
+    except OSError as error:
+        raise ProfileError(f"cost-model profile {path} cannot be read: {error.strerror or error}") from None
+
+
+def read_profile(path: str | Path) -> dict:
+    """The JSON object of a `slimpack profile` file, its top-level keys checked (`ProfileError` otherwise)."""
+    path = Path(path)
+    try:
+        data = json.loads(_profile_text(path))
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"cost-model profile {path} is not JSON ({error.msg} at line {error.lineno} "
+                           f"column {error.colno}); {REGENERATE_PROFILE}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"cost-model profile {path} holds a JSON {type(data).__name__}, not a profile object; "
+                           f"{REGENERATE_PROFILE}")
+    missing = [key for key in PROFILE_KEYS if key not in data]
+    if missing:
+        raise ProfileError(f"cost-model profile {path} lacks {', '.join(missing)}: not a `slimpack profile` file; "
+                           f"{REGENERATE_PROFILE}")
+    return data
+
+
+def _profile_section(data: dict, key: str) -> dict:
+    """One object of a profile (its coefficients, or the model/hardware spec)."""
+    section = data[key]
+    if not isinstance(section, dict):
+        shown = "null" if section is None else f"a JSON {type(section).__name__}"
+        raise ValueError(f"{key!r} is {shown}, not an object of fitted values")
+    return section
+
+
+def _profile_coefficients(data: dict, key: str, kind: type):
+    """A `TimeCoefficients` / `ActivationCoefficients` from the profile's object `key`: every
+    value a finite number, none missing (those with defaults may be left out), none unknown."""
+    section = _profile_section(data, key)
+    expected = {item.name: item.default is MISSING for item in fields(kind)}
+    missing = [name for name, required in expected.items() if required and name not in section]
+    unknown = [name for name in section if name not in expected]
+    if missing or unknown:
+        problems = ([f"lacks {', '.join(missing)}"] if missing else []) + \
+                   ([f"has unknown {', '.join(unknown)}"] if unknown else [])
+        raise ValueError(f"{key!r} {' and '.join(problems)}")
+    for name, value in section.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{key}.{name} is {value!r}, not a finite number")
+    return kind(**section)
+
+
 class CostModel:
     """Forward/backward time, p2p and DP-reduction time, and memory, per pipeline stage."""
 
@@ -126,27 +201,26 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, path: str | Path) -> "CostModel":
-        """Load coefficients written by `slimpack profile` (see `to_profile_dict`)."""
+        """Load coefficients written by `slimpack profile` (see `to_profile_dict`). A file that is
+        missing, not JSON or not such a profile raises `ProfileError`, naming the file and the problem."""
+        data = read_profile(path)
         try:
-            data = json.loads(Path(path).read_text())
             return cls(
-                model_from_dict(data["model"]),
-                hardware_from_dict(data["hardware"]),
+                model_from_dict(_profile_section(data, "model")),
+                hardware_from_dict(_profile_section(data, "hardware")),
                 dtype_bytes=int(data["dtype_bytes"]),
                 attention_backend=data["attention_backend"],
-                forward=TimeCoefficients(**data["forward"]),
-                backward=TimeCoefficients(**data["backward"]),
-                head_forward=TimeCoefficients(**data["head_forward"]),
-                head_backward=TimeCoefficients(**data["head_backward"]),
-                activation=ActivationCoefficients(**data["activation"]),
+                forward=_profile_coefficients(data, "forward", TimeCoefficients),
+                backward=_profile_coefficients(data, "backward", TimeCoefficients),
+                head_forward=_profile_coefficients(data, "head_forward", TimeCoefficients),
+                head_backward=_profile_coefficients(data, "head_backward", TimeCoefficients),
+                activation=_profile_coefficients(data, "activation", ActivationCoefficients),
                 source=f"profile:{path}",
                 reference=data.get("reference"),
             )
-        except FileNotFoundError:
-            raise ValueError(f"cost-model profile {path} does not exist; create it with `slimpack profile`") from None
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
-            raise ValueError(f"cost-model profile {path} is malformed ({error!r}); "
-                             "regenerate it with `slimpack profile`") from error
+        except (TypeError, ValueError) as error:  # a section with missing, unknown or non-numeric fields
+            raise ProfileError(f"cost-model profile {path} is malformed: {_first_line(error)}; "
+                               f"{REGENERATE_PROFILE}") from None
 
     def to_profile_dict(self) -> dict:
         def coefficients(value):

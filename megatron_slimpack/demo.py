@@ -76,6 +76,77 @@ class DemoOptions:
         return options
 
 
+class DemoOptionError(ValueError):
+    """A `slimpack demo` option that cannot work, found before any process starts."""
+
+
+# (option, its attribute, the least value it takes)
+DEMO_NUMBERS = (("--steps", "steps", 1), ("--pp", "pp", 1), ("--context-length", "context_length", 1),
+                ("--global-batch-size", "global_batch_size", 1), ("--plan-ahead", "plan_ahead", 0),
+                ("--seed", "seed", 0))
+
+
+def check_demo_options(options: DemoOptions) -> None:
+    """Refuse what would fail inside the worker processes (as interleaved tracebacks, or a timeout),
+    here in the parent: numbers out of range, unknown strategies or model, a missing data
+    directory, an unreadable cost-model profile. Each `DemoOptionError` names the option and the fix."""
+    for flag, name, least in DEMO_NUMBERS:
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise DemoOptionError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if not options.lr > 0:
+        raise DemoOptionError(f"--lr must be a positive number, got {options.lr!r}")
+    _check_demo_strategies(options.strategies)
+    _check_demo_model(options.model, options.pp)
+    _check_demo_data_dir(options.data_dir)
+    demo_cost_model(get_demo_spec(options.model), options.cost_model)  # raises on a bad profile
+
+
+def _check_demo_strategies(strategies) -> None:
+    from .solver.strategies import trainable_strategy_names
+
+    known = trainable_strategy_names()
+    if not strategies:
+        raise DemoOptionError(f"--strategies names no strategy; give some of: {', '.join(known)}")
+    unknown = [name for name in strategies if name not in known]
+    if unknown:
+        raise DemoOptionError(f"--strategies: {', '.join(map(repr, unknown))} cannot be trained by the demo; "
+                              f"known: {', '.join(known)}")
+
+
+def _check_demo_model(model: str, pp: int) -> None:
+    from .specs import ParallelConfig, SpecError
+
+    try:
+        ParallelConfig(pp=pp).check_model(get_demo_spec(model))
+    except SpecError as error:
+        raise DemoOptionError(f"--model {model} --pp {pp}: {error}") from None
+
+
+def _check_demo_data_dir(data_dir: str | None) -> None:
+    if data_dir is None:
+        return
+    from .workload import TextCorpus, WorkloadError
+
+    if not Path(data_dir).expanduser().is_dir():
+        raise DemoOptionError(f"--data-dir {data_dir} is not a directory; give a directory of *.py text files, "
+                              "or leave the option out to train on Python's standard library")
+    try:
+        TextCorpus(data_dir)
+    except WorkloadError as error:
+        raise DemoOptionError(f"--data-dir {data_dir}: {error}") from None
+
+
+def get_demo_spec(model: str):
+    """The model preset `model` with the demo corpus's byte-level vocabulary."""
+    from .workload import TextCorpus
+
+    try:
+        return demo_model_spec(model, TextCorpus.VOCAB_SIZE)
+    except ValueError as error:  # SpecError: an unknown preset, its message lists the known ones
+        raise DemoOptionError(f"--model: {error}") from None
+
+
 # ---- plans ----------------------------------------------------------------------------------
 def exact_fixed_plan(plan, lengths: list[int], parallel, sources=None):
     """Megatron's fixed-length packing with exact attention: the `megatron-fixed` plan's
@@ -249,9 +320,9 @@ class DemoRunner:
     """
 
     def __init__(self, rank: int, world_size: int, port: int, options: DemoOptions):
-        import warnings
+        from .library_noise import ignore_library_warnings
 
-        warnings.filterwarnings("ignore")
+        ignore_library_warnings()  # megatron-core's "not installed" notices, in every process; ours still show
         import torch
 
         from .runtime.host_memory import keep_freed_host_memory
@@ -543,8 +614,7 @@ def _predicted_legend(source: str, rows: dict) -> str:
 
 def run_demo(args) -> int:
     options = DemoOptions.from_args(args)
-    if options.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {options.steps}")
+    check_demo_options(options)
     out_dir = Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if options.json:

@@ -383,13 +383,16 @@ def validate_main(args) -> int:
 
 def add_validate_arguments(parser) -> None:
     parser.add_argument("--profile", help="profile JSON from `slimpack profile` (default: analytic cpu model)")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--plans", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument("--global-batch-size", type=int, default=4)
-    parser.add_argument("--strategy", action="append")
-    parser.add_argument("--out-dir")
-    parser.add_argument("--json", action="store_true")
+    from .cli_options import add_model_option, positive_int
+
+    add_model_option(parser, "tiny", "model preset run on this machine's CPU (default tiny)")
+    parser.add_argument("--plans", type=positive_int, default=2, help="global batches planned, run and compared")
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline stages (one process each)")
+    parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas (processes per stage)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs of each plan (the median is compared)")
+    parser.add_argument("--context-length", type=positive_int, default=2048, help="tokens per sequence")
+    parser.add_argument("--global-batch-size", type=positive_int, default=4, help="sequences per global batch")
+    parser.add_argument("--strategy", action="append", help="a strategy to validate (repeat it; default: slimpack)")
+    parser.add_argument("--out-dir", help="write the measured and simulated timelines (Chrome traces, Gantt PNGs) here")
+    parser.add_argument("--json", action="store_true", help="one JSON document instead of the table")

@@ -522,18 +522,20 @@ def profile_main(args) -> int:
 
 
 def add_profile_arguments(parser) -> None:
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=2, help="pipeline stages the chunk is sized for")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--concurrent", type=int, default=1,
+    from .cli_options import add_model_option, positive_int
+
+    add_model_option(parser, "tiny", "model preset to time (default tiny)")
+    parser.add_argument("--tp", type=int, default=1, choices=[1],
+                        help="tensor-parallel size: 1 only (the cost model divides the token terms by tp)")
+    parser.add_argument("--pp", type=positive_int, default=2, help="pipeline stages the chunk is sized for")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per grid point (default 3)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--concurrent", type=positive_int, default=1,
                         help="measure in this many processes at once (as many as the training run will use)")
     parser.add_argument("--quick", action="store_true", help="a small grid (tests)")
     parser.add_argument("--no-p2p", action="store_true", help="skip the 2-process gloo p2p measurement")
-    parser.add_argument("--out", default="profile.json")
-    parser.add_argument("--json", action="store_true")
-
+    parser.add_argument("--out", default="profile.json", help="where the profile JSON goes (default profile.json)")
+    parser.add_argument("--json", action="store_true", help="the fit as one JSON document on stdout (logs: stderr)")
 
 if __name__ == "__main__":
     import argparse

@@ -62,7 +62,6 @@ def test_compare_passes_the_planner_options_on(monkeypatch):
     (["--context-length", "1024", "--max-micropack-tokens", "4096"],
      "--max-micropack-tokens 4096 exceeds --context-length 1024"),
     (["--solver-time-limit", "0"], "--solver-time-limit must be > 0 seconds"),
-    (["--hardware", "tpu"], "--hardware 'tpu' is not a hardware preset"),
     (["--cost-model", "/no/such.json"], "--cost-model '/no/such.json' is neither 'analytic' nor an existing profile"),
 ])
 def test_bad_values_are_refused_naming_the_option(argv, message, capsys):
@@ -105,6 +104,14 @@ def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, c
     (["plan", "--steps", "-3"], "argument --steps: must be a positive integer"),
     (["plan", "--dp", "0"], "argument --dp: must be a positive integer"),
     (["plan", "--global-batch-size", "x"], "argument --global-batch-size: expected a positive integer"),
+    (["plan", "--hardware", "tpu"], "argument --hardware: invalid choice: 'tpu' (choose from 'h100-sxm', 'h200'"),
+    (["plan", "--strategy", "bogus"], "argument --strategy: invalid choice: 'bogus' (choose from "),
+    (["simulate", "p.json", "--model", "llama-150b"], "argument --model: invalid choice: 'llama-150b' (choose from "
+                                                      "'llama-7b', 'llama-13b', 'llama-70b', 'llama-150b-gqa'"),
+    (["demo", "--pp", "0"], "argument --pp: must be a positive integer, got 0"),
+    (["demo", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+    (["demo", "--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (["profile", "--tp", "2"], "argument --tp: invalid choice: 2 (choose from 1)"),
 ])
 def test_nonsense_numbers_exit_2_naming_the_flag(argv, message, capsys):
     """issue 25: these ran and printed nothing (or an empty table) with exit 0."""
@@ -153,3 +160,53 @@ def test_bad_plan_files_and_inputs_are_one_line_errors(tmp_path, capsys):
         ms.plan(None, parallel=ms.ParallelConfig(), cost=ms.CostModel.analytic("llama-7b", "h100-sxm"))
     for error in (ms.PlanError, ms.SpecError, ms.WorkloadError, ms.ConfigError):
         assert issubclass(error, ms.SlimPackError)
+
+
+def test_plan_model_error_lists_the_presets(capsys):
+    """issue 25: the README said llama-150b, the preset is llama-150b-gqa; a wrong name shows them all."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", "llama-150b"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "argument --model: invalid choice: 'llama-150b'" in err and "'llama-150b-gqa'" in err
+
+
+def _subcommand(parser, name: str):
+    return parser._subparsers._group_actions[0].choices[name]
+
+
+@pytest.mark.parametrize("command", list(cli.build_parser()._subparsers._group_actions[0].choices))
+def test_every_option_has_a_help_text(command):
+    """issue 25: `slimpack <command> --help` showed bare flags (no help) for a third of them."""
+    sub = _subcommand(cli.build_parser(), command)
+    bare = [action.option_strings or action.dest for action in sub._actions if not (action.help or "").strip()]
+    assert bare == []
+
+
+def test_the_subcommands_themselves_have_help():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0]
+    assert all((choice.help or "").strip() for choice in commands._choices_actions)
+    assert {choice.dest for choice in commands._choices_actions} == set(commands.choices)
+
+
+@pytest.mark.parametrize("command, flag, values", [
+    ("plan", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("plan", "--hardware", ["h100-sxm", "h200", "a100", "cpu"]),
+    ("compare", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("simulate", "--hardware", ["h100-sxm", "h200", "a100", "cpu"]),
+    ("demo", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("profile", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+])
+def test_fixed_value_options_list_their_choices(command, flag, values):
+    sub = _subcommand(cli.build_parser(), command)
+    action = next(a for a in sub._actions if flag in a.option_strings)
+    assert list(action.choices) == values
+    assert ", ".join(values) in action.help
+
+
+def test_strategy_choices_are_the_registered_strategies():
+    from megatron_slimpack.solver.strategies import strategy_names
+
+    action = next(a for a in _subcommand(cli.build_parser(), "plan")._actions if "--strategy" in a.option_strings)
+    assert list(action.choices) == strategy_names()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import megatron_slimpack as ms
+from megatron_slimpack import cli, comparison
 from megatron_slimpack.comparison import run_comparison
 from megatron_slimpack.simulator import per_batch_report, simulate
 
@@ -62,3 +63,38 @@ def test_per_batch_report_is_the_steps_together():
     assert min(r.mfu for r in reports) <= combined.mfu <= max(r.mfu for r in reports)
     with pytest.raises(ValueError):
         per_batch_report([], 1)
+
+
+COMPARE_SMALL = ["compare", "--workload", "longtail", "--model", "tiny", "--hardware", "cpu", "--gpus", "2",
+                 "--context-length", "4096", "--global-batch-size", "4", "--strategies", "megatron-fixed,bfd"]
+
+
+def test_markdown_is_a_document_with_notes_as_a_list_and_charts_as_images(monkeypatch, capsys):
+    """issue 25: `compare --markdown` did nothing (Markdown was already the default, and --csv won
+    silently); now it prints a Markdown document: the table, notes as list items (plain lines run
+    together into one paragraph) and each Gantt chart as an image."""
+    real = comparison.run_comparison
+
+    def with_note_and_chart(**kwargs):
+        result = real(**kwargs)
+        result.failures["slimpipe"] = "no layout fits in memory"
+        result.gantt_files.append("charts/bfd.png")
+        return result
+
+    monkeypatch.setattr(comparison, "run_comparison", with_note_and_chart)
+    assert cli.main([*COMPARE_SMALL, "--markdown"]) == 0
+    out = capsys.readouterr().out
+    table, notes, image = out.split("\n\n")
+    assert table.splitlines()[0].startswith("| strategy | layout |") and len(table.splitlines()) == 4
+    assert notes == "- slimpipe: no feasible layout (no layout fits in memory)"
+    assert image == "![bfd Gantt chart](charts/bfd.png)\n"
+    assert cli.main(COMPARE_SMALL) == 0  # the default: the table and plain note lines
+    assert "Gantt chart: charts/bfd.png" in capsys.readouterr().out
+
+
+def test_output_formats_exclude_each_other(capsys):
+    assert cli.main([*COMPARE_SMALL, "--markdown", "--csv"]) == 2
+    assert "--csv and --markdown each choose the output format; give one of them" in capsys.readouterr().err
+    assert cli.main([*COMPARE_SMALL, "--json", "--markdown"]) == 2
+    assert cli.main([*COMPARE_SMALL, "--csv"]) == 0
+    assert capsys.readouterr().out.startswith("strategy,layout,iteration_s,")

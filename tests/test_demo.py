@@ -4,6 +4,7 @@ pieces: the measured tasks from the schedule's timeline, the honestly labelled p
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import pytest
@@ -129,3 +130,55 @@ def test_demo_other_strategies(tmp_path):
     for row in summary["rows"].values():
         assert row["steps"] == 2 and row["ms_per_iter"] > 0 and row["last_step_tasks"]
     assert len(summary["gantt_files"]) == 3
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`slimpack demo` with its worker processes replaced by a failure: a test passes only when the
+    option is refused before any process would start."""
+    from megatron_slimpack import demo
+
+    def refuse(options):
+        raise AssertionError("the demo started its processes")
+
+    monkeypatch.setattr(demo, "launch", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategies", "bogus"], "--strategies: 'bogus' cannot be trained by the demo; known: slimpack, "),
+    (["--strategies", ","], "--strategies names no strategy; give some of: slimpack"),
+    (["--data-dir", "/nonexistent/slimpack-demo"], "--data-dir /nonexistent/slimpack-demo is not a directory; "),
+    (["--pp", "3"], "--model tiny --pp 3: tiny has 4 layers, not divisible by pp=3; choose pp among [1, 2, 4]"),
+])
+def test_demo_refuses_bad_options_before_starting_processes(argv, message, no_launch, tmp_path, capsys):
+    """issue 25: `demo --strategies bogus` / `--data-dir /nonexistent` printed two interleaved child
+    tracebacks after ~20 s, `--pp 0` waited for a 900 s timeout."""
+    from megatron_slimpack import cli
+
+    assert cli.main(["demo", *argv, "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"slimpack demo: error: {message}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_demo_refuses_a_data_dir_without_text_and_a_bad_profile(no_launch, tmp_path, capsys):
+    from megatron_slimpack import cli
+
+    assert cli.main(["demo", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path)]) == 2
+    assert f"--data-dir {tmp_path}: text: no non-empty *.py files under {tmp_path}" in capsys.readouterr().err
+    profile = tmp_path / "profile.json"
+    profile.write_text("{not json")
+    assert cli.main(["demo", "--cost-model", str(profile), "--out-dir", str(tmp_path)]) == 2
+    assert f"cost-model profile {profile} is not JSON" in capsys.readouterr().err
+
+
+def test_run_demo_checks_options_given_in_python(no_launch, tmp_path):
+    from megatron_slimpack.demo import DemoOptionError, run_demo
+
+    for name, value, message in [("pp", 0, "--pp must be an integer >= 1, got 0"),
+                                 ("plan_ahead", -1, "--plan-ahead must be an integer >= 0, got -1"),
+                                 ("lr", float("nan"), "--lr must be a positive number, got nan"),
+                                 ("model", "llama-150b", "--model: unknown model preset 'llama-150b'")]:
+        args = types.SimpleNamespace(out_dir=str(tmp_path), **{name: value})
+        with pytest.raises(DemoOptionError, match=re.escape(message)):
+            run_demo(args)

@@ -37,12 +37,14 @@ them afterwards hands that state to its worker.
 """
 from __future__ import annotations
 
+import numbers
 import queue
 import threading
 import time
 import warnings
 from typing import Callable, Optional
 
+from ..errors import SlimPackError
 from ..plan import Plan, Sample
 from ..workload import GlobalBatch, GlobalBatchSampler, TextCorpus
 from .planned import (  # noqa: F401  (PlannedBatch, BatchTokenSource, PlannerError: this module's public names)
@@ -95,6 +97,9 @@ def fast_forward(sampler: GlobalBatchSampler, planner, parallel, cost, config, s
     this with steps=N, then plans batch N as the uninterrupted run did."""
     from ..solver.strategies import check_plan_input
 
+    if not _is_count(steps):
+        raise ResumeStateError(f"fast_forward: steps must be the number of batches already trained (an integer "
+                               f">= 0), got {steps!r}")
     for _ in range(int(steps)):
         batch = sampler.next_batch()
         planner.advance(check_plan_input(batch.lengths, config.context_length), parallel, cost, config,
@@ -358,20 +363,102 @@ class PlannerIterator:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the batches consumed when `state` was saved (call before iterating); the
-        planner behind a `plan_function` gets its state after them too."""
+        planner behind a `plan_function` gets its state after them too. A state that is not one
+        `state_dict()` returned raises `ResumeStateError` naming what is wrong, and changes nothing."""
+        check_resume_state(state, self.sampler)
         self.close()
-        self.sampler.load_state_dict(state["sampler"])
+        sampler_before = self.sampler.state_dict()
+        self.sampler.load_state_dict(state["sampler"])  # refuses another corpus or settings, changing nothing
         planner = self._planner()
         if planner is not None and "planner" in state:
-            planner.load_state_dict(state["planner"])
+            strategy = getattr(getattr(self.plan_fn, "config", None), "strategy", None)
+            try:
+                _load_planner_state(planner, state["planner"], strategy or type(planner).__name__)
+            except ResumeStateError:
+                self.sampler.load_state_dict(sampler_before)
+                raise
         self._consumed = int(state["consumed"])
         self._state = dict(state["sampler"])
         self._planner_state = self._planner_state_now() if planner is not None else {}
 
+
+# ---- resume states ------------------------------------------------------------------------------
+class ResumeStateError(SlimPackError):
+    """A planner iterator's resume state that is not one its `state_dict()` returned (a corrupt or
+    hand-edited checkpoint, or one of another run): says which entry is wrong."""
+
+
+RESUME_FIX = "resume from the state_dict() the run saved, unchanged"
+SAMPLER_STATE_KEYS = ("fingerprint", "step", "epoch", "cursor", "document", "offset", "split_documents",
+                      "split_pieces")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_of(state, key: str, kind: type, where: str):
+    """`state[key]`, which must be a `kind` (a dict: the state's section)."""
+    if not isinstance(state, dict):
+        raise ResumeStateError(f"{where} is a {type(state).__name__}, not a dict; {RESUME_FIX}")
+    if key not in state:
+        raise ResumeStateError(f"{where} has no {key!r} entry (it has {sorted(state)}); {RESUME_FIX}")
+    value = state[key]
+    if not isinstance(value, kind):
+        raise ResumeStateError(f"{where} entry {key!r} is {value!r}, not a {kind.__name__}; {RESUME_FIX}")
+    return value
+
+
+def check_resume_state(state, sampler) -> None:
+    """Refuse a `PlannerIterator.state_dict()` that is not one: wrong shape, a negative or
+    non-integer count, a sampler position outside its documents (`ResumeStateError`)."""
+    _entry_of(state, "sampler", dict, "the resume state")
+    consumed = _entry_of(state, "consumed", object, "the resume state")
+    if not _is_count(consumed):
+        raise ResumeStateError(f"the resume state's 'consumed' is {consumed!r}, not a count of batches (an "
+                               f"integer >= 0); {RESUME_FIX}")
+    if isinstance(sampler, GlobalBatchSampler):
+        check_sampler_state(state["sampler"], len(sampler.lengths), sampler.lengths)
+
+
+def check_sampler_state(state: dict, documents: int, lengths) -> None:
+    """A `GlobalBatchSampler.state_dict()` over `documents` documents of `lengths`: every entry
+    present, counts integers >= 0, the cursor and the open document inside the corpus."""
+    where = "the resume state's 'sampler'"
+    missing = [key for key in SAMPLER_STATE_KEYS if key not in state]
+    if missing:
+        raise ResumeStateError(f"{where} lacks {', '.join(missing)}; {RESUME_FIX}")
+    for key in SAMPLER_STATE_KEYS[1:]:
+        value = state[key]
+        if not _is_count(value) and not (key == "document" and value is None):
+            raise ResumeStateError(f"{where} entry {key!r} is {value!r}, not an integer >= 0; {RESUME_FIX}")
+    if state["cursor"] > documents:
+        raise ResumeStateError(f"{where} entry 'cursor' is {state['cursor']}, beyond the corpus's {documents} "
+                               f"documents; {RESUME_FIX} (and the same corpus)")
+    document = state["document"]
+    if document is not None and (document >= documents or state["offset"] >= lengths[document]):
+        raise ResumeStateError(f"{where} is inside document {document} at token {state['offset']}, which the "
+                               f"corpus of {documents} documents does not have; {RESUME_FIX} (and the same corpus)")
+
+
+def _load_planner_state(planner, state, name: str) -> None:
+    """`planner.load_state_dict(state)`, all or nothing: a state the planner (of strategy `name`)
+    cannot take leaves it as it was and raises `ResumeStateError` (not a KeyError from deep inside)."""
+    if not isinstance(state, dict):
+        raise ResumeStateError(f"the resume state's 'planner' is a {type(state).__name__}, not the dict a {name} "
+                               f"planner's state_dict() returns; {RESUME_FIX}")
+    before = planner.state_dict()
+    try:
+        planner.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        planner.load_state_dict(before)
+        detail = f"no {error.args[0]!r} entry" if isinstance(error, KeyError) and error.args else str(error)
+        raise ResumeStateError(f"the resume state's 'planner' is not a {name} planner state: {detail}; "
+                               f"{RESUME_FIX}") from None
 
 def samples_of(batch: GlobalBatch) -> list[Sample]:
     return batch.samples()
 
 
 __all__ = ["PlannedBatch", "BatchTokenSource", "PlannerIterator", "PlannerError", "TextCorpus", "plan_function",
-           "StrategyPlanFunction", "fast_forward", "BACKENDS"]
+           "StrategyPlanFunction", "fast_forward", "BACKENDS", "ResumeStateError", "check_resume_state"]

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table
-from ..specs import ParallelConfig
+from ..specs import GIB, ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
 
 # Megatron DDP's default gradient bucket: max(40M, 1M * dp) parameters.
@@ -110,6 +110,20 @@ class SimulationReport:
     lower_bound_s: float
     memory_timeline: list[MemoryTimeline] = field(default_factory=list)
     tasks: list[TaskRecord] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        """A few lines a person reads (the dataclass's own repr would hold every task): the step's
+        time and lower bound, MFU, bubble, imbalances and each stage's peak memory against the budget."""
+        peaks = ", ".join(f"{peak / GIB:.2f}" for peak in self.peak_memory_bytes)
+        budget = f" of {self.memory_budget_bytes / GIB:.1f} GiB" if self.memory_budget_bytes else ""
+        return "\n".join([
+            f"SimulationReport: {self.strategy} {self.layout}, {self.num_tokens:,} tokens",
+            f"  makespan {self.iteration_time_s:.4g} s (lower bound {self.lower_bound_s:.4g} s), "
+            f"{self.tokens_per_s:,.0f} tokens/s, MFU {100 * self.mfu:.1f}%",
+            f"  bubble {100 * self.bubble_ratio:.1f}%, DP imbalance {self.dp_imbalance:.3f}, "
+            f"PP imbalance {self.pp_imbalance:.3f} (max/mean)",
+            f"  peak memory per stage (GiB): [{peaks}]{budget}: {'fits' if self.fits_memory else 'DOES NOT FIT'}",
+        ])
 
     def to_dict(self) -> dict:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
