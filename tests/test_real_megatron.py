@@ -111,6 +111,10 @@ LAYOUTS = {
     "dp2": dict(nproc=2, extra=["--eval-interval", "2", "--eval-iters", "1"]),  # evaluation: Megatron's schedule
     "pp2-tied": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2"]),
     "tp2": dict(nproc=2, extra=["--tensor-model-parallel-size", "2"]),
+    # sequence parallelism (issue 22): padded MicroPacks, SP norms' gradients summed by finalize_model_grads
+    "tp2-sequence-parallel": dict(nproc=2, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2-sequence-parallel-pp2": dict(nproc=4, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                      "--pipeline-model-parallel-size", "2"]),
     "dp2-base-merge-2": dict(nproc=2, extra=["--slimpack-base-merge", "2"]),
     "dp2-distributed-optimizer": dict(nproc=2, extra=["--use-distributed-optimizer"]),
     "dp2-overlap-grad-reduce": dict(nproc=2, extra=["--overlap-grad-reduce"]),

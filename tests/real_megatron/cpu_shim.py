@@ -128,7 +128,9 @@ def apply() -> None:
     from megatron_slimpack.runtime import compat
 
     compat.apply(force=True)  # the CPU RNG tracker and causal mask megatron-core itself needs
-    torch.cuda.current_device = lambda: 0  # compat returns torch.device("cpu"); Megatron wants an index
+    # compat makes current_device() the CPU device itself (not an index the mode below would map):
+    # autograd runs backward functions outside the mode, and megatron's sequence-parallel linear
+    # layers allocate their reduce-scatter buffers there with device=current_device().
 
     from megatron.core.datasets import utils as dataset_utils
 
