@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
+
 from .errors import SlimPackError
 
 GIB = 1024**3
@@ -96,7 +98,8 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     recompute: str = "none"  # none | selective | full
-    sequence_parallel: bool = True  # with tp > 1, as Megatron recommends for long context
+    # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/batch.py)
+    sequence_parallel: bool = True
     zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
 
     def __post_init__(self):
@@ -125,6 +128,15 @@ class ParallelConfig:
                 f"{model.name} has {model.num_attention_heads} attention heads and {model.kv_heads} KV heads, "
                 f"not divisible by tp={self.tp}; choose tp among {divisors(model.kv_heads)}"
             )
+
+    def padded_tokens(self, tokens):
+        """Rows a MicroPack of `tokens` occupies once padded for sequence parallelism: the runtime
+        pads each of its cp shares (the largest is ceil(tokens / cp)) to a multiple of tp
+        (runtime/batch.py, runtime/context_parallel.py). Scalars and numpy arrays alike."""
+        if not (self.sequence_parallel and self.tp > 1):
+            return tokens
+        share = np.ceil(np.asarray(tokens, dtype=float) / self.cp)
+        return np.ceil(share / self.tp) * self.tp * self.cp
 
     def describe(self) -> str:
         text = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"

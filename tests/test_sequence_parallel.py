@@ -90,3 +90,23 @@ def test_norms_are_swapped_only_under_sequence_parallelism(megatron_cpu):
     config.persist_layer_norm = True
     with pytest.raises(ValueError, match="persist_layer_norm"):
         SequenceParallelTorchNorm(config, 32)
+
+
+def test_the_simulator_prices_the_padding_the_runtime_adds():
+    """Each of a MicroPack's cp shares is padded to a multiple of tp; the simulator's tasks last
+    what the padded rows cost (no attention: the pairs are the real tokens')."""
+    import megatron_slimpack as ms
+    from megatron_slimpack.specs import ParallelConfig
+
+    assert ParallelConfig(tp=4, cp=2).padded_tokens(7) == 8  # shares of at most 4 rows: 4 each
+    assert ParallelConfig(tp=4, cp=2).padded_tokens(9) == 16  # shares of at most 5 rows: 8 each
+    assert ParallelConfig(tp=4, sequence_parallel=False).padded_tokens(7) == 7
+    assert ParallelConfig(tp=1).padded_tokens(7) == 7
+    cost = ms.CostModel.analytic("llama-7b", "h100-sxm")
+    parallel = ParallelConfig(tp=4)
+    plan = ms.plan([4097], parallel=parallel, cost=cost, config=ms.SlimPackConfig(context_length=8192))
+    (micropack,) = plan.replicas[0].micropacks
+    forward = next(t for t in ms.simulate(plan, cost).tasks if t.kind == "F")
+    priced = cost.forward_time(4100, micropack.attention_pairs, parallel, last_stage=True)
+    assert forward.end - forward.start == pytest.approx(priced, rel=1e-12)
+    assert priced > cost.forward_time(4097, micropack.attention_pairs, parallel, last_stage=True)

@@ -285,7 +285,8 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_fig
     backward_unit_of = _unit_index(replica.backward_units, count, f"{where} backward units")
     effective = parallel.with_(cp=parallel.cp * group) if group > 1 else parallel
     figures = _micropack_sizes(replica, slice_figures)
-    tokens, pairs = figures.tokens, figures.pairs
+    # Priced as the runtime runs them: padded for sequence parallelism (padding does no attention).
+    tokens, pairs = effective.padded_tokens(figures.tokens), figures.pairs
 
     def per_mp(method, last: bool, backward: bool) -> np.ndarray:
         seconds = _per_item(lambda t, a: method(t, a, effective, last_stage=last), tokens, pairs,
