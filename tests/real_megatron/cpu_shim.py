@@ -6,8 +6,9 @@ every patch replaces a CUDA-only call that would raise on CPU with its CPU meani
 the CPU, the RNG is the CPU generator, streams and synchronisation are no-ops). The list was
 found by running `pretrain()` until it trained (facts in ../shared/megatron-lm/README.md):
 
-  1. `torch.cuda.device_count` -> 1, `set_device` -> no-op, `current_device` -> 0 (a device
-     index the function mode below maps to the CPU), `synchronize` / `empty_cache` -> no-op,
+  1. `torch.cuda.device_count` -> 1, `set_device` -> no-op, `current_device` -> the CPU device
+     (runtime.compat's; not an index for the mode below: autograd runs backward functions
+     outside the mode), `synchronize` / `empty_cache` -> no-op,
      memory figures -> 0, Megatron's `get_device_arch_version` -> 9 (argument checks for TP > 1);
   2. CUDA streams and events -> dummies (the DDP / optimizer code only orders work on them);
   3. CUDA RNG state and seeding -> the CPU generator (`torch.cuda.get_rng_state` and friends,
@@ -103,7 +104,6 @@ def apply() -> None:
     cuda = torch.cuda
     cuda.device_count = lambda: 1
     cuda.set_device = lambda *a, **k: None
-    cuda.current_device = lambda: 0
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda *a, **k: None
     cuda.Stream = _DummyStream
