@@ -390,7 +390,7 @@ def slimpack_gpt_model(config, transformer_layer_spec, *args, **kwargs):
         raise SlimPackArgumentError("--slimpack needs --no-rope-fusion")
     from ..runtime.attention import with_sliced_core_attention
 
-    return SlimPackGPTModel(config, with_sliced_core_attention(transformer_layer_spec), *args, **kwargs)
+    return SlimPackGPTModel(config, with_sliced_core_attention(transformer_layer_spec, config=config), *args, **kwargs)
 
 
 __all__ = ["install", "uninstall", "is_installed", "installed_seams", "convention_for", "SlimPackInstallError",

@@ -142,18 +142,46 @@ except ImportError:
 
 
 # ---- layer specs ---------------------------------------------------------------------------
-def core_attention_spec(backend: str = "auto") -> ModuleSpec:
-    """The SlimPack core attention for `backend` ('auto': the fastest this machine runs)."""
+_probed: dict = {}  # (dtype, heads, groups, head dim, tp) -> the backend the probe chose
+
+
+def _probed_backend(config) -> str:
+    """'auto' on a GPU: the fastest backend that runs this model's attention (backend_probe.py);
+    probed once per attention shape and dtype, and logged."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from .backend_probe import choose_backend, log
+
+    key = (config.params_dtype, config.bf16, config.fp16, config.num_attention_heads, config.num_query_groups,
+           config.kv_channels, config.tensor_model_parallel_size)
+    if key not in _probed:
+        def build(name):
+            return build_module(core_attention_spec(name), config=config, layer_number=1,
+                                attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+        choice = choose_backend(config, torch.device("cuda", torch.cuda.current_device()), build)
+        log.warning(choice.describe())
+        _probed[key] = choice.backend
+    return _probed[key]
+
+
+def core_attention_spec(backend: str = "auto", config=None) -> ModuleSpec:
+    """The SlimPack core attention for `backend`. 'auto': the fastest this machine runs; on a GPU,
+    with the model's `config`, the fastest that passes a start-up probe (backend_probe.py)."""
+    if backend == "auto" and config is not None and torch.cuda.is_available():
+        backend = _probed_backend(config)
     backend = resolve_backend(backend)
     if backend == "te":
         return ModuleSpec(module=TESlicedDotProductAttention)
     return ModuleSpec(module=SlicedDotProductAttention, params={"backend": backend})
 
 
-def with_sliced_core_attention(spec, backend: str = "auto"):
+def with_sliced_core_attention(spec, backend: str = "auto", config=None):
     """A copy of `spec` (a layer ModuleSpec, or a block spec with `layer_specs`) whose layers'
-    core attention is SlimPack's; everything else in the layers is left as it is."""
-    core = core_attention_spec(backend)
+    core attention is SlimPack's; everything else in the layers is left as it is. `config`: the
+    model's, for the start-up probe of backend 'auto' on a GPU."""
+    core = core_attention_spec(backend, config)
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = getattr(layer.submodules, "self_attention", None)
@@ -165,7 +193,7 @@ def with_sliced_core_attention(spec, backend: str = "auto"):
 
 def slimpack_layer_spec(
     backend: str = "auto", *, normalization: str = "RMSNorm", qk_layernorm: bool = False,
-    use_te_layers: Optional[bool] = None,
+    use_te_layers: Optional[bool] = None, config=None,
 ) -> ModuleSpec:
     """A megatron-core GPT layer spec whose core attention runs slices with a KV prefix.
 
@@ -181,4 +209,4 @@ def slimpack_layer_spec(
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    return with_sliced_core_attention(spec, backend)
+    return with_sliced_core_attention(spec, backend, config)

@@ -51,7 +51,7 @@ def build_gpt_model(
     """A `SlimPackGPTModel` with the SlimPack layer spec (or `layer_spec`)."""
     if layer_spec is None:
         normalization = getattr(config, "normalization", "LayerNorm")
-        layer_spec = slimpack_layer_spec(backend, normalization=normalization)
+        layer_spec = slimpack_layer_spec(backend, normalization=normalization, config=config)
     return SlimPackGPTModel(
         config, layer_spec, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         position_embedding_type=position_embedding_type, pre_process=pre_process,

@@ -1,0 +1,75 @@
+"""The start-up probe of attention backends (runtime/backend_probe.py), on CPU with stand-in
+kernels: a backend that imports but computes wrongly, raises, or cannot be built is passed over,
+with the reason; one that agrees with the torch reference is chosen."""
+import pytest
+import torch
+
+from megatron_slimpack.runtime import backend_probe, kernels
+
+
+def top_left_causal(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
+    """What flash-attn < 2.1 computes: causal masks aligned top-left (a slice's prefix is lost)."""
+    out = []
+    bq, bk = cu_q.tolist(), cu_kv.tolist()
+    for i in range(len(bq) - 1):
+        qs, ks, vs = q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]
+        mask = torch.ones(len(qs), len(ks), dtype=torch.bool).tril()
+        out.append(kernels.segment_attention(qs, ks, vs, mask, scale, dropout_p))
+    return torch.cat(out)
+
+
+def raising(*args, **kwargs):
+    raise RuntimeError("cuDNN: no THD kernel for this configuration\nmore detail")
+
+
+def _config():
+    from megatron_slimpack.runtime.model import tiny_config
+
+    return tiny_config(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+
+
+def _choose(monkeypatch, flash_kernel):
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+
+    monkeypatch.setattr(backend_probe, "available_backends", lambda: ["flash", "torch"])
+    monkeypatch.setitem(kernels.KERNELS, "flash", flash_kernel)
+    config = _config()
+    return backend_probe.choose_backend(
+        config, torch.device("cpu"),
+        lambda name: SlicedDotProductAttention(config, layer_number=1, attn_mask_type=None, backend=name))
+
+
+def test_a_backend_that_agrees_with_the_reference_is_chosen(monkeypatch, megatron_cpu):
+    choice = _choose(monkeypatch, kernels.torch_kernel)
+    assert choice.backend == "flash" and choice.passed_over == {}
+
+
+def test_a_wrong_backend_is_passed_over_with_the_reason(monkeypatch, megatron_cpu):
+    choice = _choose(monkeypatch, top_left_causal)
+    assert choice.backend == "torch"
+    assert "output differs from the torch reference" in choice.passed_over["flash"]
+    assert choice.describe().startswith("attention backend torch (passed over: flash: output differs")
+
+
+def test_a_failing_backend_is_passed_over_with_its_error(monkeypatch, megatron_cpu):
+    choice = _choose(monkeypatch, raising)
+    assert choice.backend == "torch"
+    assert choice.passed_over["flash"] == "RuntimeError: cuDNN: no THD kernel for this configuration"
+
+
+def test_a_backend_that_cannot_be_built_is_passed_over(monkeypatch, megatron_cpu):
+    monkeypatch.setattr(backend_probe, "available_backends", lambda: ["te", "torch"])
+
+    def build(name):
+        raise ImportError("transformer_engine_torch is missing")
+
+    choice = backend_probe.choose_backend(_config(), torch.device("cpu"), build)
+    assert choice.backend == "torch" and "cannot be built: ImportError" in choice.passed_over["te"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_kernel_passes_its_own_probe(dtype, megatron_cpu):
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+
+    module = SlicedDotProductAttention(_config(), layer_number=1, attn_mask_type=None, backend="torch")
+    assert backend_probe.probe(module, dtype, heads=4, groups=2, head_dim=16, device="cpu") is None
