@@ -4,6 +4,7 @@ patches with scripts/apply_patches.sh."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,38 @@ def test_validation_errors_name_the_flag(argv, message):
     args = parse("--slimpack", *argv)
     with pytest.raises(SlimPackArgumentError, match=message.replace("(", r"\(")):
         validate_slimpack_args(args)
+
+
+def test_slimpack_flags_without_slimpack_are_reported():
+    import warnings
+
+    from megatron_slimpack.megatron import validate_slimpack_args
+
+    with pytest.warns(UserWarning, match=r"^--slimpack-strategy, --no-slimpack-dp-merge given without --slimpack: "
+                                         r"ignored \(add --slimpack"):
+        validate_slimpack_args(parse("--slimpack-strategy", "bfd", "--no-slimpack-dp-merge"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_slimpack_args(parse("--slimpack-strategy", "slimpack"))  # the default: nothing to say
+
+
+def test_an_unwritable_plan_dump_directory_is_refused(tmp_path):
+    from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
+
+    a_file = tmp_path / "plans.txt"
+    a_file.write_text("")
+    with pytest.raises(SlimPackArgumentError, match="--slimpack-dump-plans .*plans.txt: exists and is not a directory"):
+        validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-dump-plans", str(a_file)))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):
+        pytest.skip("running as a user who can write anywhere (root)")
+    with pytest.raises(SlimPackArgumentError, match="locked is not writable"):
+        validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-dump-plans",
+                                     str(locked / "new" / "plans")))
+    validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-dump-plans",
+                                 str(tmp_path / "new" / "plans")))  # created later, by the iterator
+    assert not (tmp_path / "new").exists()
 
 
 def test_validation_reports_every_problem_one_line_each():

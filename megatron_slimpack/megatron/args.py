@@ -15,6 +15,9 @@ Megatron's own flags, and the configs' own checks (`__post_init__`), and raises
 from __future__ import annotations
 
 import argparse
+import os
+import warnings
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import (
@@ -24,6 +27,7 @@ from ..config import (
     SlimPackConfig,
     add_options,
     from_options,
+    option_fields,
     option_name,
 )
 
@@ -107,8 +111,13 @@ def check_mcore_version(version: Optional[tuple] = None) -> tuple:
 
 
 def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
-    """Raise SlimPackArgumentError for a combination SlimPack cannot run. No-op without --slimpack."""
+    """Raise SlimPackArgumentError for a combination SlimPack cannot run. Without --slimpack only
+    warn about --slimpack-* flags given (they do nothing then)."""
     if not getattr(args, "slimpack", False):
+        given = flags_set_without_slimpack(args)
+        if given:
+            warnings.warn(f"{', '.join(given)} given without --slimpack: ignored (add --slimpack to train with "
+                          "SlimPack)", stacklevel=2)
         return
     check_mcore_version(version)
     problems = []
@@ -147,6 +156,10 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         problems.append(f"--slimpack-strategy {strategy!r} {why}; choose one of {', '.join(trainable)}")
     config = _checked(slimpack_config_from_args, SlimPackConfig, args, problems)
     _checked(integration_config_from_args, MegatronIntegrationConfig, args, problems)
+    dump = getattr(args, "slimpack_dump_plans", None)
+    if dump and _unwritable(dump):
+        problems.append(f"--slimpack-dump-plans {dump}: {_unwritable(dump)}; name a directory this process can "
+                        "write (it is created if missing)")
     if config is not None and config.base_merge > 1:
         dp = getattr(args, "data_parallel_size", None)
         if dp and dp % config.base_merge:
@@ -156,6 +169,29 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                             "--no-slimpack-dp-merge")
     if problems:
         raise SlimPackArgumentError("invalid SlimPack arguments:\n  - " + "\n  - ".join(problems))
+
+
+def flags_set_without_slimpack(args) -> list[str]:
+    """The --slimpack-* flags whose values differ from their defaults (as the user spelled them)."""
+    given = []
+    for cls in FLAG_CONFIGS:
+        for item in option_fields(cls, MEGATRON):
+            value = getattr(args, MEGATRON.dest(item), item.default)
+            if value != item.default:
+                flag = MEGATRON.flag(item)
+                given.append("--no-" + flag[2:] if value is False else flag)
+    return given
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why plans cannot be written into directory `path` (None: they can). Checks only; creates nothing."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        return "exists and is not a directory"
+    existing = next(p for p in [target, *target.parents] if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def _checked(build, cls, args, problems: list):
