@@ -85,12 +85,40 @@ def backend_reasons() -> dict[str, str]:
     return reasons
 
 
+def probed_backend():
+    """On a GPU: the runtime's start-up probe (runtime/backend_probe.py) for a bf16 GQA attention,
+    as a model's layers would run it; None without a GPU (only the torch kernel runs)."""
+    if not torch.cuda.is_available():
+        return None
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ..runtime.attention import core_attention_spec
+    from ..runtime.backend_probe import choose_backend
+    from ..runtime.model import tiny_config
+
+    config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
+                         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+
+    def build(name):
+        return build_module(core_attention_spec(name), config=config, layer_number=1,
+                            attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+    return choose_backend(config, torch.device("cuda", torch.cuda.current_device()), build)
+
+
 def backend_choice() -> dict:
-    """What `resolve_backend("auto")` picks, and a sentence saying why."""
-    chosen = kernels.resolve_backend("auto")
+    """What backend 'auto' runs, and a sentence saying why: on a GPU the start-up probe's choice,
+    otherwise the fastest available (`resolve_backend("auto")`)."""
     reasons = backend_reasons()
-    passed_over = [f"{name}: {reasons[name]}" for name in kernels.BACKENDS[:kernels.BACKENDS.index(chosen)]]
+    probe = probed_backend()
+    chosen = probe.backend if probe is not None else kernels.resolve_backend("auto")
+    passed_over = [f"{name}: {reasons[name]}" for name in kernels.BACKENDS[:kernels.BACKENDS.index(chosen)]
+                   if reasons[name] != "available"]
     why = "the fastest available (order te, flash, torch)"
+    if probe is not None:
+        why = "the fastest that passed the start-up probe (bf16, GQA, a KV prefix; against the fp32 torch kernel)"
+        passed_over += [f"{name}: {reason}" for name, reason in probe.passed_over.items()]
     if passed_over:
         why += "; " + "; ".join(passed_over)
     return {"auto": chosen, "available": kernels.available_backends(), "why": why, "backends": reasons}
