@@ -146,10 +146,13 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
     pp = len(warmups)
-    # The last forward unit the last stage must have run before backward unit b: at least b, and
-    # never fewer than before b - 1.
+    # The last forward unit the last stage must have run before backward unit b: at least its
+    # share b * forwards / backwards of the forwards (b itself where the counts are equal, as in
+    # 1F1B; with twice as many backward units as forward units, one forward per two backwards),
+    # and never fewer than before b - 1.
     needed_by_unit = last_forward_needed(forward_units, backward_units)
-    required = np.maximum.accumulate(np.maximum(needed_by_unit, np.arange(len(needed_by_unit)))).tolist()
+    steady = np.arange(len(needed_by_unit)) * len(forward_units) // max(len(needed_by_unit), 1)
+    required = np.maximum.accumulate(np.maximum(needed_by_unit, steady)).tolist()
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
     # stage's next backward (or forward) while it runs forward after forward. Without neighbours

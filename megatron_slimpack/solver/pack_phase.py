@@ -339,8 +339,41 @@ class UnitCandidate:
     def of(cls, micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
            cost: CostModel, parallel: ParallelConfig, budget_bytes: float) -> "UnitCandidate":
         forward_units, backward_units = segment_units(micropacks, costs, units, symmetric)
+        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes)
+
+    @classmethod
+    def paired(cls, micropacks: list[MicroPack], costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
+               budget_bytes: float) -> "UnitCandidate":
+        """Asymmetric units of different counts: forward units of two MicroPacks (consecutive
+        ones: the packing makes their costs about even), backward units of one. Every stage then
+        runs one forward unit per two backward units and stays twice as many MicroPacks ahead of
+        the next as with one MicroPack per unit: slack for uneven MicroPacks and for a long
+        document's chain run-up (benchmarks/results/asymmetric.md)."""
+        count = len(micropacks)
+        forward_units = [list(range(first, min(first + 2, count))) for first in range(0, count, 2)]
+        backward_units = [[mp] for mp in costs.backward_order]
+        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes)
+
+    @classmethod
+    def of_units(cls, micropacks: list[MicroPack], forward_units: list[list[int]], backward_units: list[list[int]],
+                 costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
+                 budget_bytes: float) -> "UnitCandidate":
         work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
         return cls(micropacks, forward_units, backward_units, work, pipeline_estimate(work))
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No order of these units runs faster: on every stage, its work, after the first forward
+        unit has passed the stages before it and followed by the last backward unit's way back
+        through them (every stage runs the backward units in sequence order)."""
+        work, bound = self.work, 0.0
+        fill = drain = 0.0
+        for stage in range(len(work.forward_time)):
+            busy = sum(work.forward_time[stage]) + sum(work.backward_time[stage])
+            bound = max(bound, fill + busy + drain)
+            fill += work.forward_time[stage][0] + work.forward_transfer[0]
+            drain += work.backward_time[stage][-1] + work.backward_transfer[-1]
+        return bound
 
     @property
     def warmup_bytes(self) -> float:

@@ -127,19 +127,32 @@ class ReplicaSearch:
         for candidate, units in candidates:
             if replayed == self.tunables.replayed_candidates:
                 break
-            if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
-                continue  # its stage 0 cannot fit even before the first backward: not worth ordering
-            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
-            peak = result.peak_activation_bytes + costs.largest_recompute_bytes
-            if self.leanest is None or peak < self.leanest[0]:
-                self.leanest = (peak, micropack_tokens)
-            if peak > self.budget:
-                continue
-            replayed += 1
-            if self.best is None or result.makespan_s < self.best_makespan_s:
-                outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
-                self.best = (result.replica, outcome)
+            replayed += self._replay(candidate, units, costs, micropack_tokens)
+        if not self.symmetric and self.parallel.pp > 1 and len(micropacks) > 1:
+            # Forward units of two MicroPacks, backward units of one (`UnitCandidate.paired`):
+            # where memory keeps one-MicroPack units from running a long document's chain ahead,
+            # the pairs' extra lead can (benchmarks/results/asymmetric.md). Tried on top of the
+            # candidates above, and only where its lower bound beats the best schedule so far.
+            paired = UnitCandidate.paired(micropacks, costs, self.cost, self.parallel, self.budget)
+            if self.best is None or paired.lower_bound_s < self.best_makespan_s:
+                replayed += self._replay(paired, len(paired.forward_units), costs, micropack_tokens)
         return replayed > 0
+
+    def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int) -> bool:
+        """Order and replay one candidate, keeping it where it is the fastest that fits memory;
+        True when it fits."""
+        if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
+            return False  # its stage 0 cannot fit even before the first backward: not worth ordering
+        result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+        peak = result.peak_activation_bytes + costs.largest_recompute_bytes
+        if self.leanest is None or peak < self.leanest[0]:
+            self.leanest = (peak, micropack_tokens)
+        if peak > self.budget:
+            return False
+        if self.best is None or result.makespan_s < self.best_makespan_s:
+            outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
+            self.best = (result.replica, outcome)
+        return True
 
     def does_not_fit(self, samples: list[Sample]) -> DoesNotFit:
         """The failure of a search that found no schedule within the budget, with its leanest one."""
