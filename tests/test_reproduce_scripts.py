@@ -1,0 +1,322 @@
+"""scripts/reproduce_paper.sh --dry-run: one run per (grid cell, strategy), each in the layout that
+benchmarks/results/paper_table.json reports for it, and every printed command line accepted by the
+real Megatron-LM argument parser and checks of ../shared/megatron-lm/core_v0.16.1
+(`parse_args` with SlimPack's flags, `validate_args`, the TransformerConfig, the micro-batch
+calculator) plus `validate_slimpack_args` for the SlimPack runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_slimpack.solver.strategies import strategy_specs
+from megatron_slimpack.specs import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent / "real_megatron"))
+import harness  # noqa: E402
+
+GRID = json.loads((ROOT / "benchmarks" / "results" / "paper_table.json").read_text())
+BENCH = yaml.safe_load((ROOT / "configs" / "bench" / "paper.yaml").read_text())
+PRESETS = {m: yaml.safe_load((ROOT / "configs" / "models" / f"{m}.yaml").read_text())["preset"]
+           for m in BENCH["models"]}
+CLUSTERS = {name: yaml.safe_load((ROOT / "configs" / "clusters" / f"{name}.yaml").read_text())
+            for name in BENCH["clusters"]}
+STOCK = ("megatron-fixed", "megatron-stock")  # strategies stock pretrain_gpt.py runs without --slimpack
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "scripts" / "reproduce_paper.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+reproduce_paper = _script()
+
+
+def grid_layout(text: str) -> dict:
+    """The grid's layout string as numbers, read here independently of the script."""
+    numbers = {key: int(value) for key, value in re.findall(r"\b(tp|pp|cp|dp)(\d+)\b", text)}
+    mode = re.search(r"\brc-(\w+)", text)
+    return {**numbers, "recompute": mode.group(1) if mode else "none"}
+
+
+def cell_name(cell: dict) -> str:
+    cluster = next(n for n, c in CLUSTERS.items() if c["nodes"] * c["gpus_per_node"] == cell["gpus"])
+    return f"{cell['model']}_{cell['context'] // 1024}k_{cluster}_{cell['dataset']}"
+
+
+def dry_run(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert reproduce_paper.main(["--dry-run", *argv]) == 0
+    return out.getvalue()
+
+
+def blocks(text: str) -> dict[str, dict]:
+    """run name -> {layout, note, skip, env, args (pretrain_gpt.py's), launcher} from --dry-run's output."""
+    runs: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        header = re.fullmatch(r"# (\S+): grid layout (.+)", line)
+        if header:
+            assert header.group(1) not in runs, f"{header.group(1)} printed twice"
+            current = runs[header.group(1)] = {"layout": header.group(2), "note": None, "skip": None, "args": None}
+        elif line.startswith("# NOTE: "):
+            current["note"] = line[len("# NOTE: "):]
+        elif line.startswith("# NOT RUN: "):
+            current["skip"] = line[len("# NOT RUN: "):]
+        else:
+            assert current is not None and current["args"] is None and not current["skip"], line
+            words = shlex.split(line)
+            start = next(i for i, w in enumerate(words) if w.endswith(("launch_torchrun.sh", "slurm_h100.sbatch")))
+            end = words.index(">") if ">" in words else len(words)
+            assignments = [w for w in words[:start] if re.match(r"[A-Z_][A-Z0-9_]*=", w)]
+            current["env"] = dict(word.split("=", 1) for word in assignments)
+            current["launcher"] = words[len(assignments):start + 1]
+            current["args"] = words[start + 1:end]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def printed() -> dict[str, dict]:
+    return blocks(dry_run("--launcher", "torchrun"))
+
+
+def expected_runs():
+    for cell in GRID:
+        for strategy, figures in cell["strategies"].items():
+            yield cell, strategy, grid_layout(figures["layout"])
+
+
+def not_expressible(strategy: str, layout: dict) -> str | None:
+    """Why Megatron cannot run `strategy` in `layout` (None: it can): the plugin does not train it, or
+    its layout has a cp > 1 that is not SlimPack's base merge."""
+    if strategy in STOCK:
+        return None
+    spec = strategy_specs()[strategy]
+    if not spec.trainable:
+        return "simulated for comparison only"
+    return f"context parallelism cp{layout['cp']}" if layout["cp"] > 1 and not spec.cp_is_base_merge else None
+
+
+def test_dry_run_prints_one_run_per_grid_cell_and_strategy(printed):
+    expected = {f"{cell_name(cell)}.{strategy}": (cell, strategy, layout) for cell, strategy, layout in expected_runs()}
+    assert len(GRID) == 72 and set(printed) == set(expected)
+    commands = 0
+    for name, (_, strategy, layout) in expected.items():
+        run = printed[name]
+        assert grid_layout(run["layout"]) == layout
+        why = not_expressible(strategy, layout)
+        if why:
+            assert run["args"] is None and why in run["skip"], name
+            continue
+        commands += 1
+        assert run["skip"] is None and run["args"], name
+        if strategy == "megatron-fixed":  # Megatron cannot mask documents here: said next to the command
+            assert "document masking" in run["note"] and "cannot express" in run["note"]
+            assert "--reset-attention-mask" not in run["args"]
+    assert commands >= 2 * len(GRID)  # at least megatron-fixed and slimpack in every cell
+
+
+def test_both_launchers_give_the_same_megatron_arguments(printed):
+    slurm = blocks(dry_run("--launcher", "slurm", "--models", "llama-70b"))
+    assert slurm and all(name in printed for name in slurm)
+    for name, run in slurm.items():
+        assert run["args"] == printed[name]["args"], name
+        if run["args"]:
+            cell_gpus = next(c["gpus"] for c in GRID if name.startswith(cell_name(c) + "."))
+            assert run["launcher"][0] == "sbatch" and f"--nodes={cell_gpus // 8}" in run["launcher"]
+            assert any(w.startswith("--output=") and w.endswith(f"{name}.log") for w in run["launcher"])
+
+
+def test_the_shell_wrapper_prints_what_the_script_prints():
+    only = ["--models", "llama-7b", "--contexts", "65536", "--clusters", "h100-128", "--datasets", "wikipedia"]
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_paper.sh"), "--dry-run", *only],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == dry_run(*only) and len(blocks(result.stdout)) == 4
+
+
+def test_layouts_the_script_does_not_know_are_refused():
+    assert reproduce_paper.Layout.parse("tp2 pp4 cp2 dp8 rc-full") == reproduce_paper.Layout(2, 4, 2, 8, "full")
+    with pytest.raises(ValueError, match="unknown part 'v2'"):
+        reproduce_paper.Layout.parse("tp2 pp4 v2 cp2 dp8")
+    with pytest.raises(ValueError, match="lacks dp"):
+        reproduce_paper.Layout.parse("tp2 pp4 cp2")
+
+
+def test_parse_only_reads_the_logs_into_a_speedup_table(tmp_path, capsys):
+    only = ["--models", "llama-7b", "--contexts", "65536", "--clusters", "h100-128", "--datasets", "wikipedia"]
+    cell = "llama-7b_64k_h100-128_wikipedia"
+    for strategy, ms in (("megatron-fixed", [900] + [120] * 4 + [100] * 3), ("slimpack", [50] * 5 + [80] * 3)):
+        (tmp_path / f"{cell}.{strategy}.log").write_text(
+            "".join(f" iteration {i}/20 | elapsed time per iteration (ms): {v} |\n" for i, v in enumerate(ms)))
+    assert reproduce_paper.main(["--parse-only", "--launcher", "torchrun", "--logs", str(tmp_path), *only]) == 0
+    rows = {line.split("|")[5].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "| 100.0 | 1.00x |" in rows["megatron-fixed"]  # the first 5 iterations are warm-up
+    assert "| 80.0 | 1.25x |" in rows["slimpack"]
+    assert "not run: its layout has context parallelism cp2" in rows["wlb-llm"]
+
+
+# ---- the real Megatron-LM argument parser and checks -------------------------------------------
+@pytest.fixture(scope="module")
+def megatron_arguments():
+    """megatron.training.arguments of ../shared/megatron-lm/core_v0.16.1 (harness.megatron_lm())."""
+    path = str(harness.megatron_lm())
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        from megatron.training import argument_utils, arguments
+    # parse_args builds its parser anew each call and reads the help texts of megatron-core's config
+    # dataclasses from their source (inspect + ast: most of a call's time); they only feed --help,
+    # so read each class once.
+    read = argument_utils.ArgumentGroupFactory._get_field_docstrings
+    docstrings: dict = {}
+
+    def read_once(self, cls):
+        if cls not in docstrings:
+            docstrings[cls] = read(self, cls)
+        return dict(docstrings[cls])
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(argument_utils.ArgumentGroupFactory, "_get_field_docstrings", read_once)
+        yield arguments
+
+
+def megatron_args(arguments, monkeypatch, run: dict, gpus: int):
+    """The run's arguments through Megatron's parse_args (with SlimPack's flags), validate_args, its
+    TransformerConfig and micro-batch calculator, and validate_slimpack_args for --slimpack runs, in
+    the environment the printed line sets, on as many ranks as the cell has GPUs."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from megatron_slimpack.megatron import add_slimpack_args, validate_slimpack_args
+
+    for key, value in run["env"].items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WORLD_SIZE", str(gpus))
+    monkeypatch.setenv("RANK", "0")
+    # validate_args asks the GPU's architecture for tp or cp > 1: the grid's H100s are sm90.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *run["args"]])
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = arguments.parse_args(extra_args_provider=add_slimpack_args, ignore_unknown_args=False)
+        args = arguments.validate_args(args)
+        if args.slimpack:
+            validate_slimpack_args(args)
+        config_args = copy.copy(args)
+        if importlib.util.find_spec("transformer_engine") is None:
+            # TransformerConfig refuses rope fusion without Transformer Engine installed (the cluster has it).
+            config_args.apply_rope_fusion = False
+        config = arguments.core_transformer_config_from_args(config_args)
+        calculator.init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size,
+                                                    args.data_parallel_size)
+        try:
+            microbatches = calculator.get_num_microbatches()
+        finally:
+            calculator.unset_num_microbatches_calculator()
+    return args, config, microbatches
+
+
+def check_run(arguments, monkeypatch, cell: dict, strategy: str, run: dict) -> None:
+    """The run's command line parses and validates, and runs the grid's layout for `strategy`."""
+    layout = grid_layout(run["layout"])
+    args, config, microbatches = megatron_args(arguments, monkeypatch, run, cell["gpus"])
+    stock = strategy in STOCK
+    base_merge = not stock and strategy_specs()[strategy].cp_is_base_merge
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (layout["tp"], layout["pp"])
+    assert args.sequence_parallel == (layout["tp"] > 1) == config.sequence_parallel
+    assert args.world_size == cell["gpus"]
+    if base_merge:  # SlimPack's cp K: Megatron cp 1, K times the replicas, --slimpack-base-merge K
+        assert (args.context_parallel_size, args.slimpack_base_merge) == (1, layout["cp"])
+        assert args.data_parallel_size == layout["dp"] * layout["cp"]
+    else:
+        assert args.context_parallel_size == layout["cp"] and args.data_parallel_size == layout["dp"]
+        assert args.slimpack_base_merge == 1
+    assert args.virtual_pipeline_model_parallel_size is None
+    recompute = layout["recompute"]
+    assert args.recompute_granularity == (None if recompute == "none" else recompute) == config.recompute_granularity
+    if recompute == "full":
+        assert (args.recompute_method, args.recompute_num_layers) == ("uniform", 1)
+    else:
+        assert args.recompute_method is None
+    model = MODELS[PRESETS[cell["model"]]]
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (
+        model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads)
+    assert args.group_query_attention == (model.num_query_groups is not None)
+    assert config.num_query_groups == model.kv_heads
+    assert args.seq_length == args.max_position_embeddings == cell["context"]
+    assert args.global_batch_size == BENCH["global_batch_size"][cell["context"]] and args.micro_batch_size == 1
+    assert microbatches * args.data_parallel_size == args.global_batch_size
+    assert args.bf16 and args.use_distributed_optimizer and args.calculate_per_token_loss
+    assert args.slimpack == (not stock)
+    if stock:
+        assert not args.reset_attention_mask and not args.create_attention_mask_in_dataloader
+    else:
+        assert args.slimpack_strategy == strategy and not args.apply_rope_fusion
+
+
+def test_every_printed_command_line_parses_validates_and_runs_the_grid_layout(printed, megatron_arguments):
+    checked = 0
+    for cell in GRID:
+        for strategy in cell["strategies"]:
+            run = printed[f"{cell_name(cell)}.{strategy}"]
+            if run["args"] is None:
+                continue
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                try:
+                    check_run(megatron_arguments, monkeypatch, cell, strategy, run)
+                except BaseException as error:  # SystemExit from argparse, AssertionError, ValueError
+                    raise AssertionError(f"{cell_name(cell)}.{strategy}: {shlex.join(run['args'])}") from error
+            checked += 1
+    assert checked == sum(run["args"] is not None for run in printed.values()) >= 2 * len(GRID)
+
+
+def _changed(run: dict, flag: str, value: str | None) -> dict:
+    """`run` with `flag`'s value replaced (value None: the flag removed)."""
+    args = list(run["args"])
+    index = args.index(flag)
+    if value is None:
+        del args[index]
+    else:
+        args[index + 1] = value
+    return {**run, "args": args}
+
+
+def test_the_checks_catch_a_command_line_that_does_not_run_the_grid_layout(printed, megatron_arguments):
+    cell = next(c for c in GRID if c["strategies"]["slimpack"]["layout"].split()[2] != "cp1"
+                and c["strategies"]["megatron-fixed"]["layout"].split()[0] != "tp1")
+    slimpack = printed[f"{cell_name(cell)}.slimpack"]
+    fixed = printed[f"{cell_name(cell)}.megatron-fixed"]
+    for strategy, run in (("slimpack", slimpack), ("megatron-fixed", fixed)):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            check_run(megatron_arguments, monkeypatch, cell, strategy, run)  # as printed: passes
+    broken = [
+        # SlimPack refuses Megatron's context parallelism (validate_slimpack_args)
+        ("slimpack", _changed(slimpack, "--context-parallel-size", "2"), (ValueError, "context-parallel-size > 1")),
+        # the base merge dropped: a different layout (cp1 planned over the same replicas)
+        ("slimpack", _changed(slimpack, "--slimpack-base-merge", "1"), (AssertionError, None)),
+        # sequence parallelism missing
+        ("megatron-fixed", _changed(fixed, "--sequence-parallel", None), (AssertionError, None)),
+        # tp 3 does not divide the GPUs (Megatron's validate_args)
+        ("megatron-fixed", _changed(fixed, "--tensor-model-parallel-size", "3"), (AssertionError, "not divisible")),
+        # a flag Megatron does not know (parse_args exits)
+        ("megatron-fixed", {**fixed, "args": fixed["args"] + ["--no-such-flag"]}, (SystemExit, None)),
+    ]
+    for strategy, run, (error, match) in broken:
+        with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(error, match=match):
+            with contextlib.redirect_stderr(io.StringIO()):
+                check_run(megatron_arguments, monkeypatch, cell, strategy, run)
