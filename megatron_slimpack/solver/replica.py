@@ -119,9 +119,16 @@ class ReplicaSearch:
         costs = MicroPackCosts.of(micropacks, self.cost, self.parallel)
         if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best_makespan_s:
             return True
-        candidates = [(UnitCandidate.of(micropacks, costs, units, self.symmetric, self.cost, self.parallel,
-                                        self.budget), units)
-                      for units in unit_candidates(self.parallel.pp, len(micropacks))]
+        # Asymmetric planning also tries the symmetric segmentation of each unit count: its search
+        # is then a superset of slimpack-sym's on these MicroPacks, never worse for lack of a candidate.
+        kinds = (True,) if self.symmetric else (False, True)
+        candidates = []
+        for units in unit_candidates(self.parallel.pp, len(micropacks)):
+            for symmetric in kinds:
+                candidate = UnitCandidate.of(micropacks, costs, units, symmetric, self.cost, self.parallel, self.budget)
+                if not any(c.forward_units == candidate.forward_units and c.backward_units == candidate.backward_units
+                           for c, _ in candidates):
+                    candidates.append((candidate, units))
         candidates.sort(key=lambda entry: entry[0].estimate_s)
         replayed = 0
         for candidate, units in candidates:
