@@ -4,12 +4,18 @@ GPUs, the same cost model and simulator — over consecutive global batches.
 
 Cells are merged into benchmarks/results/paper_table.json (a cell run again replaces its old
 figures; each row records the commit it ran at), which is rendered to paper_table.md (mean
-iteration time, spread over the batches, speedup over megatron-fixed, chosen layout) and
-paper_speedup.png after every finished cell, so a long grid run keeps what it finished.
+iteration time, spread over the batches, speedup over megatron-fixed and, where it was run, over
+megatron-stock, chosen layout) and paper_speedup.png after every finished cell, so a long grid run
+keeps what it finished.
+
+megatron-stock (stock `pretrain_gpt.py`: attention across the documents of a sequence) trains a
+different semantic: it is a reference column, never "the fastest other strategy".
 
     python benchmarks/paper_table.py --jobs 2              # the whole grid (many hours on 2 cores)
     python benchmarks/paper_table.py --models llama-7b --contexts 262144 --gpus 128 \
         --datasets wikipedia --steps 10 --strategies megatron-fixed,slimpipe,wlb-llm,slimpack
+    python benchmarks/paper_table.py --contexts 262144 --gpus 128 --strategies megatron-stock \
+        --commit "$(git rev-parse --short HEAD)+stock"   # one column added to cells run before
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_slimpack.comparison import REFERENCE, run_comparison  # noqa: E402
+from megatron_slimpack.comparison import REFERENCE, STOCK, competitors, run_comparison  # noqa: E402
 from megatron_slimpack.costmodel import CostModel  # noqa: E402
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths  # noqa: E402
 
@@ -69,10 +75,17 @@ def run_cell(bench: dict, model: str, context: int, cluster: str, dataset: str, 
             "peak_gib": layout.best.peak_memory_bytes / 2**30,
             "lower_bound_s": statistics.mean(r.lower_bound_s for r in layout.reports),
         }
-    reference = cell["strategies"].get(REFERENCE)
+    set_speedups(cell)
+    return cell
+
+
+def set_speedups(cell: dict) -> None:
+    """Each strategy's speedup over the cell's megatron-fixed (`speedup`) and over its
+    megatron-stock (`speedup_vs_stock`); None where the cell has no such row."""
+    reference, stock = cell["strategies"].get(REFERENCE), cell["strategies"].get(STOCK)
     for figures in cell["strategies"].values():
         figures["speedup"] = reference["mean_s"] / figures["mean_s"] if reference else None
-    return cell
+        figures["speedup_vs_stock"] = stock["mean_s"] / figures["mean_s"] if stock else None
 
 
 def cell_key(cell: dict) -> tuple:
@@ -92,9 +105,7 @@ def merge_cells(old: list[dict], new: list[dict], order: list[tuple]) -> list[di
             cell = {**previous, **cell, "strategies": strategies, "failures": {**failures, **cell["failures"]}}
         for name in cell["strategies"]:
             cell["failures"].pop(name, None)
-        reference = cell["strategies"].get(REFERENCE)
-        for figures in cell["strategies"].values():
-            figures["speedup"] = reference["mean_s"] / figures["mean_s"] if reference else None
+        set_speedups(cell)
         merged[cell_key(cell)] = cell
     rank = {key: index for index, key in enumerate(order)}
     return sorted(merged.values(), key=lambda cell: (rank.get(cell_key(cell), len(rank)), cell_key(cell)))
@@ -115,9 +126,18 @@ def header(cells: list[dict], grid_size: int) -> str:
 
 def render(cells: list[dict], order: list[tuple]) -> str:
     """paper_table.md: how it was made, the grid at a glance, then every strategy of every cell."""
-    return (header(cells, len(order))
+    text = (header(cells, len(order))
             + "SlimPack's speedup over megatron-fixed / over the fastest other strategy, per cell:\n\n"
-            + summary(cells, order) + "\n" + markdown(cells))
+            + summary(cells, order) + "\n")
+    if any(STOCK in cell["strategies"] or STOCK in cell["failures"] for cell in cells):
+        text += (f"SlimPack's speedup over megatron-fixed (per-document attention) / over {STOCK} (stock "
+                 "`pretrain_gpt.py` without `--reset-attention-mask`: each fixed-length sequence attends causally "
+                 "across its document boundaries, a different training semantic, so a reference and never the "
+                 "fastest other strategy above), per cell where it was run; the second is what a user switching "
+                 "from stock Megatron-LM would see (a row whose commit reads `<commit>+stock` ran the "
+                 f"{STOCK} code on top of that commit, before it was committed):\n\n"
+                 + summary(cells, order, versus=STOCK) + "\n")
+    return text + markdown(cells)
 
 
 def grid_order(bench: dict) -> list[tuple]:
@@ -126,46 +146,54 @@ def grid_order(bench: dict) -> list[tuple]:
             for context in bench["context_lengths"] for cluster in bench["clusters"] for dataset in bench["datasets"]]
 
 
-def summary(cells: list[dict], order: list[tuple], strategy: str = "slimpack") -> str:
+def summary(cells: list[dict], order: list[tuple], strategy: str = "slimpack", versus: str | None = None) -> str:
     """The grid at a glance: one row per (model, context), one column per (GPUs, dataset); each
     entry is `strategy`'s speedup over megatron-fixed, then over the fastest other strategy
-    (its variants left out), or why there is none."""
+    (`competitors`: its variants and megatron-stock left out), or why there is none. `versus`
+    (megatron-stock): the second figure is over that strategy instead ("not run" where the cell
+    has no row of it)."""
     columns = list(dict.fromkeys((gpus, dataset) for _, _, gpus, dataset in order))
     rows = list(dict.fromkeys((model, context) for model, context, _, _ in order))
     by_key = {cell_key(cell): cell for cell in cells}
     lines = ["| model | context | " + " | ".join(f"{dataset}, {gpus} GPUs" for gpus, dataset in columns) + " |",
              "|---|---:|" + "---:|" * len(columns)]
     for model, context in rows:
-        entries = [_summary_entry(by_key.get((model, context, gpus, dataset)), strategy) for gpus, dataset in columns]
+        entries = [_summary_entry(by_key.get((model, context, gpus, dataset)), strategy, versus)
+                   for gpus, dataset in columns]
         lines.append(f"| {model} | {context // 1024}K | " + " | ".join(entries) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _summary_entry(cell: dict | None, strategy: str) -> str:
+def _summary_entry(cell: dict | None, strategy: str, versus: str | None = None) -> str:
     if cell is None:
         return "not run"
+    if versus is not None and versus not in cell["strategies"]:
+        return "no feasible layout" if versus in cell["failures"] else "not run"
     mine = cell["strategies"].get(strategy)
     if mine is None:
         return "no feasible layout" if strategy in cell["failures"] else "not run"
-    others = [f["mean_s"] for name, f in cell["strategies"].items() if not name.startswith(strategy)]
     over_reference = f"{mine['speedup']:.2f}x" if mine["speedup"] else "-"
+    if versus is not None:
+        return f"{over_reference} / {cell['strategies'][versus]['mean_s'] / mine['mean_s']:.2f}x"
+    others = [cell["strategies"][name]["mean_s"] for name in competitors(cell["strategies"], strategy)]
     return f"{over_reference} / {min(others) / mine['mean_s']:.2f}x" if others else over_reference
 
 
 def markdown(cells: list[dict]) -> str:
     lines = ["| model | context | GPUs | dataset | strategy | layout | iteration s (mean) | spread (min-max) "
-             "| speedup vs megatron-fixed | bubble | / lower bound | peak GiB | commit |",
-             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             f"| speedup vs megatron-fixed | speedup vs {STOCK} | bubble | / lower bound | peak GiB | commit |",
+             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for cell in cells:
         where = f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']}"
         for name, f in cell["strategies"].items():
             speedup = f"{f['speedup']:.2f}x" if f["speedup"] else "-"
+            over_stock = f"{f['speedup_vs_stock']:.2f}x" if f.get("speedup_vs_stock") else "-"
             lines.append(
                 f"{where} | {name} | {f['layout']} | {f['mean_s']:.2f} | {f['min_s']:.2f}-{f['max_s']:.2f} "
-                f"| {speedup} | {100 * f['bubble']:.1f}% | {f['mean_s'] / f['lower_bound_s']:.3f} "
+                f"| {speedup} | {over_stock} | {100 * f['bubble']:.1f}% | {f['mean_s'] / f['lower_bound_s']:.3f} "
                 f"| {f['peak_gib']:.1f} | {f.get('commit') or cell.get('commit') or '-'} |")
         for name, reason in cell["failures"].items():
-            lines.append(f"{where} | {name} | no feasible layout: {reason} | | | | | | | | |")
+            lines.append(f"{where} | {name} | no feasible layout: {reason} |" + " |" * 8)
     return "\n".join(lines) + "\n"
 
 
@@ -242,6 +270,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
     parser.add_argument("--fresh", action="store_true", help="start a new table instead of merging into --out")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "paper_table.md"))
+    parser.add_argument("--commit", help="what each new row records as its commit (default: git rev-parse --short "
+                        "HEAD; say so where the code run is not that commit, e.g. 'abc1234+stock')")
     args = parser.parse_args()
     bench = load_config(Path(args.config))
 
@@ -263,7 +293,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     saved = out.with_suffix(".json")
     cells = [] if args.fresh or not saved.exists() else json.loads(saved.read_text())
-    commit = current_commit()
+    commit = args.commit or current_commit()
     with multiprocessing.Pool(max(1, min(args.jobs, len(jobs)))) as pool:
         for cell in pool.imap_unordered(_run_cell_job, jobs):
             for figures in cell["strategies"].values():

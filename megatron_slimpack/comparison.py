@@ -1,5 +1,12 @@
 """Side-by-side comparison: every strategy on the same batches, cost model and simulator, each in
-its own best memory-feasible layout for the same GPU count (`slimpack compare`)."""
+its own best memory-feasible layout for the same GPU count (`slimpack compare`).
+
+Speedups are over megatron-fixed (Megatron-LM's fixed-length packing with per-document
+attention). A strategy that trains a different semantic (`StrategySpec.different_semantics`:
+megatron-stock, stock `pretrain_gpt.py`, whose sequences attend across document boundaries) is a
+reference: its row is labelled in the notes, every row also gets its speedup over megatron-stock
+(what a user switching from stock Megatron-LM would see), and it is never "the fastest other
+strategy" (`competitors`)."""
 from __future__ import annotations
 
 import sys
@@ -12,9 +19,47 @@ from .plan import PlanError
 from .simulator import per_batch_report, simulate
 from .simulator.report import ComparisonRow, comparison_table, write_gantt
 from .solver.layouts import LayoutResult, NoFeasibleLayout, best_layout
-from .solver.strategies import strategy_names, strategy_spec
+from .solver.strategies import REGISTRY, strategy_names, strategy_spec
 
-REFERENCE = "megatron-fixed"
+REFERENCE = "megatron-fixed"  # every speedup is over it
+STOCK = "megatron-stock"  # the stock-Megatron reference: its speedup column where it was run
+STOCK_COLUMN = "speedup_vs_stock"  # CSV and JSON key (Markdown: STOCK_HEADER)
+STOCK_HEADER = f"speedup vs {STOCK}"
+
+
+def is_reference(name: str) -> bool:
+    """`name` trains a different semantic from the others (its spec's `different_semantics`): a
+    reference, never a competitor. An unregistered name (an old table's row) is not one."""
+    spec = REGISTRY.get(name)
+    return spec is not None and spec.is_reference
+
+
+def competitors(names, strategy: str) -> list[str]:
+    """Of `names`, those `strategy` is compared with for "the fastest other strategy": not itself
+    nor its own variants (names that start with it: slimpack-sym and slimpack-nomerge for
+    slimpack), nor a reference that trains a different semantic (megatron-stock)."""
+    return [name for name in names if not name.startswith(strategy) and not is_reference(name)]
+
+
+@dataclass
+class StrategyRow(ComparisonRow):
+    """A `ComparisonRow` plus, where the comparison ran megatron-stock (`with_stock`), the speedup
+    over it (`stock`: its mean iteration time; None where it found no feasible layout)."""
+
+    stock: float | None = None
+    with_stock: bool = False
+    markdown: bool = False  # the stock speedup as Markdown shows the other speedup ("1.23x")
+
+    def values(self) -> dict:
+        values = super().values()
+        if self.with_stock:
+            seconds = self.report.iteration_time_s
+            speedup = self.stock / seconds if self.stock and seconds > 0 else None
+            if self.markdown:
+                values[STOCK_HEADER] = "-" if speedup is None else f"{speedup:.2f}x"
+            else:
+                values[STOCK_COLUMN] = speedup
+        return values
 
 
 @dataclass
@@ -23,32 +68,69 @@ class ComparisonResult:
     failures: dict[str, str] = field(default_factory=dict)
     gantt_files: list[str] = field(default_factory=list)
 
-    def rows(self) -> list[ComparisonRow]:
+    def rows(self, *, markdown: bool = False) -> list[StrategyRow]:
+        """One row per strategy with a layout; the stock speedup column where megatron-stock was
+        compared (`markdown`: formatted for the Markdown table)."""
         reference = self.results.get(REFERENCE)
+        stock = self.results.get(STOCK)
+        with_stock = STOCK in self.results or STOCK in self.failures
         rows = []
         for name, result in self.results.items():
             report = per_batch_report(result.reports, result.best.num_batches)
             planning = [p.metadata.get("planning_time_s") for p in result.plans if p.metadata.get("planning_time_s")]
-            rows.append(ComparisonRow(
+            rows.append(StrategyRow(
                 strategy=name, layout=result.parallel.describe(), report=report,
                 planning_time_s=sum(planning) / len(planning) if planning else None,
                 reference=reference.mean_iteration_time_s if reference else None,
+                stock=stock.mean_iteration_time_s if stock else None, with_stock=with_stock, markdown=markdown,
             ))
         return rows
 
     def table(self, fmt: str = "markdown") -> str:
-        return comparison_table(self.rows(), fmt)
+        return comparison_table(self.rows(markdown=fmt == "markdown"), fmt)
+
+    def fastest_other(self, strategy: str = "slimpack") -> str | None:
+        """The fastest of `strategy`'s competitors (`competitors`: megatron-stock and `strategy`'s
+        own variants left out) that has a layout; None if there is none."""
+        others = competitors(self.results, strategy)
+        return min(others, key=lambda name: self.results[name].mean_iteration_time_s) if others else None
+
+    def headline(self, strategy: str = "slimpack") -> str | None:
+        """`strategy`'s speedups: over megatron-fixed, over the fastest other strategy and over
+        megatron-stock, those the comparison has; None without `strategy` or any of them."""
+        mine = self.results.get(strategy)
+        if mine is None:
+            return None
+        seconds = mine.mean_iteration_time_s
+        parts = []
+        if strategy != REFERENCE and REFERENCE in self.results:
+            parts.append(f"{self.results[REFERENCE].mean_iteration_time_s / seconds:.2f}x over {REFERENCE} "
+                         "(per-document attention)")
+        other = self.fastest_other(strategy)
+        if other is not None:
+            parts.append(f"{self.results[other].mean_iteration_time_s / seconds:.2f}x over the fastest other "
+                         f"strategy ({other})")
+        if strategy != STOCK and STOCK in self.results:
+            parts.append(f"{self.results[STOCK].mean_iteration_time_s / seconds:.2f}x over {STOCK} "
+                         "(cross-document attention, a different training semantic)")
+        return f"{strategy}: " + ", ".join(parts) if parts else None
 
     def notes(self) -> list[str]:
         return self._remarks() + [f"Gantt chart: {path}" for path in self.gantt_files]
 
     def _remarks(self) -> list[str]:
-        """Strategies without a feasible layout, and how to run a base-merge layout in Megatron."""
+        """Strategies without a feasible layout, the references and what they train, how to run a
+        base-merge layout in Megatron, and SlimPack's speedups."""
         lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
+        lines += [f"{name} is a reference, left out of the fastest other strategy: "
+                  f"{strategy_spec(name).different_semantics}"
+                  + (f"; the '{STOCK_HEADER}' column is each strategy's speedup over it" if name == STOCK else "")
+                  for name in self.results if is_reference(name)]
         lines += [f"{name}: cp{r.parallel.cp} is its base merge; run it with --context-parallel-size 1, "
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
-        return lines
+        headline = self.headline() if len(self.results) > 1 else None
+        return lines + ([headline] if headline else [])
 
     def markdown_document(self) -> str:
         """The comparison as Markdown to paste into a page: the table, the notes as a list (plain
@@ -65,6 +147,10 @@ class ComparisonResult:
             "rows": [row.values() for row in self.rows()],
             "layouts": {name: result.to_dict() for name, result in self.results.items()},
             "failures": self.failures,
+            # strategies that train a different semantic (megatron-stock), with what they train
+            "references": {name: strategy_spec(name).different_semantics
+                           for name in self.results if is_reference(name)},
+            "fastest_other": self.fastest_other(),  # SlimPack's fastest competitor (references left out)
         }
 
 

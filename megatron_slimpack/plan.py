@@ -95,7 +95,7 @@ def _overlaps(document: np.ndarray, offset: np.ndarray, length: np.ndarray) -> t
 
 # Strategies whose samples are not the input lengths (they cut documents or carry them across
 # steps): their plans must say where every sample comes from.
-RENUMBERING_STRATEGIES = frozenset({"megatron-fixed", "slimpipe", "wlb-llm"})
+RENUMBERING_STRATEGIES = frozenset({"megatron-fixed", "megatron-stock", "slimpipe", "wlb-llm"})
 
 
 class Slice(NamedTuple):

@@ -15,7 +15,7 @@ from megatron_slimpack.solver.strategies import get_strategy, new_planner, strat
 from megatron_slimpack.specs import ParallelConfig
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
-BASELINES = ["megatron-fixed", "bfd", "sorted", "wlb-llm", "megatron-hybrid-cp", "slimpipe"]
+BASELINES = ["megatron-fixed", "megatron-stock", "bfd", "sorted", "wlb-llm", "megatron-hybrid-cp", "slimpipe"]
 
 
 def run(strategy, lengths, dp=1, pp=1, tp=8, context=8, **config):
@@ -53,13 +53,17 @@ def test_every_strategy_has_one_spec_with_its_facts():
         assert isinstance(planner, StepPlanner) and planner is not spec.new_planner()  # a fresh one each time
         assert spec.stateful == (type(planner) is not StepPlanner)
     assert {name for name, spec in specs.items() if spec.stateful} == {"wlb-llm"}
-    # megatron-hybrid-cp is simulated for comparison only: the SlimPack runtime refuses to train with it.
+    # megatron-hybrid-cp and megatron-stock are simulated for comparison only: the SlimPack runtime
+    # refuses to train with them.
     assert trainable_strategy_names() == ("slimpack", "slimpack-sym", "slimpack-nomerge", "megatron-fixed", "bfd",
                                           "sorted", "wlb-llm", "slimpipe")
     assert {name for name, spec in specs.items() if spec.cp_is_base_merge} == {"slimpack", "slimpack-sym"}
+    # megatron-stock trains another semantic (attention across documents): a reference, labelled.
+    assert {name for name, spec in specs.items() if spec.is_reference} == {"megatron-stock"}
+    assert all(spec.different_semantics == "" for name, spec in specs.items() if name != "megatron-stock")
     # plan.py (below the solver) must agree with the specs: its own set, or a lookup of the spec.
     renumbering = {name for name, spec in specs.items() if spec.renumbers_samples}
-    assert renumbering == {"megatron-fixed", "slimpipe", "wlb-llm"}
+    assert renumbering == {"megatron-fixed", "megatron-stock", "slimpipe", "wlb-llm"}
     if hasattr(plan_module, "RENUMBERING_STRATEGIES"):
         assert renumbering == set(plan_module.RENUMBERING_STRATEGIES)
     else:

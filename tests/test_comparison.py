@@ -2,6 +2,8 @@
 a row showed the mean time of all steps beside one step's MFU and lower bound, and beat it)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,23 @@ def test_output_formats_exclude_each_other(capsys):
     assert cli.main([*COMPARE_SMALL, "--json", "--markdown"]) == 2
     assert cli.main([*COMPARE_SMALL, "--csv"]) == 0
     assert capsys.readouterr().out.startswith("strategy,layout,iteration_s,")
+
+
+def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
+    """issue 24: stock pretrain_gpt.py (cross-document attention) is a reference row with its own
+    speedup column and a note saying what it trains; it is never the fastest other strategy."""
+    argv = [*COMPARE_SMALL[:-1], "megatron-fixed,megatron-stock,slimpack"]
+    assert cli.main([*argv, "--markdown"]) == 0
+    out = capsys.readouterr().out
+    table, notes = out.split("\n\n")[:2]
+    assert table.splitlines()[0].endswith("| speedup | speedup vs megatron-stock |")
+    assert any(line.startswith("| megatron-stock |") and line.endswith("| 1.00x |") for line in table.splitlines())
+    notes = notes.splitlines()
+    assert notes[0].startswith("- megatron-stock is a reference, left out of the fastest other strategy: "
+                               "cross-document attention")
+    assert "over the fastest other strategy (megatron-fixed)" in notes[-1]
+    assert "over megatron-stock (cross-document attention, a different training semantic)" in notes[-1]
+    assert cli.main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fastest_other"] == "megatron-fixed" and list(data["references"]) == ["megatron-stock"]
+    assert all(row["speedup_vs_stock"] > 0 for row in data["rows"])

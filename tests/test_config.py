@@ -81,7 +81,7 @@ def test_megatron_flags_are_generated_with_the_dataclass_defaults():
     # The historic spellings: the time limit's flag drops the field's unit suffix.
     assert args.slimpack_solver_time_limit == SlimPackConfig().solver_time_limit_s == 0.5
     help_text = " ".join(parser.format_help().split())
-    assert "(default: 0.5)" in help_text and "cp: simulated for comparison only" in help_text
+    assert "(default: 0.5)" in help_text and "megatron-stock: simulated for comparison only" in help_text
 
 
 def test_megatron_flags_reach_the_config():

@@ -48,9 +48,11 @@ def test_layout_facts_come_from_the_strategy_specs():
     specs = strategy_specs()
     assert {name for name, spec in specs.items() if spec.sizes_to_memory} == {"slimpack", "slimpack-sym",
                                                                               "slimpack-nomerge"}
-    assert {name for name, spec in specs.items() if spec.splits_documents} == {"megatron-fixed", "slimpipe"}
+    assert {name for name, spec in specs.items() if spec.splits_documents} == {"megatron-fixed", "megatron-stock",
+                                                                                "slimpipe"}
     assert {name: spec.minimum_in_flight for name, spec in specs.items()} == {
-        "megatron-fixed": "sequence", "bfd": "document", "sorted": "document", "wlb-llm": "document",
+        "megatron-fixed": "sequence", "megatron-stock": "sequence", "bfd": "document", "sorted": "document",
+        "wlb-llm": "document",
         "slimpipe": "half-document", "slimpack": "merged-document", "slimpack-sym": "merged-document",
         "slimpack-nomerge": "document", "megatron-hybrid-cp": "none"}
     assert {name for name, spec in specs.items() if spec.constraints.pp or spec.constraints.cp} == {

@@ -68,3 +68,43 @@ def test_summary_shows_both_speedups_failures_and_missing_cells(paper_table):
     # SlimPack's own variants are not "other strategies"; a cell without the reference has no first figure.
     assert lines[2] == "| llama-7b | 64K | 1.50x / 1.20x | no feasible layout |"
     assert lines[3] == "| llama-13b | 64K | - / 0.99x | not run |"
+
+
+def test_stock_is_a_reference_column_never_the_fastest_other(paper_table):
+    """megatron-stock (cross-document attention, a different training semantic): every row gets its
+    speedup over it, a second summary puts SlimPack's next to the one over megatron-fixed, and the
+    first summary's "fastest other strategy" never counts it, even where it is the fastest."""
+    cells = paper_table.merge_cells([], [
+        _cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(150.0), "wlb-llm": _figures(130.0),
+                                        "slimpack": _figures(100.0), "megatron-stock": _figures(50.0)}),
+        _cell("llama-7b", "github", {"megatron-fixed": _figures(150.0), "slimpack": _figures(100.0)}),
+        _cell("llama-13b", "wikipedia", {"megatron-fixed": _figures(150.0), "slimpack": _figures(100.0)},
+              failures={"megatron-stock": "memory"}),
+    ], ORDER)
+    stock_run = cells[0]["strategies"]
+    assert stock_run["slimpack"]["speedup_vs_stock"] == pytest.approx(0.5)
+    assert stock_run["megatron-fixed"]["speedup_vs_stock"] == pytest.approx(50.0 / 150.0)
+    assert cells[1]["strategies"]["slimpack"]["speedup_vs_stock"] is None
+    assert paper_table.summary(cells, ORDER).splitlines()[2] == "| llama-7b | 64K | 1.50x / 1.30x | 1.50x / 1.50x |"
+    versus = paper_table.summary(cells, ORDER, versus="megatron-stock").splitlines()
+    assert versus[2] == "| llama-7b | 64K | 1.50x / 0.50x | not run |"
+    assert versus[3] == "| llama-13b | 64K | no feasible layout | not run |"
+    text = paper_table.render(cells, ORDER)
+    assert "over megatron-stock (stock `pretrain_gpt.py` without `--reset-attention-mask`" in text
+    assert "| speedup vs megatron-fixed | speedup vs megatron-stock | bubble |" in text
+    assert "| wikipedia | slimpack | tp1 pp1 cp1 dp8 | 100.00 | 100.00-100.00 | 1.50x | 0.50x |" in text
+    # a re-run of megatron-stock alone keeps the other rows and recomputes every stock speedup
+    rerun = _cell("llama-7b", "wikipedia", {"megatron-stock": _figures(200.0, commit="abc1234+stock")})
+    [cell] = [c for c in paper_table.merge_cells(cells, [rerun], ORDER) if c["dataset"] == "wikipedia"
+              and c["model"] == "llama-7b"]
+    assert cell["strategies"]["slimpack"]["speedup_vs_stock"] == pytest.approx(2.0)
+    assert cell["strategies"]["slimpack"]["commit"] == "old"
+    assert cell["strategies"]["megatron-stock"]["commit"] == "abc1234+stock"
+
+
+def test_without_stock_the_table_has_no_stock_summary(paper_table):
+    cells = paper_table.merge_cells([], [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(150.0),
+                                                                         "slimpack": _figures(100.0)})], ORDER)
+    text = paper_table.render(cells, ORDER)
+    assert "over megatron-stock (stock" not in text
+    assert "| wikipedia | slimpack | tp1 pp1 cp1 dp8 | 100.00 | 100.00-100.00 | 1.50x | - |" in text

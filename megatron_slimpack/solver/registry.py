@@ -13,7 +13,9 @@ Code outside the strategies asks the spec (`strategies.strategy_spec(name)`) ins
 branching on a name: whether the SlimPack runtime trains with it (`trainable`; the others are
 simulated for comparison only), whether it keeps state between batches (`stateful`), and the
 layout facts the layout search needs (`constraints`, `minimum_in_flight`, `sizes_to_memory`,
-`splits_documents`, `cp_is_base_merge`) and the plan format's (`renumbers_samples`).
+`splits_documents`, `cp_is_base_merge`), the plan format's (`renumbers_samples`), and whether it
+trains what the others train (`different_semantics`: a reference such as megatron-stock, which
+comparisons show apart and never count as the best other strategy).
 
 Dependencies: this module imports no other solver module; `baselines.py` and `strategies.py`
 import it to register, and `strategies.py` imports every module that registers, so the complete
@@ -141,6 +143,16 @@ class StrategySpec:
     # Its layout's cp k is a base merge (every MicroPack shared by a DP-Merge group of k replicas),
     # which Megatron runs with --context-parallel-size 1, dp x k replicas and --slimpack-base-merge k.
     cp_is_base_merge: bool = False
+    # What it trains differently from the others, in words (empty: what every other strategy trains,
+    # causal attention within each document, or within each piece of one where a strategy cuts it).
+    # Such a strategy (megatron-stock: attention across the documents packed into a sequence) is a
+    # reference: compared with, labelled with this note, never counted as a competing strategy.
+    different_semantics: str = ""
+
+    @property
+    def is_reference(self) -> bool:
+        """It trains a different semantic (`different_semantics`): a reference, not a competitor."""
+        return bool(self.different_semantics)
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
