@@ -8,7 +8,14 @@ import time
 from pathlib import Path
 
 from . import __version__, library_noise
-from .cli_options import add_model_option, non_negative_int, positive_float, positive_int, restrict_choices
+from .cli_options import (
+    add_megatron_spellings,
+    add_model_option,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    restrict_choices,
+)
 from .config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
 from .costmodel import CostModel
 from .plan import Plan, PlanError
@@ -115,28 +122,62 @@ def progress(iterable, total: int, label: str, enabled: bool):
 
 # ---- plan -----------------------------------------------------------------------------------------
 
+def predicted_makespans(plan: Plan) -> dict[tuple[int, ...], float]:
+    """DP ranks of a replica or DP-Merge group -> the makespan the planner predicted for it (plan
+    metadata "replicas"; stage orders replayed, no gradient reduction). A plan with a base merge
+    k > 1 was planned for dp / k replicas and records them in those terms: view rank r is the
+    group of ranks r*k .. r*k + k - 1 (`solver.search.shared_by_groups`)."""
+    merge = int(plan.metadata.get("base_merge", 1) or 1)
+    found = {}
+    for entry in plan.metadata.get("replicas", []):
+        if not isinstance(entry, dict) or entry.get("makespan_s") is None or not entry.get("dp_ranks"):
+            continue
+        ranks = tuple(int(rank) * merge + k for rank in entry["dp_ranks"] for k in range(merge))
+        found[ranks] = float(entry["makespan_s"])
+    return found
+
+
 def replica_summary(plan: Plan, cost: CostModel) -> list[dict]:
+    """One row per replica plan (`kind` "replica": a DP rank's own; "DP-Merge group": shared by
+    several ranks, run first with context parallelism across them). A rank's row adds up its time:
+    its own pipeline and the groups it belongs to (`rank_s`), and that over the mean of the ranks
+    (`rank_s_over_mean`); a group has no such figures (its ranks' rows count it)."""
+    predicted = predicted_makespans(plan)
     rows = []
     for index, replica in enumerate(plan.replicas):
         slices = [s for m in replica.micropacks for s in m.slices]
-        tokens = sum(s.length for s in slices)
-        pairs = sum(s.attention_pairs for s in slices)
         merged = plan.parallel.with_(cp=plan.parallel.cp * len(replica.dp_ranks))
         stage_forward = sum(cost.forward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
         stage_backward = sum(cost.backward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
-        predicted = plan.metadata.get("replicas", [{}] * len(plan.replicas))[index]
+        pipeline_s = predicted.get(tuple(replica.dp_ranks), None if replica.micropacks else 0.0)
         rows.append({
-            "replica": index, "dp_ranks": replica.dp_ranks, "documents": len({s.sample_id for s in slices}),
-            "tokens": tokens, "attention_pairs": pairs, "slices": len(slices), "micropacks": len(replica.micropacks),
+            "replica": index, "kind": "DP-Merge group" if replica.is_merge_group else "replica",
+            "dp_ranks": list(replica.dp_ranks), "documents": len({s.sample_id for s in slices}),
+            "tokens": sum(s.length for s in slices), "attention_pairs": sum(s.attention_pairs for s in slices),
+            "slices": len(slices), "micropacks": len(replica.micropacks),
             "forward_units": len(replica.forward_units), "backward_units": len(replica.backward_units),
-            "forward_s_per_stage": stage_forward, "backward_s_per_stage": stage_backward,
-            "pipeline_s": predicted.get("makespan_s"),
+            "forward_s_per_stage": stage_forward, "backward_s_per_stage": stage_backward, "pipeline_s": pipeline_s,
+            "merge_groups_s": None, "rank_s": None, "rank_s_over_mean": None,
         })
-    own = [r["pipeline_s"] for r in rows if r["pipeline_s"] is not None and len(r["dp_ranks"]) == 1]
-    mean = sum(own) / len(own) if own else 0
-    for row in rows:
-        row["imbalance"] = row["pipeline_s"] / mean if mean and row["pipeline_s"] is not None else None
+    groups = [row for row in rows if row["kind"] != "replica"]
+    ranks = [row for row in rows if row["kind"] == "replica"]
+    for row in ranks:
+        mine = [group["pipeline_s"] for group in groups if row["dp_ranks"][0] in group["dp_ranks"]]
+        if row["pipeline_s"] is not None and None not in mine:
+            row["merge_groups_s"] = sum(mine)
+            row["rank_s"] = row["pipeline_s"] + row["merge_groups_s"]
+    totals = [row["rank_s"] for row in ranks]
+    mean = sum(totals) / len(totals) if totals and None not in totals else 0.0
+    if mean > 0:
+        for row in ranks:
+            row["rank_s_over_mean"] = row["rank_s"] / mean
     return rows
+
+
+def dp_imbalance(rows: list[dict]) -> float | None:
+    """max/mean over the DP ranks of their predicted time (own pipeline and DP-Merge groups)."""
+    ratios = [row["rank_s_over_mean"] for row in rows if row["kind"] == "replica"]
+    return max(ratios) if ratios and None not in ratios else None
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -152,13 +193,32 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join([header, rule, *body])
 
 
-PLAN_COLUMNS = [
-    ("replica", "replica", ""), ("dp_ranks", "DP ranks", ""), ("documents", "docs", ","), ("tokens", "tokens", ","),
-    ("slices", "slices", ","), ("micropacks", "MicroPacks", ","), ("forward_units", "F units", ""),
-    ("backward_units", "B units", ""), ("forward_s_per_stage", "F s/stage", ".3f"),
-    ("backward_s_per_stage", "B s/stage", ".3f"), ("pipeline_s", "pipeline s", ".3f"),
-    ("imbalance", "imbalance", ".3f"),
+_WORK_COLUMNS = [
+    ("documents", "docs", ","), ("tokens", "tokens", ","), ("slices", "slices", ","),
+    ("micropacks", "MicroPacks", ","), ("forward_units", "F units", ""), ("backward_units", "B units", ""),
+    ("forward_s_per_stage", "F s/stage", ".3f"), ("backward_s_per_stage", "B s/stage", ".3f"),
 ]
+RANK_COLUMNS = [("rank", "DP rank", ""), *_WORK_COLUMNS, ("pipeline_s", "own pipeline s", ".3f"),
+                ("merge_groups_s", "DP-Merge s", ".3f"), ("rank_s", "rank s", ".3f"),
+                ("rank_s_over_mean", "rank s / mean", ".3f")]
+GROUP_COLUMNS = [("group", "group", ""), ("ranks", "DP ranks", ""), *_WORK_COLUMNS, ("pipeline_s", "pipeline s", ".3f")]
+
+
+def format_plan_tables(rows: list[dict]) -> str:
+    """`slimpack plan`'s text: one row per DP rank (its own replica, and its time with the DP-Merge
+    groups it belongs to), the DP imbalance (max/mean), then the DP-Merge groups, if any, apart."""
+    ranks = [{**row, "rank": row["dp_ranks"][0]} for row in rows if row["kind"] == "replica"]
+    groups = [{**row, "group": number, "ranks": ", ".join(map(str, row["dp_ranks"]))}
+              for number, row in enumerate(row for row in rows if row["kind"] != "replica")]
+    imbalance = dp_imbalance(rows)
+    parts = ["DP ranks (own replica; rank s = own pipeline + the DP-Merge groups the rank runs):",
+             format_table(ranks, RANK_COLUMNS),
+             "DP imbalance (max/mean of rank s): " + (f"{imbalance:.3f}" if imbalance is not None else
+                                                      "- (this planner predicts no times; `slimpack simulate` has it)")]
+    if groups:
+        parts += [f"DP-Merge groups ({len(groups)}; each run by its ranks together, context parallelism "
+                  "across them, before their own replicas):", format_table(groups, GROUP_COLUMNS)]
+    return "\n".join(parts)
 
 
 def cmd_plan(args) -> int:
@@ -188,17 +248,20 @@ def cmd_plan(args) -> int:
             plan.to_json(path)
         outputs.append((step, lengths, plan, elapsed, path))
     if args.json:
-        print(json.dumps([{"step": step, "documents": len(lengths), "planning_time_s": elapsed,
-                           "metadata": plan.metadata, "replicas": replica_summary(plan, cost),
-                           "file": str(path) if path else None}
-                          for step, lengths, plan, elapsed, path in outputs], indent=1, default=float))
+        steps = []
+        for step, lengths, plan, elapsed, path in outputs:
+            rows = replica_summary(plan, cost)
+            steps.append({"step": step, "documents": len(lengths), "planning_time_s": elapsed,
+                          "metadata": plan.metadata, "replicas": rows, "dp_imbalance_max_over_mean": dp_imbalance(rows),
+                          "file": str(path) if path else None})
+        print(json.dumps(steps, indent=1, default=float))
         return 0
     for step, lengths, plan, elapsed, path in outputs:
         phase1 = plan.metadata.get("phase1", {})
         print(f"step {step}: {len(lengths)} documents, {sum(lengths):,} tokens, strategy {plan.strategy}, "
               f"{parallel.describe()}, planned in {elapsed * 1000:.0f} ms "
               f"(CP-SAT {phase1.get('status', '-')}, gap {phase1.get('gap', 0):.2%})")
-        print(format_table(replica_summary(plan, cost), PLAN_COLUMNS))
+        print(format_plan_tables(replica_summary(plan, cost)))
         if path is not None:
             print(f"plan written to {path}")
     return 0
@@ -306,7 +369,8 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--cost-model", default=defaults.cost_model, help="'analytic' or a `slimpack profile` JSON")
     demo.add_argument("--strategies", default=None, help="comma-separated strategies the runtime trains "
                                                          f"(default {','.join(defaults.strategies)})")
-    demo.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    demo.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bar (there is one only when stderr is a terminal; the log goes through it)")
     demo.add_argument("--json", action="store_true", help="the summary as one JSON document on stdout")
 
 
@@ -321,10 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=positive_int, default=8, help="tensor parallel size")
     plan.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
     plan.add_argument("--dp", type=positive_int, default=4, help="data-parallel replicas")
-    plan.add_argument("--cp", type=positive_int, default=1, help="context parallel size (SlimPack: its base merge)")
+    plan.add_argument("--cp", type=positive_int, default=1,
+                      help="context parallel size; SlimPack plans cp K as DP-Merge groups of K replicas, like a "
+                           "`compare` row 'slimpack ... cpK dpD' (the same plan as --cp 1 --dp K*D --base-merge K, "
+                           "the form Megatron runs)")
     plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                       help="activation recomputation (default: none)")
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
+    add_megatron_spellings(plan)  # --tensor-model-parallel-size, --seq-length, ... as in Megatron-LM
     plan.set_defaults(run=cmd_plan)
 
     simulate = commands.add_parser("simulate", help="simulate a plan JSON: time, MFU, bubbles, memory")
@@ -338,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
     simulate.add_argument("--json", action="store_true", help="the figures as one JSON document on stdout")
     simulate.add_argument("--full", action="store_true", help="with --json: every task and the memory timeline")
+    add_megatron_spellings(simulate)
     simulate.set_defaults(run=cmd_simulate)
 
     compare = commands.add_parser("compare", help="every strategy, its best layout, side by side")
@@ -350,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--markdown", action="store_true",
                          help="a Markdown document: the table, notes as a list, Gantt charts as images")
     compare.add_argument("--gantt-dir", help="write one Gantt PNG per strategy here")
+    add_megatron_spellings(compare)  # --seq-length
     compare.set_defaults(run=cmd_compare)
 
     profile = commands.add_parser("profile", help="time the real model on this device and fit the cost model")

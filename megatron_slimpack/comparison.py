@@ -198,10 +198,16 @@ def run_comparison(
         except PlanError as error:
             result.failures[name] = str(error)
     if gantt_dir:
-        Path(gantt_dir).mkdir(parents=True, exist_ok=True)
-        for name, layout in result.results.items():
-            detailed = simulate(layout.plans[0], cost)
-            path = Path(gantt_dir) / f"{name}.png"
-            write_gantt(detailed, path, title=f"{name} {layout.parallel.describe()} step 0")
-            result.gantt_files.append(str(path))
+        _write_gantts(result, cost, Path(gantt_dir))
     return result
+
+
+def _write_gantts(result: "ComparisonResult", cost, directory: Path) -> None:
+    """One chart per strategy (its first step), on one shared time axis so they compare side by side."""
+    directory.mkdir(parents=True, exist_ok=True)
+    detailed = {name: simulate(layout.plans[0], cost) for name, layout in result.results.items()}
+    horizon = max((report.iteration_time_s for report in detailed.values()), default=None)
+    for name, report in detailed.items():
+        path = directory / f"{name}.png"
+        write_gantt(report, path, title=f"{name} {result.results[name].parallel.describe()} step 0", horizon_s=horizon)
+        result.gantt_files.append(str(path))

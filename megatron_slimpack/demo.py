@@ -34,6 +34,7 @@ import json
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,11 +353,10 @@ class DemoRunner:
                                 solver_time_limit_s=options.solver_time_limit)
         self.runs = self._build_runs(spec, demo_cost_model(spec, options.cost_model), parallel, config)
         self.predicted_tag = "uncalibrated" if options.cost_model == "analytic" else "profiled"
-        self.bar = None
-        if self.show and options.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=options.steps * len(self.runs), desc="demo steps", file=sys.stderr, leave=False)
+        # Rank 0 logs each step (under a progress bar on a terminal); its warnings go through the log too.
+        self.log = StepLog(options.steps * len(self.runs), progress=options.progress) if self.show else None
+        if self.log is not None:
+            self.log.capture_warnings()
 
     def _build_runs(self, spec, cost, parallel, config) -> list[StrategyRun]:
         """One model chunk, optimizer and planner per strategy, all chunks from the same weights."""
@@ -411,14 +411,15 @@ class DemoRunner:
         loss = everyone[self.pp - 1][1]  # the last pipeline stage of replica 0 (dp=1 here)
         tasks = gantt_tasks([r for _, _, records in everyone for r in records], plan)
         entry = run.record_step(planned, step_s, loss, tasks, self.pp)
-        _log(run.strategy, entry, self.options.steps, self.bar, self.predicted_tag)
+        self.log.line(step_line(run.strategy, entry, self.options.steps, self.predicted_tag))
+        self.log.advance()
 
     def finish(self) -> dict | None:
         """Stop the planners and the process group; rank 0's result (None elsewhere)."""
         import torch.distributed as dist
 
-        if self.bar is not None:
-            self.bar.close()
+        if self.log is not None:
+            self.log.close()
         out: dict = {"runs": {}, "stage_params": sum(p.numel() for p in self.runs[0].chunk.parameters())}
         for run in self.runs:
             planning = run.close()
@@ -456,21 +457,68 @@ def predicted_by(cost_model: str) -> str:
     return f"cost model profiled in {cost_model}"
 
 
-def _log(strategy: str, e: dict, total: int, bar, predicted_tag: str = "uncalibrated") -> None:
+def step_line(strategy: str, e: dict, total: int, predicted_tag: str = "uncalibrated") -> str:
+    """One training step's log line (Megatron's style)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     predicted = f"{e['predicted_s'] * 1000:9.1f}" if e["predicted_s"] is not None else "        -"
-    line = (f" [{stamp}] [{strategy:>14}] iteration {e['iteration']:5d}/{total:5d} | "
+    return (f" [{stamp}] [{strategy:>14}] iteration {e['iteration']:5d}/{total:5d} | "
             f"elapsed time per iteration (ms): {e['step_s'] * 1000:8.1f} | "
             f"predicted (ms, {predicted_tag}): {predicted} | "
             f"tokens/s: {e['tokens_per_s']:8.0f} | lm loss: {e['loss']:.6E} | micropacks: {e['micropacks']:3d} | "
             f"PP imbalance: {e['pp_imbalance']:.3f} | DP imbalance: {e['dp_imbalance']:.3f} | "
             f"planning (ms): {e['planning_s'] * 1000:6.1f} (exposed {e['exposed_s'] * 1000:5.1f}) |")
-    if bar is not None:
-        bar.write(line, file=sys.stderr)
-        bar.update(1)
-        sys.stderr.flush()
-    else:
-        print(line, file=sys.stderr, flush=True)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class StepLog:
+    """The demo's log on `stream` (default: stderr) and its progress bar, which never overwrite
+    each other: on a terminal every line goes through the bar (`tqdm.write` lifts the bar, prints
+    the line, redraws the bar under it), and so do the warnings of this process once
+    `capture_warnings()` is called. Elsewhere (a log file, a pipe, a test's capture) there is no
+    bar: plain lines without carriage returns, readable as a file."""
+
+    def __init__(self, total: int, *, progress: bool = True, stream=None, desc: str = "demo steps"):
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = None
+        self._showwarning = None
+        if progress and _is_terminal(self.stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, file=self.stream, leave=False)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream)
+        self.stream.flush()
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def capture_warnings(self) -> None:
+        """Python warnings of this process become log lines (until `close`)."""
+        if self._showwarning is None:
+            self._showwarning = warnings.showwarning
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                self.line(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"))
+
+            warnings.showwarning = show
+
+    def close(self) -> None:
+        if self._showwarning is not None:
+            warnings.showwarning, self._showwarning = self._showwarning, None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 # ---- driver ---------------------------------------------------------------------------------

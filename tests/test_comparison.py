@@ -3,6 +3,7 @@ a row showed the mean time of all steps beside one step's MFU and lower bound, a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +121,23 @@ def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fastest_other"] == "megatron-fixed" and list(data["references"]) == ["megatron-stock"]
     assert all(row["speedup_vs_stock"] > 0 for row in data["rows"])
+
+
+def test_gantt_charts_of_a_comparison_share_one_time_axis(tmp_path, monkeypatch):
+    """issue 25: `compare --gantt-dir` draws every strategy on the same time axis (the longest step)."""
+    from megatron_slimpack import comparison
+    from megatron_slimpack.costmodel import CostModel
+
+    horizons = {}
+
+    def record(report, path, title=None, horizon_s=None):
+        horizons[Path(path).stem] = (horizon_s, report.iteration_time_s)
+
+    monkeypatch.setattr(comparison, "write_gantt", record)
+    cost = CostModel.analytic("llama-7b", "h100-sxm")
+    comparison.run_comparison(workload="text", model="llama-7b", hardware="h100-sxm", cost=cost, gpus=8,
+                              context_length=8192, global_batch_size=8, strategies="megatron-fixed,slimpack",
+                              seed=0, gantt_dir=str(tmp_path), show_progress=False)
+    assert set(horizons) == {"megatron-fixed", "slimpack"}
+    longest = max(own for _, own in horizons.values())
+    assert all(horizon == longest for horizon, _ in horizons.values())

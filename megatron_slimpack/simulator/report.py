@@ -3,7 +3,8 @@
 - `markdown_table` / `csv_table`: one row per named report.
 - `comparison_table`: the `slimpack compare` table, rows of (strategy, layout, report,
   planning time, speedup reference).
-- `write_gantt`: PNG, one row per (rank, stage) device.
+- `write_gantt` (`gantt_figure`): PNG, one row per (data-parallel rank, pipeline stage), an
+  optional shared time axis (`horizon_s`).
 - `chrome_trace` / `write_chrome_trace`: Perfetto-compatible JSON from any task records
   (simulated `TaskRecord`s or measured ones with the same fields), so simulated and measured
   steps open side by side.
@@ -144,13 +145,31 @@ def _get(record: Any, name: str, default: Any = None) -> Any:
 
 
 # ---- Gantt chart -------------------------------------------------------------------------------
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "DP": "#8C8C8C"}
+# Forward cool, backward warm; a DP-Merge group's tasks in their own shade of each (a hatch would be
+# invisible on the one-pixel bars of a step with hundreds of MicroPacks); the legend shows these
+# very colours.
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "DP": "#6E6E6E"}
+_MERGED_COLOURS = {"F": "#2CA6A4", "B": "#B5344A"}
+_LEGEND = (("F", False, "forward"), ("B", False, "backward"), ("F", True, "DP-Merge group forward"),
+           ("B", True, "DP-Merge group backward"), ("DP", False, "DP gradient reduction"))
+GANTT_Y_LABEL = "data-parallel rank / pipeline stage"
+GANTT_DPI = 120
+_MIN_BAR_PX = 1.0  # a task shorter than a pixel is drawn one pixel wide, so that every task shows
+_OUTLINED_PX = 6.0  # bars at least this wide keep a thin white outline
 
 
-def write_gantt(report_or_records, path: str | Path, title: str | None = None) -> Path:
-    """A Gantt chart PNG: one row per (rank, stage), forward blue, backward orange (DP-Merge
-    group tasks hatched), DP gradient reduction as a grey hatched strip at the bottom of the
-    row, idle time left white. Bars wide enough for it carry their unit."""
+def _gantt_colour(kind: str, merged: bool) -> str:
+    return _MERGED_COLOURS[kind] if merged and kind in _MERGED_COLOURS else _COLOURS[kind]
+
+
+def gantt_figure(report_or_records, title: str | None = None, horizon_s: float | None = None):
+    """The matplotlib figure `write_gantt` saves (the caller closes it): one row per (data-parallel
+    rank, pipeline stage), forward and backward bars with no white edges where they are narrow (the
+    edges washed out bars a pixel wide), a task shorter than a pixel drawn a pixel wide with forward
+    over backward, DP-Merge group tasks in their own colours (the legend's), the DP gradient
+    reduction as a grey strip under the row, idle time white. `horizon_s`: the end of the time
+    axis (default: the last task's end), so that charts of several strategies share one time
+    axis; it must not cut a task off (ValueError)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,43 +177,95 @@ def write_gantt(report_or_records, path: str | Path, title: str | None = None) -
     from matplotlib.patches import Patch
 
     records = report_or_records.tasks if isinstance(report_or_records, SimulationReport) else list(report_or_records)
+    records = [r for r in records if _get(r, "kind") in _COLOURS]
     devices = sorted({(_get(r, "rank"), _get(r, "stage")) for r in records})
     row_of = {device: i for i, device in enumerate(devices)}
-    horizon = max((_get(r, "end") for r in records), default=1.0) or 1.0
-    bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
-    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.45 * max(1, len(devices))))
+    last_end = max((float(_get(r, "end")) for r in records), default=0.0)
+    if horizon_s is None:
+        horizon = last_end or 1.0
+    else:
+        horizon = float(horizon_s)
+        if not 0 < horizon < float("inf"):
+            raise ValueError(f"horizon_s must be a positive number of seconds, got {horizon_s!r}")
+        if last_end > horizon * (1 + 1e-9):
+            raise ValueError(f"horizon_s {horizon:g} s ends before the last task ({last_end:g} s)")
+    bars: dict[tuple[str, bool], list[tuple[int, float, float]]] = {}
     for record in records:
-        kind = _get(record, "kind")
-        if kind not in _COLOURS:
-            continue
-        start, end = _get(record, "start"), _get(record, "end")
+        kind, start, end = _get(record, "kind"), float(_get(record, "start")), float(_get(record, "end"))
+        merged = kind in COMPUTE_KINDS and str(_get(record, "detail", "") or "").startswith("merge")
         row = row_of[(_get(record, "rank"), _get(record, "stage"))]
-        merged = str(_get(record, "detail", "")).startswith("merge")
-        bars.setdefault((row, kind, merged), []).append((start, end - start))
-        if kind in COMPUTE_KINDS and end - start > horizon / 60:
-            ax.text((start + end) / 2, row - 0.1, f"{kind}{_get(record, 'unit')}", ha="center", va="center",
-                    fontsize=6, color="white", clip_on=True)
-    for (row, kind, merged), spans in bars.items():
-        if kind == "DP":
-            ax.broken_barh(spans, (row + 0.22, 0.18), facecolors="white", edgecolor=_COLOURS[kind], hatch="////",
-                           linewidth=0.5)
-        else:
-            ax.broken_barh(spans, (row - 0.4, 0.6), facecolors=_COLOURS[kind], edgecolor="white", linewidth=0.3,
-                           hatch=".." if merged else None)
-    ax.set_yticks(range(len(devices)), [f"rank {r} stage {s}" for r, s in devices])
-    ax.set_ylim(len(devices) - 0.5, -0.5)  # rank 0 stage 0 on top
+        bars.setdefault((kind, merged), []).append((row, start, end - start))
+
+    rows = max(1, len(devices))
+    tasks_of_row = [0] * rows
+    for (kind, _), spans in bars.items():
+        for row, _, _ in spans:
+            tasks_of_row[row] += kind in COMPUTE_KINDS
+    per_row = max(tasks_of_row)
+    width = min(20.0, max(12.0, 2.2 * per_row / GANTT_DPI))  # about 2 px per task of the busiest row
+    row_height = max(0.12, min(0.45, 12.0 / rows))
+    fig, ax = plt.subplots(figsize=(width, max(2.8, 1.5 + row_height * rows)), dpi=GANTT_DPI)
+    labelled = [i for i, (rank, stage) in enumerate(devices)
+                if rows <= 48 or stage == min(s for r, s in devices if r == rank)]
+    ax.set_yticks(labelled, [f"{devices[i][0]} / {devices[i][1]}" for i in labelled],
+                  fontsize=8 if rows <= 32 else 6)
+    ax.set_ylabel(GANTT_Y_LABEL if rows >= 6 else GANTT_Y_LABEL.replace(" / ", " /\n"))  # fits a short chart
+    ax.set_ylim(rows - 0.5, -0.5)  # rank 0 stage 0 on top
     ax.set_xlabel("time (s)")
     ax.set_xlim(0, horizon * 1.01)
-    ax.legend(handles=[Patch(color=_COLOURS["F"], label="forward"), Patch(color=_COLOURS["B"], label="backward"),
-                       Patch(facecolor="#999999", hatch="..", label="DP-Merge group"),
-                       Patch(facecolor="white", edgecolor=_COLOURS["DP"], hatch="////", label="DP reduction")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=7, frameon=False)
+    ax.set_axisbelow(True)
+    ax.grid(axis="x", color="#DDDDDD", linewidth=0.6)
+    for i in range(1, len(devices)):
+        if devices[i][0] != devices[i - 1][0]:  # between data-parallel ranks
+            ax.axhline(i - 0.5, color="#BBBBBB", linewidth=0.6, zorder=1)
+    present = set(bars)
+    handles = [Patch(facecolor=_gantt_colour(kind, merged), edgecolor="none", label=label)
+               for kind, merged, label in _LEGEND if (kind, merged) in present]
+    if handles:  # under the time axis, where no title can run into it
+        ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), bbox_transform=fig.transFigure,
+                  ncol=len(handles), fontsize=8, frameon=False)
     if title:
         ax.set_title(title, loc="left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight() if handles else 0, 1, 1))
+    # Pixels are known once the layout is: a task shorter than one is drawn one wide.
+    seconds_per_px = (horizon * 1.01) / max(1.0, ax.get_window_extent().width)
+    least = _MIN_BAR_PX * seconds_per_px
+    order = sorted(present, key=lambda key: ({"DP": 0, "B": 1, "F": 2}[key[0]], key[1]))  # forward on top
+    for zorder, (kind, merged) in enumerate(order, start=2):
+        # (row, outlined): a bar _OUTLINED_PX or wider keeps a thin white outline that tells
+        # neighbours of one colour apart; narrower ones have none (it would cover them).
+        by_row: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+        for row, start, length in bars[(kind, merged)]:
+            outlined = kind in COMPUTE_KINDS and length >= _OUTLINED_PX * seconds_per_px
+            by_row.setdefault((row, outlined), []).append((start, max(length, least)))
+        for (row, outlined), spans in by_row.items():
+            y, height = (row + 0.24, 0.16) if kind == "DP" else (row - 0.4, 0.6)
+            ax.broken_barh(spans, (y, height), facecolors=_gantt_colour(kind, merged),
+                           edgecolor="white" if outlined else "none", linewidth=0.5 if outlined else 0,
+                           antialiased=outlined, zorder=zorder)
+    for record in records:  # a bar wide enough for it carries its unit
+        kind, start, end = _get(record, "kind"), float(_get(record, "start")), float(_get(record, "end"))
+        if kind in COMPUTE_KINDS and end - start > horizon / 60:
+            row = row_of[(_get(record, "rank"), _get(record, "stage"))]
+            ax.text((start + end) / 2, row - 0.1, f"{kind}{_get(record, 'unit')}", ha="center", va="center",
+                    fontsize=6, color="white", clip_on=True, zorder=len(order) + 3)
+    return fig
+
+
+def write_gantt(report_or_records, path: str | Path, title: str | None = None,
+                horizon_s: float | None = None) -> Path:
+    """A Gantt chart PNG of a `SimulationReport` or of task records (rank, stage, kind, unit,
+    start, end, detail: simulated or measured), as `gantt_figure` draws it. `horizon_s`: the end
+    of the time axis in seconds (default: the last task's end); give charts that are to be
+    compared side by side the same one (e.g. the longest of their iteration times)."""
+    import matplotlib.pyplot as plt
+
+    fig = gantt_figure(report_or_records, title=title, horizon_s=horizon_s)
     path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=GANTT_DPI)
+    finally:
+        plt.close(fig)
     return path
 
 
