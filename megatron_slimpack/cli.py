@@ -308,9 +308,9 @@ def cmd_compare(args) -> int:
     elif args.csv:
         print(result.table("csv"), end="")
     elif args.markdown:
-        print(result.markdown_document(), end="")
+        print(result.markdown_document(wide=args.wide), end="")
     else:
-        print(result.table("markdown"))
+        print(result.table("markdown", wide=args.wide))
         for line in result.notes():
             print(line)
     return 0
@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_options(compare, batch=512, model="llama-7b", planner_exclude=("strategy", "base_merge"))
     compare.add_argument("--gpus", type=positive_int, default=128, help="GPUs every strategy's layout uses")
     compare.add_argument("--strategies", default="all", help="comma-separated names or 'all'")
+    compare.add_argument("--wide", action="store_true",
+                         help="every column (DP/PP imbalance, memory fit, exposed DP time, lower bound, planning "
+                              "time), not only the compact ones; CSV and JSON always have them all")
     compare.add_argument("--csv", action="store_true", help="the table as CSV, nothing else")
     compare.add_argument("--markdown", action="store_true",
                          help="a Markdown document: the table, notes as a list, Gantt charts as images")

@@ -86,8 +86,9 @@ class ComparisonResult:
             ))
         return rows
 
-    def table(self, fmt: str = "markdown") -> str:
-        return comparison_table(self.rows(markdown=fmt == "markdown"), fmt)
+    def table(self, fmt: str = "markdown", wide: bool = True) -> str:
+        """The rows as Markdown (`wide=False`: the compact columns) or CSV (every figure)."""
+        return comparison_table(self.rows(markdown=fmt == "markdown"), fmt, wide=wide)
 
     def fastest_other(self, strategy: str = "slimpack") -> str | None:
         """The fastest of `strategy`'s competitors (`competitors`: megatron-stock and `strategy`'s
@@ -132,10 +133,10 @@ class ComparisonResult:
         headline = self.headline() if len(self.results) > 1 else None
         return lines + ([headline] if headline else [])
 
-    def markdown_document(self) -> str:
+    def markdown_document(self, wide: bool = True) -> str:
         """The comparison as Markdown to paste into a page: the table, the notes as a list (plain
         lines would run together into one paragraph) and each Gantt chart as an image."""
-        parts = [self.table("markdown")]
+        parts = [self.table("markdown", wide=wide)]
         remarks = self._remarks()
         if remarks:
             parts.append("\n".join(f"- {line}" for line in remarks) + "\n")

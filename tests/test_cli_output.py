@@ -17,7 +17,7 @@ from megatron_slimpack import cli
 from megatron_slimpack.config import SlimPackConfig
 
 SMALL = ["--workload", "longtail", "--context-length", "16384", "--global-batch-size", "8",
-         "--solver-deterministic-limit", "0.2"]
+         "--solver-deterministic-limit", "0.2", "--solver-time-limit", "60"]  # deterministic under load
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:

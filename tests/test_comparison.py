@@ -2,6 +2,8 @@
 a row showed the mean time of all steps beside one step's MFU and lower bound, and beat it)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -110,8 +112,8 @@ def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
     assert cli.main([*argv, "--markdown"]) == 0
     out = capsys.readouterr().out
     table, notes = out.split("\n\n")[:2]
-    assert table.splitlines()[0].endswith("| speedup | speedup vs megatron-stock |")
-    assert any(line.startswith("| megatron-stock |") and line.endswith("| 1.00x |") for line in table.splitlines())
+    assert "| speedup vs megatron-fixed | speedup vs megatron-stock |" in table.splitlines()[0]
+    assert any(line.startswith("| megatron-stock |") and "| 1.00x |" in line for line in table.splitlines())
     notes = notes.splitlines()
     assert notes[0].startswith("- megatron-stock is a reference, left out of the fastest other strategy: "
                                "cross-document attention")
@@ -141,3 +143,25 @@ def test_gantt_charts_of_a_comparison_share_one_time_axis(tmp_path, monkeypatch)
     assert set(horizons) == {"megatron-fixed", "slimpack"}
     longest = max(own for _, own in horizons.values())
     assert all(horizon == longest for horizon, _ in horizons.values())
+
+
+def test_compare_table_is_compact_by_default_and_wide_on_request():
+    """issue 25: a compact default table (speedup named as over megatron-fixed), every column under
+    --wide, and no scientific notation among the figures."""
+    from megatron_slimpack import cli
+
+    argv = ["compare", "--gpus", "8", "--context-length", "8192", "--global-batch-size", "16",
+            "--strategies", "megatron-fixed,slimpack"]
+    tables = {}
+    for extra in ([], ["--wide"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main(argv + extra) == 0
+        tables[bool(extra)] = out.getvalue().splitlines()[0]
+    compact, wide = tables[False], tables[True]
+    assert compact == ("| strategy | layout | iteration (s) | tokens/s | MFU | speedup vs megatron-fixed | bubble "
+                       "| peak mem (GiB) |")
+    assert "lower bound (s)" in wide and "DP imb." in wide and "planning (s)" in wide
+    from megatron_slimpack.simulator.report import _format
+
+    assert _format("planning_s", 0.000839) == "<0.001" and _format("iteration_s", 0.0123) == "0.012"

@@ -80,15 +80,35 @@ class ComparisonRow:
                 "planning_s": self.planning_time_s, "speedup": speedup}
 
 
-def comparison_table(rows: Iterable[ComparisonRow | tuple], fmt: str = "markdown") -> str:
+# The Markdown table's default columns (`wide=False`); extra columns a row adds (the speedup over
+# megatron-stock) are kept. CSV and JSON always carry every figure.
+COMPACT_COLUMNS = ("strategy", "layout", "iteration_s", "tokens_per_s", "mfu", "speedup", "bubble_ratio",
+                   "peak_memory_gib")
+
+
+def comparison_table(rows: Iterable[ComparisonRow | tuple], fmt: str = "markdown", wide: bool = True) -> str:
     """Rows as `ComparisonRow`s or tuples (strategy, layout, report, planning_time_s, reference);
-    fmt: markdown | csv."""
+    fmt: markdown | csv. `wide=False`: the Markdown table keeps `COMPACT_COLUMNS` only."""
     values = [(row if isinstance(row, ComparisonRow) else ComparisonRow(*row)).values() for row in rows]
     if fmt == "markdown":
+        if not wide:
+            values = [_compact(row) for row in values]
         return _markdown(values)
     if fmt == "csv":
         return _csv(values)
     raise ValueError(f"unknown table format {fmt!r}; use markdown or csv")
+
+
+def _compact(row: dict) -> dict:
+    """`COMPACT_COLUMNS` of a row, with the columns it adds (the speedup over megatron-stock) right
+    after the speedup."""
+    extra = {key: value for key, value in row.items() if key not in _HEADERS}
+    compact = {}
+    for key in COMPACT_COLUMNS:
+        compact[key] = row[key]
+        if key == "speedup":
+            compact.update(extra)
+    return compact
 
 
 _HEADERS = {
@@ -96,7 +116,7 @@ _HEADERS = {
     "tokens_per_s": "tokens/s", "mfu": "MFU", "bubble_ratio": "bubble", "dp_imbalance": "DP imb.",
     "pp_imbalance": "PP imb.", "peak_memory_gib": "peak mem (GiB)", "fits_memory": "fits",
     "dp_reduce_exposed_s": "DP exposed (s)", "lower_bound_s": "lower bound (s)",
-    "planning_s": "planning (s)", "speedup": "speedup",
+    "planning_s": "planning (s)", "speedup": "speedup vs megatron-fixed",
 }
 
 
@@ -111,8 +131,8 @@ def _format(key: str, value: Any) -> str:
         return f"{value:,.0f}"
     if key == "speedup":
         return f"{value:.2f}x"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) >= 0.01 or value == 0 else f"{value:.2e}"
+    if isinstance(value, float):  # fixed-point only: no scientific notation among the figures
+        return f"{value:.3f}" if abs(value) >= 0.001 or value == 0 else "<0.001"
     return str(value)
 
 
