@@ -11,7 +11,8 @@ from megatron_slimpack.runtime.timing import SavedBytesMeter
 torch.set_num_threads(1)
 
 
-def init_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None, seed: int = 1234) -> None:
+def init_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None, seed: int = 1234,
+                  pp: int = 1) -> None:
     """gloo process group + megatron parallel state + CPU compatibility, in this process."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -26,7 +27,7 @@ def init_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | N
             "gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank, world_size=world_size
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
 
 

@@ -5,17 +5,7 @@ import pytest
 import torch
 
 from megatron_slimpack.runtime import backend_probe, kernels
-
-
-def top_left_causal(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
-    """What flash-attn < 2.1 computes: causal masks aligned top-left (a slice's prefix is lost)."""
-    out = []
-    bq, bk = cu_q.tolist(), cu_kv.tolist()
-    for i in range(len(bq) - 1):
-        qs, ks, vs = q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]]
-        mask = torch.ones(len(qs), len(ks), dtype=torch.bool).tril()
-        out.append(kernels.segment_attention(qs, ks, vs, mask, scale, dropout_p))
-    return torch.cat(out)
+from test_selftest import top_left_kernel  # what flash-attn < 2.1 computes
 
 
 def raising(*args, **kwargs):
@@ -45,7 +35,7 @@ def test_a_backend_that_agrees_with_the_reference_is_chosen(monkeypatch, megatro
 
 
 def test_a_wrong_backend_is_passed_over_with_the_reason(monkeypatch, megatron_cpu):
-    choice = _choose(monkeypatch, top_left_causal)
+    choice = _choose(monkeypatch, top_left_kernel)
     assert choice.backend == "torch"
     assert "output differs from the torch reference" in choice.passed_over["flash"]
     assert choice.describe().startswith("attention backend torch (passed over: flash: output differs")

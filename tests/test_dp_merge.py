@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_plan, random_slicing, run_multiprocess, save_whole_document_reference
+from conftest import init_megatron, random_plan, random_slicing, run_multiprocess, save_whole_document_reference
 
 VOCAB = 64
 HIDDEN = 32
@@ -351,18 +351,13 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False, tp=1)
     rank holds one pipeline stage and runs the merge groups' stage orders on it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, compat, slimpack_forward_backward
+    from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, slimpack_forward_backward
     from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
     from test_schedule import _global_name, _shard, _unshard
 
-    torch.set_num_threads(1)
-    compat.apply()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(1234)
+    init_megatron(rank, world_size, tp=tp, pp=pp, port=port)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_plan, random_slicing, run_multiprocess, save_whole_document_reference
+from conftest import init_megatron, random_plan, random_slicing, run_multiprocess, save_whole_document_reference
 
 VOCAB = 64
 HIDDEN = 32
@@ -152,21 +152,15 @@ def _with_units(plan, variant: str):
 
 
 def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="random", options=None):
-    import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.runtime import InMemoryTokenSource, compat
+    from megatron_slimpack.runtime import InMemoryTokenSource
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.runtime.schedule import slimpack_forward_backward
 
     options = options or {}
     tp = options.get("tp", 1)
-    torch.set_num_threads(1)
-    compat.apply()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(1234)
+    init_megatron(rank, world_size, tp=tp, pp=pp, port=port)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -157,9 +157,9 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     config = _checked(slimpack_config_from_args, SlimPackConfig, args, problems)
     _checked(integration_config_from_args, MegatronIntegrationConfig, args, problems)
     dump = getattr(args, "slimpack_dump_plans", None)
-    if dump and _unwritable(dump):
-        problems.append(f"--slimpack-dump-plans {dump}: {_unwritable(dump)}; name a directory this process can "
-                        "write (it is created if missing)")
+    if dump and (why := _unwritable(dump)):
+        problems.append(f"--slimpack-dump-plans {dump}: {why}; name a directory this process can write (it is "
+                        "created if missing)")
     if config is not None and config.base_merge > 1:
         dp = getattr(args, "data_parallel_size", None)
         if dp and dp % config.base_merge:

@@ -145,22 +145,25 @@ except ImportError:
 _probed: dict = {}  # (dtype, heads, groups, head dim, tp) -> the backend the probe chose
 
 
-def _probed_backend(config) -> str:
-    """'auto' on a GPU: the fastest backend that runs this model's attention (backend_probe.py);
-    probed once per attention shape and dtype, and logged."""
+def build_core_attention(backend: str, config):
+    """One layer's SlimPack core attention of `backend` for `config`, built as the layer spec builds it."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
+    return build_module(core_attention_spec(backend), config=config, layer_number=1,
+                        attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+def _probed_backend(config) -> str:
+    """'auto' on a GPU: the fastest backend that runs this model's attention (backend_probe.py);
+    probed once per attention shape and dtype, and logged."""
     from .backend_probe import choose_backend, log
 
     key = (config.params_dtype, config.bf16, config.fp16, config.num_attention_heads, config.num_query_groups,
            config.kv_channels, config.tensor_model_parallel_size)
     if key not in _probed:
-        def build(name):
-            return build_module(core_attention_spec(name), config=config, layer_number=1,
-                                attn_mask_type=AttnMaskType.causal, attention_type="self")
-
-        choice = choose_backend(config, torch.device("cuda", torch.cuda.current_device()), build)
+        choice = choose_backend(config, torch.device("cuda", torch.cuda.current_device()),
+                                lambda name: build_core_attention(name, config))
         log.warning(choice.describe())
         _probed[key] = choice.backend
     return _probed[key]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..plan import MicroPack, Slice
-from ..runtime.attention import core_attention_spec
+from ..runtime.attention import build_core_attention
 from ..runtime.context_parallel import build_layout
 from ..runtime.kernels import cu_seqlens
 from ..runtime.model import tiny_config
@@ -33,14 +33,9 @@ def precision_overrides(setup: Setup) -> dict:
 
 def attention_module(backend: str, setup: Setup):
     """The SlimPack core attention of `backend`, as a layer would build it."""
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import build_module
-
     config = tiny_config(num_layers=1, hidden_size=setup.heads * setup.head_dim, num_attention_heads=setup.heads,
                          num_query_groups=setup.groups, **precision_overrides(setup))
-    module = build_module(core_attention_spec(backend), config=config, layer_number=1,
-                          attn_mask_type=AttnMaskType.causal, attention_type="self")
-    return module.to(setup.device).eval()
+    return build_core_attention(backend, config).to(setup.device).eval()
 
 
 # ---- inputs and the reference ----------------------------------------------------------------

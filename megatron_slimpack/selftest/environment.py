@@ -90,21 +90,14 @@ def probed_backend():
     as a model's layers would run it; None without a GPU (only the torch kernel runs)."""
     if not torch.cuda.is_available():
         return None
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import build_module
-
-    from ..runtime.attention import core_attention_spec
+    from ..runtime.attention import build_core_attention
     from ..runtime.backend_probe import choose_backend
     from ..runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
                          params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-
-    def build(name):
-        return build_module(core_attention_spec(name), config=config, layer_number=1,
-                            attn_mask_type=AttnMaskType.causal, attention_type="self")
-
-    return choose_backend(config, torch.device("cuda", torch.cuda.current_device()), build)
+    return choose_backend(config, torch.device("cuda", torch.cuda.current_device()),
+                          lambda name: build_core_attention(name, config))
 
 
 def backend_choice() -> dict:
