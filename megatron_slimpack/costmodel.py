@@ -244,7 +244,10 @@ class CostModel:
 
     # ---- compute time ------------------------------------------------------------------------
     def layers_per_stage(self, parallel: ParallelConfig) -> int:
-        return self.model.num_layers // parallel.pp
+        """Layers of one model chunk: a pipeline stage's, or with virtual stages (vpp > 1) one of
+        its vpp chunks'. Every time and activation figure below is per chunk; a rank's
+        parameters hold all of its chunks (`stage_params`)."""
+        return self.model.num_layers // parallel.virtual_stages
 
     def efficiency(self, tokens: float) -> float:
         # Works on scalars and numpy arrays alike (the planner costs all MicroPacks at once).
@@ -386,7 +389,7 @@ class CostModel:
     # ---- memory ------------------------------------------------------------------------------
     def stage_params(self, parallel: ParallelConfig) -> float:
         """Parameters of the heaviest stage (first or last: embedding or output layer)."""
-        layers = self.layers_per_stage(parallel) * self.model.params_per_layer
+        layers = self.layers_per_stage(parallel) * parallel.vpp * self.model.params_per_layer
         return layers + self.model.embedding_params + (self.model.hidden_size if parallel.pp == 1 else 0)
 
     def static_memory_bytes(self, parallel: ParallelConfig) -> float:

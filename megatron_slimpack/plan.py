@@ -149,7 +149,19 @@ class MicroPack:
         return [s.sample_id for s in self.slices]
 
 
-Task = tuple[str, int]  # ("F", forward_unit_index) or ("B", backward_unit_index)
+# ("F", forward_unit_index) or ("B", backward_unit_index); with virtual pipeline stages
+# (ParallelConfig.vpp > 1) every task also names its model chunk: ("F", unit, chunk).
+Task = tuple
+
+
+def task_chunk(task: Task) -> int:
+    """The model chunk a stage-order task runs on (0 without virtual stages)."""
+    return task[2] if len(task) > 2 else 0
+
+
+def tasks_of_chunk(order: list[Task], chunk: int) -> list[tuple[str, int]]:
+    """The (kind, unit) tasks of one model chunk, in program order."""
+    return [(task[0], task[1]) for task in order if task_chunk(task) == chunk]
 
 
 def slice_table(micropacks: list[MicroPack]) -> tuple[np.ndarray, np.ndarray]:
@@ -294,7 +306,7 @@ class ReplicaPlan:
             "micropacks": [[[s.sample_id, s.start, s.end] for s in m.slices] for m in self.micropacks],
             "forward_units": [list(u) for u in self.forward_units],
             "backward_units": [list(u) for u in self.backward_units],
-            "stage_orders": [[[kind, index] for kind, index in order] for order in self.stage_orders],
+            "stage_orders": [[list(task) for task in order] for order in self.stage_orders],
         }
 
     @classmethod
@@ -303,7 +315,8 @@ class ReplicaPlan:
             micropacks=[MicroPack([Slice(*map(int, s)) for s in m]) for m in data["micropacks"]],
             forward_units=[[int(i) for i in u] for u in data["forward_units"]],
             backward_units=[[int(i) for i in u] for u in data["backward_units"]],
-            stage_orders=[[(str(kind), int(index)) for kind, index in order] for order in data["stage_orders"]],
+            stage_orders=[[(str(task[0]),) + tuple(int(i) for i in task[1:]) for task in order]
+                          for order in data["stage_orders"]],
             dp_ranks=[int(r) for r in data["dp_ranks"]],
         )
 
@@ -442,7 +455,7 @@ class Plan:
         table = _SliceTable(self.replicas, ids, sizes, self.max_micropack_tokens)
         lengths = dict(zip(ids.tolist(), sizes.tolist())) if not table.valid else {}
         for index, replica in enumerate(self.replicas):
-            _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel.pp,
+            _check_replica(replica, index, lengths, self.max_micropack_tokens, self.parallel,
                            slices_checked=table.valid, table=table.of_replica(index))
         if table.valid and table.one_replica_per_sample():
             return self
@@ -590,7 +603,7 @@ def _check_ranks(replicas: list[ReplicaPlan], dp: int) -> None:
 
 
 def _check_replica(
-    replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, pp: int,
+    replica: ReplicaPlan, index: int, lengths: dict[int, int], token_cap: int | None, parallel: ParallelConfig,
     slices_checked: bool = False, table=None,
 ) -> None:
     where = f"replica plan {index}"
@@ -600,7 +613,7 @@ def _check_replica(
     _check_segmentation("forward-units", replica.forward_units, list(range(count)), where)
     _check_segmentation("backward-units", replica.backward_units,
                         backward_sequence(replica.micropacks, table), where)
-    _check_stage_orders(replica, where, pp)
+    _check_stage_orders(replica, where, parallel.pp, parallel.vpp)
 
 
 def _check_slices(replica: ReplicaPlan, where: str, lengths: dict[int, int], token_cap: int | None) -> None:
@@ -647,29 +660,41 @@ def _check_segmentation(rule: str, units: list[list[int]], sequence: list[int], 
         )
 
 
-def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int) -> None:
+def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int, vpp: int = 1) -> None:
     if len(replica.stage_orders) != pp:
         raise PlanError(f"stage-orders: {where} has {len(replica.stage_orders)} stage orders for pp={pp}")
     # Checked once per unit, not per stage: plans run to hundreds of thousands of tasks.
     needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     all_forwards, all_backwards = list(range(len(replica.forward_units))), list(range(len(needs)))
     for stage, order in enumerate(replica.stage_orders):
-        forwards = [u for kind, u in order if kind == "F"]
-        backwards = [v for kind, v in order if kind == "B"]
-        if forwards != all_forwards or backwards != all_backwards or len(forwards) + len(backwards) != len(order):
-            if sorted(order) == sorted([("F", u) for u in all_forwards] + [("B", v) for v in all_backwards]):
-                raise PlanError(f"stage-orders: {where} stage {stage} runs units out of their sequence order")
+        widths = {len(task) for task in order}
+        if widths - {3 if vpp > 1 else 2}:
+            raise PlanError(f"stage-orders: {where} stage {stage} tasks must be "
+                            + ("[kind, unit, chunk] with vpp > 1" if vpp > 1 else "[kind, unit] (no virtual stages)"))
+        chunks = [task_chunk(task) for task in order]
+        if any(not 0 <= chunk < vpp for chunk in chunks):
+            raise PlanError(f"stage-orders: {where} stage {stage} names a model chunk outside 0..{vpp - 1}")
+        for chunk in range(vpp):
+            what = f"{where} stage {stage}" + (f" chunk {chunk}" if vpp > 1 else "")
+            _check_chunk_order(tasks_of_chunk(order, chunk), what, needs, all_forwards, all_backwards)
+
+
+def _check_chunk_order(order: list[tuple[str, int]], where: str, needs: list[int], all_forwards: list[int],
+                       all_backwards: list[int]) -> None:
+    forwards = [u for kind, u in order if kind == "F"]
+    backwards = [v for kind, v in order if kind == "B"]
+    if forwards != all_forwards or backwards != all_backwards or len(forwards) + len(backwards) != len(order):
+        if sorted(order) == sorted([("F", u) for u in all_forwards] + [("B", v) for v in all_backwards]):
+            raise PlanError(f"stage-orders: {where} runs units out of their sequence order")
+        raise PlanError(f"stage-orders: {where} must run each forward and backward unit exactly once")
+    done_forward = -1
+    for kind, unit in order:
+        if kind == "F":
+            done_forward = unit
+            continue
+        needed = needs[unit]
+        if needed > done_forward:
             raise PlanError(
-                f"stage-orders: {where} stage {stage} must run each forward and backward unit exactly once"
+                f"stage-orders: {where} runs backward unit {unit} before forward unit {needed}, "
+                "whose MicroPacks it needs"
             )
-        done_forward = -1
-        for kind, unit in order:
-            if kind == "F":
-                done_forward = unit
-                continue
-            needed = needs[unit]
-            if needed > done_forward:
-                raise PlanError(
-                    f"stage-orders: {where} stage {stage} runs backward unit {unit} before forward unit {needed}, "
-                    "whose MicroPacks it needs"
-                )

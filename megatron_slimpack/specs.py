@@ -97,16 +97,22 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    # Virtual pipeline stages (model chunks) per pipeline rank: Megatron's interleaved 1F1B
+    # (--num-virtual-stages-per-pipeline-rank). Chunk c of rank s is virtual stage c * pp + s.
+    vpp: int = 1
     recompute: str = "none"  # none | selective | full
     # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/batch.py)
     sequence_parallel: bool = True
     zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp", "cp"):
+        for name in ("dp", "pp", "tp", "cp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise SpecError(f"ParallelConfig.vpp={self.vpp} needs pipeline parallelism (pp > 1): virtual "
+                            "stages interleave model chunks over the pipeline ranks")
         if self.recompute not in RECOMPUTE_MODES:
             raise SpecError(
                 f"ParallelConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
@@ -116,12 +122,22 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp * self.cp
 
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks in the whole pipeline (pp x vpp)."""
+        return self.pp * self.vpp
+
     def check_model(self, model: ModelSpec) -> None:
         """Raise SpecError if this layout cannot split the model evenly."""
         if model.num_layers % self.pp:
             raise SpecError(
                 f"{model.name} has {model.num_layers} layers, not divisible by pp={self.pp}; "
                 f"choose pp among {divisors(model.num_layers)}"
+            )
+        if model.num_layers % self.virtual_stages:
+            raise SpecError(
+                f"{model.name} has {model.num_layers} layers, not divisible by pp x vpp = {self.virtual_stages}; "
+                f"choose vpp among {divisors(model.num_layers // self.pp)}"
             )
         if model.num_attention_heads % self.tp or model.kv_heads % self.tp:
             raise SpecError(
@@ -139,14 +155,18 @@ class ParallelConfig:
         return np.ceil(share / self.tp) * self.tp * self.cp
 
     def describe(self) -> str:
-        text = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
+        pipeline = f"pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp > 1 else "")
+        text = f"tp{self.tp} {pipeline} cp{self.cp} dp{self.dp}"
         return text if self.recompute == "none" else f"{text} rc-{self.recompute}"
 
     def with_(self, **changes) -> "ParallelConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.vpp == 1:  # plain 1F1B: plans and their fingerprints as before virtual stages
+            del data["vpp"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelConfig":

@@ -6,6 +6,13 @@ Devices: one per (data-parallel rank r, pipeline stage s); TP and CP inside a de
 into the cost model's per-stage times. Rank r runs `plan.replicas_of_rank(r)` in that order and,
 within a replica, stage s runs exactly `replica.stage_orders[s]` (program order).
 
+Virtual pipeline stages (`parallel.vpp` > 1, Megatron's interleaved 1F1B): the model is cut into
+pp x vpp chunks; chunk c of stage s is virtual stage v = c * pp + s, and the tasks below are per
+virtual stage (a chunk's layers, the output layer only on the last virtual stage). Stage s's
+order names each task's chunk; the activation of virtual stage v goes to v + 1, so the last
+rank's chunk c feeds the first rank's chunk c + 1 (one more p2p per chunk boundary). A device's
+memory holds every in-flight chunk's activations; its parameters, all its chunks'.
+
 Tasks and edges:
 - F u on stage s lasts the sum of its MicroPacks' `forward_time`; it needs F u of stage s-1 plus
   a p2p transfer of the unit's activations.
@@ -32,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table
+from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table, task_chunk
 from ..specs import GIB, ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
 
@@ -62,6 +69,7 @@ class TaskRecord:
     start: float
     end: float
     detail: str = ""
+    chunk: int = 0  # the model chunk (virtual pipeline stages); 0 without
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -339,12 +347,15 @@ def _unit_index(units: list[list[int]], count: int, what: str) -> np.ndarray:
 
 # ---- the task graph ----------------------------------------------------------------------------
 class _Graph:
-    """Tasks are integers: replica r's stage s task list starts at offset[r] + s * (nF + nB);
-    F u is at +u, B v at +nF+v. Devices are rank * pp + stage."""
+    """Tasks are integers: replica r's virtual stage v task list starts at offset[r] + v * (nF + nB);
+    F u is at +u, B v at +nF+v. Virtual stage v runs on stage v % pp (chunk v // pp); devices are
+    rank * pp + stage."""
 
     def __init__(self, plan: Plan, cost):
         self.plan = plan
         self.pp = pp = plan.parallel.pp
+        self.vpp = plan.parallel.vpp
+        self.vstages = vstages = pp * self.vpp
         self.dp = plan.parallel.dp
         self.slice_figures: list[np.ndarray] = []  # per replica: (tokens, attention pairs) of each slice
         self.replicas = [_replica_costs(i, r, plan, cost, self.slice_figures)
@@ -369,27 +380,27 @@ class _Graph:
             for unit, needed in enumerate(rc.needs_forward):
                 releases[needed].append(rc.num_forward - needed + unit)
             no_releases = [[]] * rc.num_backward
-            for stage in range(pp):
-                last = stage == pp - 1
+            for vstage in range(vstages):
+                last = vstage == vstages - 1
                 for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
                                                  (True, rc.num_backward, rc.backward_unit[last])):
                     self.replica_of += [rc.index] * count
-                    self.stage_of += [stage] * count
+                    self.stage_of += [vstage] * count
                     self.is_backward += [backward] * count
                     self.unit_of += range(count)
                     self.duration += seconds
-                    self.devices += [tuple(r * pp + stage for r in rc.ranks)] * count
-                    sends = (stage > 0) if backward else not last
+                    self.devices += [tuple(r * pp + vstage % pp for r in rc.ranks)] * count
+                    sends = (vstage > 0) if backward else not last
                     self.send_offset += [(-stride if backward else stride) if sends else 0] * count
                     self.send_seconds += rc.backward_p2p if backward else rc.forward_p2p
                 self.releases += releases + no_releases
-            total += stride * pp
+            total += stride * vstages
         self.num_tasks = total
         self.programs = self._programs()
 
-    def task(self, replica: int, stage: int, backward: bool, unit: int) -> int:
+    def task(self, replica: int, vstage: int, backward: bool, unit: int) -> int:
         rc = self.replicas[replica]
-        return (self.offset[replica] + stage * (rc.num_forward + rc.num_backward)
+        return (self.offset[replica] + vstage * (rc.num_forward + rc.num_backward)
                 + (rc.num_forward if backward else 0) + unit)
 
     def _programs(self) -> list[list[int]]:
@@ -410,38 +421,46 @@ class _Graph:
 
     def _stage_tasks(self, index: int, stage: int, order) -> list[int]:
         rc = self.replicas[index]
-        first = self.task(index, stage, False, 0)
-        base = {"F": first, "B": first + rc.num_forward}
+        stride = rc.num_forward + rc.num_backward
+        firsts = [self.task(index, chunk * self.pp + stage, False, 0) for chunk in range(self.vpp)]
+        base = {"F": 0, "B": rc.num_forward}
         try:
-            tasks = [base[kind] + unit for kind, unit in order]
-        except KeyError:
+            tasks = [firsts[task_chunk(task)] + base[task[0]] + task[1] for task in order]
+        except (KeyError, IndexError):
             tasks = []
-        if sorted(tasks) == list(range(first, first + rc.num_forward + rc.num_backward)):
+        if sorted(tasks) == [first + i for first in firsts for i in range(stride)]:
             return tasks
-        for kind, unit in order:
+        for task in order:
+            kind, unit = task[0], task[1]
             limit = {"F": rc.num_forward, "B": rc.num_backward}.get(kind)
-            if limit is None or not 0 <= unit < limit:
-                raise SimulationError(f"replica plan {index} stage {stage} order names unknown task {kind}{unit}")
+            if limit is None or not 0 <= unit < limit or not 0 <= task_chunk(task) < self.vpp:
+                chunk = f" on chunk {task_chunk(task)}" if self.vpp > 1 or len(task) > 2 else ""
+                raise SimulationError(f"replica plan {index} stage {stage} order names unknown task {kind}{unit}{chunk}")
+        chunks = f" on each of its {self.vpp} chunks" if self.vpp > 1 else ""
         raise SimulationError(
             f"replica plan {index} stage {stage} order must run each of its {rc.num_forward} forward and "
-            f"{rc.num_backward} backward units exactly once")
+            f"{rc.num_backward} backward units exactly once{chunks}")
 
     def data_predecessors(self, task: int) -> list[int]:
         replica, stage, unit = self.replica_of[task], self.stage_of[task], self.unit_of[task]
         if not self.is_backward[task]:
             return [self.task(replica, stage - 1, False, unit)] if stage > 0 else []
         needed = [self.task(replica, stage, False, self.replicas[replica].needs_forward[unit])]
-        if stage < self.pp - 1:
+        if stage < self.vstages - 1:
             needed.insert(0, self.task(replica, stage + 1, True, unit))
         return needed
 
     def name(self, task: int) -> str:
         rc = self.replicas[self.replica_of[task]]
         kind = "B" if self.is_backward[task] else "F"
-        where = f"stage {self.stage_of[task]} {kind}{self.unit_of[task]}"
+        where = f"{self.stage_name(self.stage_of[task])} {kind}{self.unit_of[task]}"
         if len(rc.ranks) > 1:
             return f"merge group ranks {rc.ranks} {where}"
         return f"rank {rc.ranks[0]} {where}" if self.dp > 1 else where
+
+    def stage_name(self, vstage: int) -> str:
+        chunk, stage = divmod(vstage, self.pp)
+        return f"stage {stage} chunk {chunk}" if self.vpp > 1 else f"stage {stage}"
 
     def device_name(self, device: int) -> str:
         rank, stage = divmod(device, self.pp)
@@ -460,12 +479,12 @@ def _run(graph: _Graph) -> _Schedule:
     """List scheduling in topological order (Kahn's algorithm). Edges: program order on each
     device (the next task starts after this one ends) and data (a forward unit releases the
     backward units that need it on its stage; p2p sends to the neighbouring stage)."""
-    n, pp = graph.num_tasks, graph.pp
+    n, pp, vstages = graph.num_tasks, graph.pp, graph.vstages
     duration, releases = graph.duration, graph.releases
     send_offset, send_seconds, devices = graph.send_offset, graph.send_seconds, graph.devices
     # Data inputs not yet arrived: F needs the previous stage; B needs the next stage (if any)
     # and its forward unit on this stage. Plus one per device where a task is not first.
-    missing = [(1 + (s < pp - 1)) if b else int(s > 0) for s, b in zip(graph.stage_of, graph.is_backward)]
+    missing = [(1 + (s < vstages - 1)) if b else int(s > 0) for s, b in zip(graph.stage_of, graph.is_backward)]
     program_next: list[list[int]] = [[] for _ in range(n)]
     for program in graph.programs:
         for before, after in zip(program, program[1:]):
@@ -569,24 +588,28 @@ def _deadlock(graph: _Graph, finished: list[bool], program_next) -> SimulationEr
 
 
 # ---- the report --------------------------------------------------------------------------------
-def _dp_reduction(starts: list[float], ends: list[float], seconds: float, buckets: int) -> tuple[float, float]:
-    """(start, end) of one stage's gradient reduction over its data-parallel group.
+def _dp_reduction(parts: list[tuple[list[float], list[float]]], seconds: float, buckets: int) -> tuple[float, float]:
+    """(start, end) of one stage's gradient reduction over its data-parallel group. `parts`: per
+    model chunk on the stage (one without virtual stages), the (starts, ends) over ranks of the
+    chunk's last backward task.
 
     Rule (Megatron DDP with overlapped, bucketed reduction; gradients are reduced only during
-    the last backward): on every rank the last backward task on this stage produces the stage's
-    gradients uniformly over its duration, in `buckets` equal buckets (bucket i is ready at
-    start + (i+1)/buckets * duration). Bucket i's collective starts when every rank has it ready
-    and the previous bucket's collective is done, and lasts seconds / buckets. So the reduction
-    starts no earlier than the slowest rank's last backward starts, and ends no earlier than the
-    slowest rank's last backward ends plus one bucket's share.
+    the last backward): on every rank a chunk's last backward task produces the chunk's share of
+    the gradients uniformly over its duration, in equal buckets (bucket i is ready at
+    start + (i+1)/buckets * duration). A bucket's collective starts when every rank has it ready
+    and the previous bucket's collective is done, and lasts its share of `seconds`. So the
+    reduction starts no earlier than the slowest rank's first-finishing chunk's last backward
+    starts, and ends no earlier than the slowest rank's last backward ends plus one bucket's share.
     """
-    share = seconds / buckets
+    per_part = max(1, math.ceil(buckets / len(parts)))
+    share = seconds / (len(parts) * per_part)
     began = finished = None
-    for bucket in range(1, buckets + 1):
-        ready = max(b + bucket / buckets * (e - b) for b, e in zip(starts, ends))
-        bucket_start = ready if finished is None else max(ready, finished)
-        began = bucket_start if began is None else began
-        finished = bucket_start + share
+    for starts, ends in sorted(parts, key=lambda part: max(part[1])):
+        for bucket in range(1, per_part + 1):
+            ready = max(b + bucket / per_part * (e - b) for b, e in zip(starts, ends))
+            bucket_start = ready if finished is None else max(ready, finished)
+            began = bucket_start if began is None else began
+            finished = bucket_start + share
     return began, finished
 
 
@@ -610,12 +633,13 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     buckets = dp_buckets or _bucket_count(cost, plan)
     overlap, exposed, reduce_windows = [0.0] * pp, [0.0] * pp, []
     for stage in range(pp):
-        lasts = [_last_backward(graph, r * pp + stage) for r in range(dp)]
-        lasts = [t for t in lasts if t is not None]
-        if reduce_seconds <= 0 or not lasts:
+        lasts = [_last_backwards(graph, r * pp + stage) for r in range(dp)]
+        parts = [[row[chunk] for row in lasts if chunk in row] for chunk in range(graph.vpp)]
+        parts = [([start[t] for t in tasks], [end[t] for t in tasks]) for tasks in parts if tasks]
+        if reduce_seconds <= 0 or not parts:
             continue
-        last_end = max(end[t] for t in lasts)
-        began, finished = _dp_reduction([start[t] for t in lasts], [end[t] for t in lasts], reduce_seconds, buckets)
+        last_end = max(max(ends) for _, ends in parts)
+        began, finished = _dp_reduction(parts, reduce_seconds, buckets)
         exposed[stage] = finished - last_end
         overlap[stage] = max(0.0, reduce_seconds - exposed[stage])
         reduce_windows.append((stage, began, finished))
@@ -659,11 +683,15 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     )
 
 
-def _last_backward(graph: _Graph, device: int) -> int | None:
+def _last_backwards(graph: _Graph, device: int) -> dict[int, int]:
+    """model chunk -> the last backward task of that chunk on the device."""
+    lasts: dict[int, int] = {}
     for task in reversed(graph.programs[device]):
         if graph.is_backward[task]:
-            return task
-    return None
+            lasts.setdefault(graph.stage_of[task] // graph.pp, task)
+            if len(lasts) == graph.vpp:
+                break
+    return lasts
 
 
 def _max_over_mean(values: list[float]) -> float:
@@ -673,19 +701,22 @@ def _max_over_mean(values: list[float]) -> float:
 
 def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRecord]:
     records = []
+    pp = graph.pp
     for task in range(graph.num_tasks):
-        replica, stage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
+        replica, unit = graph.replica_of[task], graph.unit_of[task]
+        chunk, stage = divmod(graph.stage_of[task], pp)
         kind = "B" if graph.is_backward[task] else "F"
         ranks = graph.replicas[replica].ranks
         detail = f"merge group {ranks}" if len(ranks) > 1 else ""
         for rank in ranks:
             records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task],
-                                      detail))
+                                      detail, chunk))
     for task, began, finished in schedule.transfers:
-        replica, stage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
-        detail = f"B {stage}->{stage - 1}" if graph.is_backward[task] else f"F {stage}->{stage + 1}"
+        replica, vstage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
+        chunk, stage = divmod(vstage, pp)
+        detail = (f"B {stage}->{(vstage - 1) % pp}" if graph.is_backward[task] else f"F {stage}->{(vstage + 1) % pp}")
         for rank in graph.replicas[replica].ranks:
-            records.append(TaskRecord(rank, stage, replica, "P2P", unit, began, finished, detail))
+            records.append(TaskRecord(rank, stage, replica, "P2P", unit, began, finished, detail, chunk))
     for stage, began, finished in reduce_windows:
         for rank in range(graph.dp):
             records.append(TaskRecord(rank, stage, -1, "DP", -1, began, finished, "gradient reduction"))
@@ -707,16 +738,16 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
         recompute_unit = np.zeros(rc.num_backward)
         np.maximum.at(recompute_unit, rc.backward_unit_of, recompute)
         held, offsets = {}, {}
-        for last in {stage == pp - 1 for stage in range(pp)}:
+        for last in {vstage == graph.vstages - 1 for vstage in range(graph.vstages)}:
             activation = _per_item(lambda t, a, prefix, masked, effective=effective, last=last: cost.activation_bytes(
                 t, a, effective, last_stage=last, prefix_tokens=prefix, masked_entries=masked),
                 tokens, pairs, rc.prefix_tokens, rc.masked_entries)
             held[last] = activation + kv
             offsets[last] = _offsets_in_unit(rc.forward_mp[last], rc.replica.forward_units, rc.forward_unit_of)
-        for stage in range(pp):
-            last = stage == pp - 1
-            first_f = graph.task(rc.index, stage, False, 0)
-            first_b = graph.task(rc.index, stage, True, 0)
+        for vstage in range(graph.vstages):
+            last, stage = vstage == graph.vstages - 1, vstage % pp
+            first_f = graph.task(rc.index, vstage, False, 0)
+            first_b = graph.task(rc.index, vstage, True, 0)
             f_start = start[first_f:first_f + rc.num_forward]
             b_start, b_end = start[first_b:first_b + rc.num_backward], end[first_b:first_b + rc.num_backward]
             mp_start = f_start[rc.forward_unit_of] + offsets[last]

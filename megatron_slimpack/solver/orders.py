@@ -275,3 +275,67 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
     if any(position[stage] < len(orders[stage]) for stage in range(pp)):
         raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
     return max(free_at)
+
+
+# ---- interleaved 1F1B (virtual pipeline stages) -----------------------------------------------
+def interleaved_table(num_units: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """(unit, chunk) in the order every rank runs its forwards under Megatron's interleaved 1F1B:
+    units in groups of `group` (Megatron's microbatch_group_size_per_vp_stage, default pp), each
+    group through chunk 0, then chunk 1, ...; the last group takes what remains."""
+    table = []
+    for first in range(0, num_units, group):
+        last = num_units if first + group >= num_units else first + group
+        table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, last)]
+    return table
+
+
+def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
+                       group: int | None = None) -> list[list[tuple[str, int, int]]]:
+    """Each rank's task order ("F"/"B", unit, chunk) under Megatron's interleaved 1F1B
+    (`forward_backward_pipelining_with_interleaving`), generalised to units:
+
+    - forwards follow `interleaved_table` over the forward units; backwards follow it over the
+      backward units with chunks reversed (the last chunk's backward comes first);
+    - the last rank runs (vpp - 1) * group forwards before its first backward, then one more per
+      backward (scaled when forward and backward unit counts differ), and never a backward before
+      the forward it needs on that chunk (a long document's later slices); rank s keeps
+      2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
+
+    With one MicroPack per unit and independent micro-batches this is exactly Megatron's order.
+    """
+    group = group or pp
+    forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group)]
+    backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(len(backward_units), vpp, group)]
+    position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
+    needs = last_forward_needed(forward_units, backward_units).tolist() if backward_units else []
+    total_forwards, total_backwards = len(forwards), len(backwards)
+    required, running = [], 0
+    for k, (_, unit, chunk) in enumerate(backwards):
+        steady = (vpp - 1) * group + k * total_forwards // total_backwards + 1
+        running = max(running, steady, position[(needs[unit], chunk)] + 1)
+        required.append(running)
+    orders = []
+    for stage in range(pp):
+        order, done = [], 0
+        for backward, target in zip(backwards, required):
+            target = min(total_forwards, target + 2 * (pp - 1 - stage))
+            if target > done:
+                order += forwards[done:target]
+                done = target
+            order.append(backward)
+        orders.append(order + forwards[done:])
+    return orders
+
+
+def interleaved_microbatch_error(num_units: int, pp: int, group: int | None = None) -> str | None:
+    """Megatron's check on the microbatch count of the interleaved schedule (core 0.16): a group
+    size in [pp, num_units], and a last group that is full or at least pp long. None if it holds."""
+    group = group or pp
+    if not pp <= group <= num_units:
+        return (f"{num_units} microbatches with interleaving over pp={pp}: Megatron needs at least pp "
+                "microbatches per step")
+    remainder = num_units % group
+    if 0 < remainder < pp:
+        return (f"{num_units} microbatches with interleaving over pp={pp}: Megatron needs a multiple of "
+                f"{group} (or a last group of at least pp)")
+    return None

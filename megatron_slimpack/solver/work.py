@@ -35,7 +35,7 @@ class WorkRates:
         pairs = causal_pairs(tokens)
 
         def rates(backward: bool) -> tuple[float, float]:
-            stages = cost.layers_per_stage(parallel) * parallel.pp
+            stages = cost.layers_per_stage(parallel) * parallel.virtual_stages
             base = (cost.layer_time(tokens, 0, parallel, backward) + cost.tp_comm_time(tokens, parallel, backward)
                     + cost.cp_comm_time(tokens, parallel, backward))
             with_pairs = cost.layer_time(tokens, pairs, parallel, backward)
