@@ -357,8 +357,9 @@ class CostModel:
         for backward in (False, True):
             per_layer = (self.layer_time(size, pairs / packs, parallel, backward)
                          + self.tp_comm_time(size, parallel, backward))
-            seconds += (self.layers_per_stage(parallel) * per_layer + self.hardware.kernel_overhead_s
-                        + self.head_time(size, parallel, backward))
+            # the rank's layers: all its chunks' with virtual stages
+            seconds += (self.layers_per_stage(parallel) * parallel.vpp * per_layer
+                        + parallel.vpp * self.hardware.kernel_overhead_s + self.head_time(size, parallel, backward))
         return packs * seconds
 
     # ---- communication ------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from ..plan import (
     samples_of,
 )
 from ..specs import ParallelConfig
-from .orders import stage_orders
+from .orders import interleaved_microbatch_error, interleaved_orders, stage_orders
 from .outcomes import DoesNotFit
 from .pack_phase import PackOptions, cut_document
 from .registry import LayoutConstraints, StepPlanner, register, register_stateful, with_input_sources
@@ -58,18 +58,31 @@ from .work import WorkRates
 # ==== shared building blocks ====================================================================
 
 
+# Megatron-LM's schedules run these strategies: interleaved 1F1B is theirs to use (v searched).
+INTERLEAVED = LayoutConstraints(vpp=None, reason="Megatron-LM's interleaved 1F1B runs any vpp dividing the "
+                                                 "layers per stage")
+
+
 def schedule_1f1b(micropacks: list[MicroPack], parallel: ParallelConfig, dp_ranks: list[int]) -> ReplicaPlan:
     """One forward unit and one backward unit per MicroPack, stages ordered by classic 1F1B.
 
     The backward sequence is the plan's (chains reversed), so sliced documents (SlimPipe) get
     SlimPipe's slice-level 1F1B. No memory-driven extra warm-up: stage s warms up with exactly
     pp - s - 1 forwards (fewer when it has fewer), as Megatron-LM's
-    `forward_backward_pipelining_without_interleaving` does.
+    `forward_backward_pipelining_without_interleaving` does. With virtual stages (vpp > 1) the
+    order is `forward_backward_pipelining_with_interleaving`'s (`interleaved_orders`), under its
+    check on the micro-batch count (a PlanError where Megatron would refuse the step).
     """
     if not micropacks:  # a rank with nothing to do (fewer micro-batches than ranks)
         return ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
     forward_units = [[index] for index in range(len(micropacks))]
     backward_units = [[index] for index in backward_sequence(micropacks)]
+    if parallel.vpp > 1:
+        refused = interleaved_microbatch_error(len(micropacks), parallel.pp)
+        if refused:
+            raise PlanError(f"data-parallel ranks {list(dp_ranks)}: {refused}")
+        orders = interleaved_orders(forward_units, backward_units, parallel.pp, parallel.vpp)
+        return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
     warmups = [min(parallel.pp - stage - 1, len(micropacks)) for stage in range(parallel.pp)]
     orders = stage_orders(forward_units, backward_units, warmups)
     return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
@@ -228,7 +241,7 @@ def _fixed_length_plan(lengths: list[int], parallel: ParallelConfig, cost: CostM
 
 @register("megatron-fixed", role="baseline", trainable=True,
           description="Megatron-LM GPTDataset: concatenate, cut at exactly the context length",
-          minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True)
+          minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True, constraints=INTERLEAVED)
 def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                         sources=None) -> Plan:
     """Megatron-LM's default data path (GPTDataset + 1F1B) with per-document attention.
@@ -259,7 +272,7 @@ STOCK_SEMANTICS = ("cross-document attention: each fixed-length sequence is one 
                       "each attending causally across its document boundaries (a different training semantic; "
                       "a reference, simulated for comparison only)",
           minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True,
-          different_semantics=STOCK_SEMANTICS)
+          different_semantics=STOCK_SEMANTICS, constraints=INTERLEAVED)
 def plan_megatron_stock(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                         sources=None) -> Plan:
     """Stock Megatron-LM `pretrain_gpt.py` without `--reset-attention-mask` (nor
@@ -302,7 +315,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 @register("bfd", role="baseline", trainable=True, description="best-fit-decreasing token packing (TRL, NeMo)",
-          minimum_in_flight="document")
+          minimum_in_flight="document", constraints=INTERLEAVED)
 def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources=None) -> Plan:
     """Best-fit-decreasing token packing (TRL `pack_dataset(strategy="bfd")`, NeMo packed SFT).
@@ -338,7 +351,7 @@ def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[l
 
 
 @register("sorted", role="baseline", trainable=True, description="LongAlign sorted batching",
-          minimum_in_flight="document")
+          minimum_in_flight="document", constraints=INTERLEAVED)
 def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                 sources=None) -> Plan:
     """LongAlign's sorted batching.
@@ -402,7 +415,7 @@ class MicroBatch:
 
 @register_stateful("wlb-llm", role="baseline", trainable=True,
                    description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
-                   minimum_in_flight="document", renumbers_samples=True)
+                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED)
 class WlbLlmPlanner(StepPlanner):
     """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
 

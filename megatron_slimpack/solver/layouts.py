@@ -1,13 +1,15 @@
 """Per-strategy best parallel layout: every strategy gets its fastest feasible layout.
 
 `best_layout(strategy, batches, cost, gpus, context_length, base_config)` searches
-ParallelConfig(tp, pp, cp, dp, recompute) with tp * pp * cp * dp == gpus, plans the batches with
+ParallelConfig(tp, pp, vpp, cp, dp, recompute) with tp * pp * cp * dp == gpus, plans the batches with
 the strategy, simulates the plans and returns the layout with the lowest mean iteration time,
 with its plans, reports and every rejected layout with its reason.
 
 Search, cheapest checks first:
 1. Enumerate: tp within a node and dividing the attention and KV heads, pp dividing the layers,
-   cp a power of two, recompute none/selective/full, minus the strategy's own constraints
+   virtual stages per rank vpp dividing the layers per stage (pp > 1, up to MAX_VPP; only for
+   strategies whose schedule interleaves), cp a power of two, recompute none/selective/full,
+   minus the strategy's own constraints
    (`StrategySpec.constraints`; every per-strategy fact below is its `StrategySpec`'s, registry.py).
 2. Static memory: weights, gradients and optimizer state must fit (`cost.static_memory_bytes`).
 3. The strategy's minimum need: static memory plus the activations it must hold at once
@@ -172,12 +174,26 @@ def enumerate_layouts(cost: CostModel, gpus: int, strategy: str,
             if model.num_layers % pp:
                 continue
             rest = gpus // (tp * pp)
-            for cp in (c for c in divisors(rest) if c & (c - 1) == 0):
-                for recompute in recompute_modes:
-                    parallel = ParallelConfig(dp=rest // cp, pp=pp, tp=tp, cp=cp, recompute=recompute)
-                    if constraints.allows(parallel):
-                        layouts.append(parallel)
+            for vpp in _virtual_stage_counts(model.num_layers, pp):
+                for cp in (c for c in divisors(rest) if c & (c - 1) == 0):
+                    for recompute in recompute_modes:
+                        parallel = ParallelConfig(dp=rest // cp, pp=pp, vpp=vpp, tp=tp, cp=cp, recompute=recompute)
+                        if constraints.allows(parallel):
+                            layouts.append(parallel)
     return layouts
+
+
+# Interleaving deeper than this multiplies p2p and warm-up memory for a bubble already small;
+# Megatron users pick 2-8 virtual stages per rank.
+MAX_VPP = 8
+
+
+def _virtual_stage_counts(num_layers: int, pp: int) -> list[int]:
+    """vpp values for pp pipeline ranks: 1, and with pp > 1 every divisor of the layers per stage
+    up to MAX_VPP (a chunk holds at least one layer)."""
+    if pp == 1:
+        return [1]
+    return [v for v in divisors(num_layers // pp) if v <= MAX_VPP]
 
 
 def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
@@ -201,11 +217,13 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
     last_stage = static + cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
     need = last_stage + cost.recompute_peak_bytes(tokens, pairs, parallel)
     if rule == "sequence" and parallel.pp > 1:
-        # 1F1B: stage 0 holds min(pp, its micro-batches) full sequences before its first backward.
+        # 1F1B: stage 0 holds min(pp, its micro-batches) full sequences before its first backward;
+        # interleaved, its warm-up's 2 (pp - 1) + (vpp - 1) pp chunk forwards and one more.
         full_sequences = sum(lengths) // context_length  # rank 0's block starts with full ones
         first_rank = math.ceil(math.ceil(sum(lengths) / context_length) / parallel.dp)
-        if min(full_sequences, first_rank) >= parallel.pp:
-            first_stage = static + parallel.pp * cost.activation_bytes(tokens, pairs, parallel)
+        in_flight = parallel.pp if parallel.vpp == 1 else 2 * (parallel.pp - 1) + (parallel.vpp - 1) * parallel.pp + 1
+        if min(full_sequences, first_rank) * parallel.vpp >= in_flight:
+            first_stage = static + in_flight * cost.activation_bytes(tokens, pairs, parallel)
             need = max(need, first_stage)
     return need
 
@@ -435,8 +453,8 @@ def _candidates(strategy: str, cost: CostModel, gpus: int, layouts, rejected: li
     return kept
 
 
-def _shape(parallel: ParallelConfig) -> tuple[int, int, int, int]:
-    return parallel.tp, parallel.pp, parallel.cp, parallel.dp
+def _shape(parallel: ParallelConfig) -> tuple[int, ...]:
+    return parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.dp
 
 
 def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
@@ -451,7 +469,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
     # Bound order; recompute only adds time, so within a shape the lighter modes come first.
     ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute]))
-    fitted: set[tuple[int, int, int, int]] = set()  # shapes where a lighter recompute mode fits
+    fitted: set[tuple[int, ...]] = set()  # shapes where a lighter recompute mode fits
     best = math.inf
     feasible: list[_Run] = []
     for run in ordered:

@@ -22,12 +22,17 @@ def fullest_stage_bytes(cost: CostModel, parallel: ParallelConfig, tokens: float
                         other_pack_tokens: float = 0.0) -> float:
     """Activations on the fullest pipeline stage while `tokens` (with `pairs`) are in flight next to
     the pp - 1 MicroPacks of `other_pack_tokens` that 1F1B keeps on stage 0. Stage s holds pp - s
-    packs; only the last stage (one pack) adds its logits, so the peak is on stage 0 or the last."""
-    last = cost.activation_bytes(tokens, pairs, parallel, last_stage=True)
+    packs; only the last stage (one pack) adds its logits, so the peak is on stage 0 or the last.
+    With virtual stages (vpp > 1) figures are per chunk: the pack is in flight on all vpp chunks of
+    a rank, next to the other chunk forwards of rank 0's interleaved warm-up."""
+    chunks = parallel.vpp
+    middle = cost.activation_bytes(tokens, pairs, parallel)
+    last = cost.activation_bytes(tokens, pairs, parallel, last_stage=True) + (chunks - 1) * middle
     if parallel.pp == 1:
         return last
-    others = (parallel.pp - 1) * cost.activation_bytes(other_pack_tokens, other_pack_tokens ** 2 / 2, parallel)
-    return max(cost.activation_bytes(tokens, pairs, parallel) + others, last)
+    other_chunks = parallel.pp - 1 if chunks == 1 else (chunks - 1) * parallel.pp + 2 * (parallel.pp - 1) + 1 - chunks
+    others = other_chunks * cost.activation_bytes(other_pack_tokens, other_pack_tokens ** 2 / 2, parallel)
+    return max(chunks * middle + others, last)
 
 
 def auto_token_cap(cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig) -> int:
@@ -76,7 +81,7 @@ def document_memory_bytes(length: int, cost: CostModel, parallel: ParallelConfig
     in_flight, kv, other_pack_tokens = length, 0.0, 0
     if token_cap:
         in_flight = -(-length // token_cap) * token_cap
-        kv = cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
+        kv = parallel.vpp * cost.kv_cache_bytes(length, parallel) if length > token_cap else 0.0
         other_pack_tokens = token_cap
     return (cost.static_memory_bytes(parallel)
             + fullest_stage_bytes(cost, parallel, in_flight, pairs, other_pack_tokens) + kv)

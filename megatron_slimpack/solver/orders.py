@@ -290,7 +290,7 @@ def interleaved_table(num_units: int, vpp: int, group: int) -> list[tuple[int, i
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
-                       group: int | None = None) -> list[list[tuple[str, int, int]]]:
+                       group: int | None = None, work: "StageWork | None" = None) -> list[list[tuple[str, int, int]]]:
     """Each rank's task order ("F"/"B", unit, chunk) under Megatron's interleaved 1F1B
     (`forward_backward_pipelining_with_interleaving`), generalised to units:
 
@@ -302,6 +302,8 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
       2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
 
     With one MicroPack per unit and independent micro-batches this is exactly Megatron's order.
+    Where that formula would wait in a circle, `_guided_orders` (timed with `work`'s per-chunk
+    times when given) takes over.
     """
     group = group or pp
     forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group)]
@@ -314,16 +316,105 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
         steady = (vpp - 1) * group + k * total_forwards // total_backwards + 1
         running = max(running, steady, position[(needs[unit], chunk)] + 1)
         required.append(running)
+    targets = [[min(total_forwards, target + 2 * (pp - 1 - stage)) for target in required] for stage in range(pp)]
     orders = []
-    for stage in range(pp):
+    for row in targets:
         order, done = [], 0
-        for backward, target in zip(backwards, required):
-            target = min(total_forwards, target + 2 * (pp - 1 - stage))
+        for backward, target in zip(backwards, row):
             if target > done:
                 order += forwards[done:target]
                 done = target
             order.append(backward)
         orders.append(order + forwards[done:])
+    if _runs_through(orders, needs, pp, vpp):
+        return orders
+    # Uneven unit groups or long chains can make the formula's waits circular (rank 0's next
+    # chunk waits on the last rank, which waits on rank 0's backward): let the targets guide an
+    # execution instead, each rank running what is ready when its preferred task is not.
+    return _guided_orders(forwards, backwards, targets, needs, _task_seconds(forward_units, backward_units, work, pp, vpp),
+                          pp, vpp)
+
+
+def _task_seconds(forward_units, backward_units, work: "StageWork | None", pp: int, vpp: int):
+    """(kind, unit, chunk, stage) -> seconds: `work`'s per-chunk times, or 1 per MicroPack forward
+    and 2 backward without it."""
+    if work is None:
+        return lambda kind, unit, chunk, stage: len((forward_units if kind == "F" else backward_units)[unit]) * (
+            1 if kind == "F" else 2)
+    return lambda kind, unit, chunk, stage: _chunk_row(
+        work.forward_time if kind == "F" else work.backward_time, stage, chunk, pp, vpp)[unit]
+
+
+def _dependencies(task: tuple[str, int, int], stage: int, needs: list[int], pp: int, vpp: int) -> list[tuple]:
+    """(kind, unit, virtual stage) of the tasks `task` on `stage` waits for."""
+    kind, unit, chunk = task
+    vstage = chunk * pp + stage
+    if kind == "F":
+        return [("F", unit, vstage - 1)] if vstage > 0 else []
+    needed = [("F", needs[unit], vstage)]
+    return needed + [("B", unit, vstage + 1)] if vstage < pp * vpp - 1 else needed
+
+
+def _runs_through(orders: list[list[tuple]], needs: list[int], pp: int, vpp: int) -> bool:
+    """Whether every rank can run its order to the end (no circular wait)."""
+    done: set[tuple] = set()
+    position = [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for stage, order in enumerate(orders):
+            while position[stage] < len(order):
+                task = order[position[stage]]
+                if not all(need in done for need in _dependencies(task, stage, needs, pp, vpp)):
+                    break
+                done.add((task[0], task[1], task[2] * pp + stage))
+                position[stage] += 1
+                progress = True
+    return all(position[stage] == len(order) for stage, order in enumerate(orders))
+
+
+def _guided_orders(forwards, backwards, targets, needs, seconds, pp: int, vpp: int) -> list[list[tuple[str, int, int]]]:
+    """Orders from an execution (`seconds` per task): each rank runs
+    the forward its target asks for, else its next backward, and whichever of the two is ready when
+    the other is not (forwards and backwards stay in table order). Ranks start tasks in time order,
+    so every task's inputs precede it: the orders cannot wait in a circle."""
+    finished: dict[tuple, float] = {}
+    free, next_forward, next_backward = [0.0] * pp, [0] * pp, [0] * pp
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+
+    def ready_at(task, stage) -> float | None:
+        times = [finished.get(need) for need in _dependencies(task, stage, needs, pp, vpp)]
+        return None if None in times else max(times, default=0.0)
+
+    def choice(stage):
+        """(start time, task) this rank would run next, or None while it waits on others."""
+        options = []
+        if next_forward[stage] < len(forwards):
+            options.append(forwards[next_forward[stage]])
+        if next_backward[stage] < len(backwards):
+            options.append(backwards[next_backward[stage]])
+        wants_forward = (next_backward[stage] == len(backwards)
+                         or next_forward[stage] < targets[stage][next_backward[stage]])
+        options.sort(key=lambda task: (task[0] == "F") != wants_forward)
+        for task in options:
+            ready = ready_at(task, stage)
+            if ready is not None:
+                return max(free[stage], ready), task
+        return None
+
+    while True:
+        choices = [(choice(stage), stage) for stage in range(pp)]
+        choices = [(found, stage) for found, stage in choices if found is not None]
+        if not choices:
+            break
+        (start, task), stage = min(choices)
+        kind, unit, chunk = task
+        free[stage] = finished[(kind, unit, chunk * pp + stage)] = start + seconds(kind, unit, chunk, stage)
+        orders[stage].append(task)
+        if kind == "F":
+            next_forward[stage] += 1
+        else:
+            next_backward[stage] += 1
     return orders
 
 
@@ -339,3 +430,55 @@ def interleaved_microbatch_error(num_units: int, pp: int, group: int | None = No
         return (f"{num_units} microbatches with interleaving over pp={pp}: Megatron needs a multiple of "
                 f"{group} (or a last group of at least pp)")
     return None
+
+
+def _chunk_row(rows: list, stage: int, chunk: int, pp: int, vpp: int):
+    """A StageWork row for one chunk: the last stage's row (output layer) only for the last
+    virtual stage; every other chunk is a middle one."""
+    return rows[pp - 1] if (stage, chunk) == (pp - 1, vpp - 1) else rows[0]
+
+
+def replay_interleaved(orders: list[list[tuple[str, int, int]]], work: StageWork, pp: int, vpp: int,
+                       needs: list[int]) -> float:
+    """`replay` for interleaved orders: each rank runs its (kind, unit, chunk) tasks in order; a
+    task waits for its inputs (`_dependencies`) plus their p2p time; `work`'s times are per chunk."""
+    finished: dict[tuple, float] = {}
+    free, position = [0.0] * pp, [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for stage, order in enumerate(orders):
+            clock = free[stage]
+            while position[stage] < len(order):
+                kind, unit, chunk = task = order[position[stage]]
+                inputs = _dependencies(task, stage, needs, pp, vpp)
+                if not all(need in finished for need in inputs):
+                    break
+                ready = 0.0
+                for need in inputs:
+                    transfer = (0.0 if need[2] % pp == stage else
+                                (work.forward_transfer if need[0] == "F" else work.backward_transfer)[need[1]])
+                    ready = max(ready, finished[need] + transfer)
+                seconds = _chunk_row(work.forward_time if kind == "F" else work.backward_time, stage, chunk, pp, vpp)
+                clock = max(clock, ready) + seconds[unit]
+                finished[(kind, unit, chunk * pp + stage)] = clock
+                position[stage] += 1
+                progress = True
+            free[stage] = clock
+    if any(position[stage] < len(order) for stage, order in enumerate(orders)):
+        raise RuntimeError("interleaved orders deadlock; this is a bug in interleaved_orders")
+    return max(free)
+
+
+def peak_interleaved(orders: list[list[tuple[str, int, int]]], work: StageWork, pp: int, vpp: int) -> float:
+    """`peak_in_flight` over ranks for interleaved orders: a rank holds every chunk's in-flight units."""
+    peak = 0.0
+    for stage, order in enumerate(orders):
+        level = 0.0
+        for kind, unit, chunk in order:
+            if kind == "F":
+                level += _chunk_row(work.forward_bytes, stage, chunk, pp, vpp)[unit]
+                peak = max(peak, level)
+            else:
+                level -= _chunk_row(work.backward_frees, stage, chunk, pp, vpp)[unit]
+    return peak

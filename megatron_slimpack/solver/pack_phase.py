@@ -24,9 +24,30 @@ import numpy as np
 
 from ..config import PlannerTunables
 from ..costmodel import CostModel
-from ..plan import MicroPack, ReplicaPlan, Sample, Slice, backward_sequence, pack_figures, slice_table, whole_slices
+from ..plan import (
+    MicroPack,
+    ReplicaPlan,
+    Sample,
+    Slice,
+    backward_sequence,
+    last_forward_needed,
+    pack_figures,
+    slice_table,
+    whole_slices,
+)
 from ..specs import ParallelConfig
-from .orders import StageWork, forward_targets, orders_of_targets, peaks_of_targets, replay, segment, warmup_counts
+from .orders import (
+    StageWork,
+    forward_targets,
+    interleaved_orders,
+    orders_of_targets,
+    peak_interleaved,
+    peaks_of_targets,
+    replay,
+    replay_interleaved,
+    segment,
+    warmup_counts,
+)
 from .work import WorkRates, causal_pairs
 
 
@@ -334,6 +355,7 @@ class UnitCandidate:
     backward_units: list[list[int]]
     work: StageWork
     estimate_s: float
+    vpp: int = 1  # virtual stages per rank: its work is per chunk, its orders interleaved
 
     @classmethod
     def of(cls, micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
@@ -359,7 +381,8 @@ class UnitCandidate:
                  costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
                  budget_bytes: float) -> "UnitCandidate":
         work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
-        return cls(micropacks, forward_units, backward_units, work, pipeline_estimate(work))
+        return cls(micropacks, forward_units, backward_units, work, parallel.vpp * pipeline_estimate(work),
+                   parallel.vpp)
 
     @property
     def lower_bound_s(self) -> float:
@@ -368,8 +391,10 @@ class UnitCandidate:
         through them (every stage runs the backward units in sequence order)."""
         work, bound = self.work, 0.0
         fill = drain = 0.0
+        middle = sum(work.forward_time[0]) + sum(work.backward_time[0])
         for stage in range(len(work.forward_time)):
-            busy = sum(work.forward_time[stage]) + sum(work.backward_time[stage])
+            # a rank runs its vpp chunks: vpp - 1 middle ones and this stage's (per-chunk times)
+            busy = (self.vpp - 1) * middle + sum(work.forward_time[stage]) + sum(work.backward_time[stage])
             bound = max(bound, fill + busy + drain)
             fill += work.forward_time[stage][0] + work.forward_transfer[0]
             drain += work.backward_time[stage][-1] + work.backward_transfer[-1]
@@ -389,6 +414,8 @@ class UnitCandidate:
         while the previous chain drains. Where that passes `budget_bytes`, the run-up is shortened
         (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
         before the chain's backward) are returned when none does."""
+        if self.vpp > 1:
+            return InterleavedCandidate.of(self, dp_ranks)
         warmups = warmup_counts(self.work, len(self.work.forward_time))
         pipelined = self._ordered(dp_ranks, warmups, None)
         if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
@@ -433,6 +460,36 @@ class OrderedCandidate:
         """The replay of its orders (no DP reduction), computed on first use: orders that do not
         fit memory are dropped without one (replays were ~30% of a 150B pp16 layout search's profile)."""
         return replay(self.replica.stage_orders, self.work)
+
+
+@dataclass
+class InterleavedCandidate:
+    """A candidate under interleaved 1F1B (`interleaved_orders`), with the same interface as
+    `OrderedCandidate`: its orders, their peak memory and their replay (chunk-aware)."""
+
+    candidate: UnitCandidate
+    dp_ranks: list[int]
+    orders: list
+    peak_activation_bytes: float
+
+    @classmethod
+    def of(cls, candidate: UnitCandidate, dp_ranks: list[int]) -> "InterleavedCandidate":
+        pp = len(candidate.work.forward_time)
+        orders = interleaved_orders(candidate.forward_units, candidate.backward_units, pp, candidate.vpp,
+                                    work=candidate.work)
+        return cls(candidate, list(dp_ranks), orders, peak_interleaved(orders, candidate.work, pp, candidate.vpp))
+
+    @cached_property
+    def replica(self) -> ReplicaPlan:
+        candidate = self.candidate
+        return ReplicaPlan(candidate.micropacks, candidate.forward_units, candidate.backward_units, self.orders,
+                           self.dp_ranks)
+
+    @cached_property
+    def makespan_s(self) -> float:
+        candidate = self.candidate
+        needs = last_forward_needed(candidate.forward_units, candidate.backward_units).tolist()
+        return replay_interleaved(self.orders, candidate.work, len(self.orders), candidate.vpp, needs)
 
 
 def pipeline_estimate(work: StageWork) -> float:

@@ -88,14 +88,17 @@ def with_input_sources(plan: Plan, sources, count: int) -> Plan:
 
 @dataclass(frozen=True)
 class LayoutConstraints:
-    """Values a strategy allows (None: any the hardware and model allow), and why."""
+    """Values a strategy allows (None: any the hardware and model allow), and why. Virtual
+    pipeline stages (`vpp`) are opt-in: a strategy runs plain 1F1B unless it lists them."""
 
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = (1,)
     reason: str = ""
 
     def allows(self, parallel: ParallelConfig) -> bool:
-        return (self.pp is None or parallel.pp in self.pp) and (self.cp is None or parallel.cp in self.cp)
+        return ((self.pp is None or parallel.pp in self.pp) and (self.cp is None or parallel.cp in self.cp)
+                and (self.vpp is None or parallel.vpp in self.vpp))
 
 
 # What a strategy must hold in activation memory at once, at least (`layouts.minimum_memory_bytes`):

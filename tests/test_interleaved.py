@@ -1,0 +1,155 @@
+"""Virtual pipeline stages (Megatron's interleaved 1F1B) in the plan, the simulator and the layout
+search: Megatron's own order, the closed-form bubble, memory of the in-flight chunks, the
+micro-batch rule, and which strategies search vpp."""
+import random
+
+import pytest
+from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+from megatron_slimpack.costmodel import CostModel
+from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
+from megatron_slimpack.simulator import simulate
+from megatron_slimpack.solver.baselines import schedule_1f1b
+from megatron_slimpack.solver.layouts import enumerate_layouts
+from megatron_slimpack.solver import orders as orders_module
+from megatron_slimpack.solver.orders import interleaved_orders
+from megatron_slimpack.specs import ParallelConfig, SpecError
+from test_simulator import FixedCost, build_replica, random_micropacks
+
+
+class ChunkCost(FixedCost):
+    """FixedCost per chunk: a stage's forward/backward split evenly over its vpp chunks."""
+
+    def forward_time(self, tokens, pairs, parallel, last_stage=False):
+        return self.forward / parallel.vpp / parallel.cp
+
+    def backward_time(self, tokens, pairs, parallel, last_stage=False):
+        return self.backward / parallel.vpp / parallel.cp
+
+
+def megatron_order(m: int, pp: int, vpp: int, stage: int) -> list[tuple]:
+    """forward_backward_pipelining_with_interleaving's task order on one rank, from megatron-core's
+    own schedule table and warm-up rule (core 0.16.1)."""
+    table = get_schedule_table(m, vpp, pp)
+    total = m * vpp
+    warmup = min(total, (pp - stage - 1) * 2 + (vpp - 1) * pp)
+    forwards = [("F", unit, chunk) for unit, chunk in table]
+    backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in table]
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[total - warmup:]
+
+
+def interleaved_plan(m: int, pp: int, vpp: int) -> Plan:
+    packs = [MicroPack([Slice(i, 0, 8)]) for i in range(m)]
+    replica = schedule_1f1b(packs, ParallelConfig(pp=pp, vpp=vpp), [0])
+    return Plan([replica], [Sample(i, 8) for i in range(m)], ParallelConfig(pp=pp, vpp=vpp), 8, "test").validate()
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (4, 3), (8, 4)])
+def test_orders_are_megatrons_interleaved_schedule(pp, vpp):
+    for m in (pp, 2 * pp, 3 * pp):
+        units = [[i] for i in range(m)]
+        orders = interleaved_orders(units, units, pp, vpp)
+        assert orders == [megatron_order(m, pp, vpp, stage) for stage in range(pp)]
+
+
+@pytest.mark.parametrize("m,pp,vpp", [(8, 4, 2), (8, 4, 4), (4, 2, 2), (12, 4, 3), (16, 8, 2)])
+def test_interleaved_bubble_is_the_closed_form(m, pp, vpp):
+    """Uniform micro-batches, no p2p: (m + (pp - 1) / vpp) (f + b); rank 0 holds its warm-up's
+    2 (pp - 1) + (vpp - 1) pp chunk activations and one more."""
+    report = simulate(interleaved_plan(m, pp, vpp), ChunkCost(forward=1.0, backward=2.0))
+    assert report.iteration_time_s == pytest.approx((m + (pp - 1) / vpp) * 3.0)
+    assert report.bubble_ratio == pytest.approx((pp - 1) / (vpp * m + pp - 1))
+    plain = simulate(interleaved_plan(m, pp, 1), ChunkCost(forward=1.0, backward=2.0))
+    assert plain.bubble_ratio == pytest.approx((pp - 1) / (m + pp - 1))  # vpp times the interleaved one's idle time
+    in_flight = [min(m * vpp, 2 * (pp - 1 - s) + (vpp - 1) * pp + 1) for s in range(pp)]
+    assert report.peak_memory_bytes == [100.0 + n for n in in_flight]
+
+
+def test_chunk_boundaries_add_transfers_and_chunks_are_recorded():
+    m, pp, vpp = 4, 2, 2
+    report = simulate(interleaved_plan(m, pp, vpp), ChunkCost(p2p=0.1))
+    transfers = [r for r in report.tasks if r.kind == "P2P"]
+    # every virtual-stage boundary, both ways: (pp * vpp - 1) * 2 per micro-batch
+    assert len(transfers) == (pp * vpp - 1) * 2 * m
+    assert {r.detail for r in transfers} == {"F 0->1", "F 1->0", "B 1->0", "B 0->1"}
+    assert {(r.stage, r.chunk) for r in report.tasks if r.kind == "F"} == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    slower = simulate(interleaved_plan(m, pp, 1), ChunkCost(p2p=0.1))
+    assert len([r for r in slower.tasks if r.kind == "P2P"]) == (pp - 1) * 2 * m
+
+
+def test_asymmetric_sliced_units_interleave_without_deadlock(monkeypatch):
+    """Long documents sliced over consecutive MicroPacks, units of several MicroPacks that differ
+    forward and backward: the orders keep every backward after its forward on its chunk. Where
+    Megatron's formula would wait in a circle, the guided orders run (counted: it happens here)."""
+    guided = []
+    original = orders_module._guided_orders
+    monkeypatch.setattr(orders_module, "_guided_orders", lambda *a: guided.append(1) or original(*a))
+    for seed in range(8):
+        rng = random.Random(seed)
+        packs, samples, _ = random_micropacks(rng, 0, 9, 512)
+        replica = build_replica(packs, [0], 2, rng, max_unit=3)
+        for pp, vpp in ((2, 2), (4, 2), (2, 3)):
+            replica.stage_orders = interleaved_orders(replica.forward_units, replica.backward_units, pp, vpp)
+            plan = Plan([replica], samples, ParallelConfig(pp=pp, vpp=vpp), 2048, "test").validate()
+            report = simulate(plan, ChunkCost())
+            assert report.lower_bound_s <= report.iteration_time_s + 1e-9
+    assert guided
+
+
+def test_plan_json_keeps_chunks_and_plain_plans_are_unchanged():
+    plan = interleaved_plan(4, 2, 2)
+    again = Plan.from_json(plan.to_json())
+    assert again.replicas[0].stage_orders == plan.replicas[0].stage_orders
+    assert again.parallel.vpp == 2 and again.fingerprint() == plan.fingerprint()
+    plain = interleaved_plan(4, 2, 1)
+    assert "vpp" not in plain.to_dict()["parallel"]
+    assert all(len(task) == 2 for task in plain.replicas[0].stage_orders[0])
+
+
+def test_validation_names_chunk_errors():
+    plan = interleaved_plan(4, 2, 2)
+    order = plan.replicas[0].stage_orders[1]
+    order[order.index(("F", 1, 1))] = ("F", 1, 2)
+    with pytest.raises(PlanError, match="chunk outside 0..1"):
+        plan.validate()
+    plan = interleaved_plan(4, 2, 2)
+    plan.replicas[0].stage_orders[0] = [task[:2] for task in plan.replicas[0].stage_orders[0]]
+    with pytest.raises(PlanError, match=r"\[kind, unit, chunk\]"):
+        plan.validate()
+    plan = interleaved_plan(4, 2, 2)
+    order = plan.replicas[0].stage_orders[0]
+    first_backward = next(i for i, task in enumerate(order) if task[0] == "B")
+    order.insert(0, order.pop(first_backward))
+    with pytest.raises(PlanError, match="chunk 1 runs backward unit 0 before forward unit 0"):
+        plan.validate()
+    with pytest.raises(SpecError, match="needs pipeline parallelism"):
+        ParallelConfig(vpp=2)
+
+
+def test_megatrons_micro_batch_rule_refuses_a_step():
+    packs = [MicroPack([Slice(i, 0, 8)]) for i in range(6)]
+    with pytest.raises(PlanError, match="multiple of 4"):
+        schedule_1f1b(packs, ParallelConfig(pp=4, vpp=2), [0])
+    with pytest.raises(PlanError, match="at least pp"):
+        schedule_1f1b(packs[:3], ParallelConfig(pp=4, vpp=2), [0])
+    assert schedule_1f1b(packs[:4], ParallelConfig(pp=4, vpp=2), [0]).stage_orders[0][0] == ("F", 0, 0)
+
+
+def test_layout_search_offers_vpp_to_megatron_schedules_only():
+    cost = CostModel.analytic("llama-70b", "h100-sxm")
+    fixed = enumerate_layouts(cost, 64, "megatron-fixed")
+    assert {p.vpp for p in fixed if p.pp == 8} == {1, 2, 5}  # 80 layers: 10 per stage
+    assert {p.vpp for p in fixed if p.pp == 1} == {1}
+    assert {p.vpp for p in enumerate_layouts(cost, 64, "slimpipe")} == {1}
+
+
+def test_cost_model_prices_a_chunk():
+    cost = CostModel.analytic("llama-70b", "h100-sxm")
+    plain, interleaved = ParallelConfig(pp=8, tp=8, dp=2), ParallelConfig(pp=8, vpp=2, tp=8, dp=2)
+    assert cost.layers_per_stage(interleaved) * 2 == cost.layers_per_stage(plain)
+    assert cost.static_memory_bytes(interleaved) == cost.static_memory_bytes(plain)
+    assert cost.activation_bytes(8192, 8192 ** 2 / 2, interleaved) == pytest.approx(
+        cost.activation_bytes(8192, 8192 ** 2 / 2, plain) / 2)
