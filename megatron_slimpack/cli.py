@@ -223,7 +223,7 @@ def format_plan_tables(rows: list[dict]) -> str:
 
 def cmd_plan(args) -> int:
     cost = load_cost(args)
-    parallel = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, cp=args.cp, recompute=args.recompute)
+    parallel = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
     warn_about_inputs(args, config, dp=parallel.dp)
     from .solver.strategies import new_planner
@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_options(plan, batch=512, model="llama-7b")
     plan.add_argument("--tp", type=positive_int, default=8, help="tensor parallel size")
     plan.add_argument("--pp", type=positive_int, default=4, help="pipeline stages")
+    plan.add_argument("--vpp", type=positive_int, default=1,
+                      help="virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B (default: 1)")
     plan.add_argument("--dp", type=positive_int, default=4, help="data-parallel replicas")
     plan.add_argument("--cp", type=positive_int, default=1,
                       help="context parallel size; SlimPack plans cp K as DP-Merge groups of K replicas, like a "

@@ -45,6 +45,7 @@ def add_model_option(parser: argparse.ArgumentParser, default: str | None, help_
 MEGATRON_SPELLINGS = {
     "--tp": "--tensor-model-parallel-size",
     "--pp": "--pipeline-model-parallel-size",
+    "--vpp": "--num-virtual-stages-per-pipeline-rank",
     "--cp": "--context-parallel-size",
     "--context-length": "--seq-length",
     "--recompute": "--recompute-granularity",

@@ -61,7 +61,7 @@ from megatron_slimpack.specs import MODELS  # noqa: E402
 
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 REFERENCE = "megatron-fixed"
-LAYOUT_TOKEN = re.compile(r"(tp|pp|cp|dp)([0-9]+)|rc-(none|selective|full)")
+LAYOUT_TOKEN = re.compile(r"(tp|pp|vpp|cp|dp)([0-9]+)|rc-(none|selective|full)")
 
 # Strategies that stock pretrain_gpt.py runs without --slimpack, and what such a run measures.
 STOCK = {
@@ -80,13 +80,14 @@ OWNED = {"bf16", "use-distributed-optimizer", "micro-batch-size", "calculate-per
 
 @dataclass(frozen=True)
 class Layout:
-    """A grid layout string ("tp2 pp1 cp2 dp32 rc-selective") as numbers."""
+    """A grid layout string ("tp2 pp1 cp2 dp32 rc-selective", "tp4 pp8 vpp4 cp4 dp1") as numbers."""
 
     tp: int
     pp: int
     cp: int
     dp: int
     recompute: str = "none"
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
@@ -94,7 +95,7 @@ class Layout:
         for token in text.split():
             match = LAYOUT_TOKEN.fullmatch(token)
             if not match:
-                raise ValueError(f"layout {text!r}: unknown part {token!r} (expected tpN ppN cpN dpN [rc-MODE]); "
+                raise ValueError(f"layout {text!r}: unknown part {token!r} (expected tpN ppN [vppN] cpN dpN [rc-MODE]); "
                                  "teach scripts/reproduce_paper.py's Layout.parse the new part")
             key, number, mode = match.groups()
             if mode:
@@ -165,6 +166,7 @@ def layout_options(layout: Layout, *, base_merge: bool) -> dict:
     return {
         "tensor-model-parallel-size": layout.tp, "sequence-parallel": layout.tp > 1,
         "pipeline-model-parallel-size": layout.pp,
+        "num-virtual-stages-per-pipeline-rank": layout.vpp if layout.vpp > 1 else None,
         "context-parallel-size": 1 if base_merge else layout.cp,
         "slimpack-base-merge": layout.cp if base_merge and layout.cp > 1 else None,
         "recompute-granularity": None if layout.recompute == "none" else layout.recompute,
