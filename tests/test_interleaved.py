@@ -7,7 +7,7 @@ import pytest
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from megatron_slimpack.costmodel import CostModel
-from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
+from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
 from megatron_slimpack.simulator import simulate
 from megatron_slimpack.solver.baselines import schedule_1f1b
 from megatron_slimpack.solver.layouts import enumerate_layouts
@@ -80,23 +80,66 @@ def test_chunk_boundaries_add_transfers_and_chunks_are_recorded():
     assert len([r for r in slower.tasks if r.kind == "P2P"]) == (pp - 1) * 2 * m
 
 
-def test_asymmetric_sliced_units_interleave_without_deadlock(monkeypatch):
+def test_sliced_and_asymmetric_units_interleave_and_run_through(monkeypatch):
     """Long documents sliced over consecutive MicroPacks, units of several MicroPacks that differ
-    forward and backward: the orders keep every backward after its forward on its chunk. Where
-    Megatron's formula would wait in a circle, the guided orders run (counted: it happens here)."""
-    guided = []
-    original = orders_module._guided_orders
-    monkeypatch.setattr(orders_module, "_guided_orders", lambda *a: guided.append(1) or original(*a))
-    for seed in range(8):
+    forward and backward, unit counts that are no multiple of pp: every backward stays after its
+    forward on its chunk and no rank waits in a circle (the simulator would raise). Where a
+    backward's own need would make ranks wait in a circle, one lead for all is used (counted: it
+    happens here)."""
+    lifted = []
+    original = orders_module._runs_through
+    monkeypatch.setattr(orders_module, "_runs_through", lambda *a: original(*a) or lifted.append(1))
+    for seed in range(10):
         rng = random.Random(seed)
-        packs, samples, _ = random_micropacks(rng, 0, 9, 512)
-        replica = build_replica(packs, [0], 2, rng, max_unit=3)
-        for pp, vpp in ((2, 2), (4, 2), (2, 3)):
+        packs, samples, _ = random_micropacks(rng, 0, 9 + seed, 512, long_share=0.5)
+        replica = build_replica(packs, [0], 2, rng, max_unit=1 + seed % 3)
+        for pp, vpp in ((2, 2), (4, 2), (2, 3), (3, 2)):
             replica.stage_orders = interleaved_orders(replica.forward_units, replica.backward_units, pp, vpp)
             plan = Plan([replica], samples, ParallelConfig(pp=pp, vpp=vpp), 2048, "test").validate()
             report = simulate(plan, ChunkCost())
             assert report.lower_bound_s <= report.iteration_time_s + 1e-9
+    assert lifted
+
+
+def test_a_long_documents_run_up_does_not_stall_the_interleaved_pipeline():
+    """A 4-slice chain among single MicroPacks: the first backward on the last chunk needs the
+    chain's last forward. Interleaving still beats plain 1F1B's fill by about (pp - 1) / vpp."""
+    chain = [MicroPack([Slice(0, 8 * i, 8 * i + 8)]) for i in range(4)]
+    packs = chain + [MicroPack([Slice(i, 0, 8)]) for i in range(1, 13)]
+    samples = [Sample(0, 32)] + [Sample(i, 8) for i in range(1, 13)]
+    times = {}
+    for vpp in (1, 2):
+        replica = schedule_1f1b(packs, ParallelConfig(pp=4, vpp=vpp), [0])
+        plan = Plan([replica], samples, ParallelConfig(pp=4, vpp=vpp), 32, "test").validate()
+        times[vpp] = simulate(plan, ChunkCost()).iteration_time_s
+    assert times[2] < times[1]
+    assert times[2] <= (16 + 3 / 2) * 3.0 + 1e-9 < times[1] + 1e-9
+
+
+def test_far_apart_unit_counts_take_a_guided_order(monkeypatch):
+    """A replica the SlimPack planner produced at llama-70b tp8 pp8 vpp2 (one of a batch's
+    candidates): 16 forward units, 22 backward units, 8 two-slice documents. Neither formula runs
+    through; the guided execution's orders do (validated and simulated)."""
+    starts = {1, 4, 8, 12, 15, 19, 23, 26}  # first slice of each two-slice document
+    packs, samples, document = [], [], 0
+    for index in range(29):
+        if index - 1 in starts:
+            packs.append(MicroPack([Slice(document - 1, 8, 16)]))
+            continue
+        packs.append(MicroPack([Slice(document, 0, 8)]))
+        samples.append(Sample(document, 16 if index in starts else 8))
+        document += 1
+    forward_units = [[0], [1, 2], [3], [4, 5], [6], [7, 8]] + [[i, i + 1] for i in range(9, 29, 2)]
+    backward_units = [[0], [2, 1], [3], [5, 4], [6], [7], [9], [8], [10], [11], [13], [12], [14], [16, 15],
+                      [17, 18], [20, 19], [21, 22], [24, 23], [25], [27], [26], [28]]
+    guided = []
+    original = orders_module._guided_orders
+    monkeypatch.setattr(orders_module, "_guided_orders", lambda *a: guided.append(1) or original(*a))
+    orders = interleaved_orders(forward_units, backward_units, 8, 2)
     assert guided
+    replica = ReplicaPlan(packs, forward_units, backward_units, orders, [0])
+    plan = Plan([replica], samples, ParallelConfig(pp=8, vpp=2), 16, "test").validate()
+    assert simulate(plan, ChunkCost()).iteration_time_s > 0
 
 
 def test_plan_json_keeps_chunks_and_plain_plans_are_unchanged():

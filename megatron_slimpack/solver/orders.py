@@ -171,23 +171,27 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     return np.minimum(len(forward_units), np.asarray(required, dtype=np.int64)[None, :] + lead[:, None])
 
 
-def orders_of_targets(targets: np.ndarray) -> list[list[tuple[str, int]]]:
-    """Stage orders from `forward_targets`: before backward b, the forwards up to targets[s][b]."""
+def orders_of_targets(targets: np.ndarray, forwards: list | None = None,
+                      backwards: list | None = None) -> list[list[tuple]]:
+    """Stage orders from `forward_targets`: before backward b, the forwards up to targets[s][b]
+    (then any forwards left). `forwards`/`backwards`: the task sequences (default ("F", u) and
+    ("B", v) in unit order; interleaved orders pass their (kind, unit, chunk) tables)."""
     # Tasks are shared tuples, and forwards are added as slices: the planner builds these orders
     # for every unit count of every MicroPack size it tries.
-    count = int(targets.max()) if targets.size else 0
-    forwards = [("F", unit) for unit in range(count)]
-    backwards = [("B", unit) for unit in range(targets.shape[1])]
+    targets = np.asarray(targets)
+    if forwards is None:
+        forwards = [("F", unit) for unit in range(int(targets.max()) if targets.size else 0)]
+        backwards = [("B", unit) for unit in range(targets.shape[1])]
     orders = []
     for row in targets.tolist():
-        order: list[tuple[str, int]] = []
+        order: list[tuple] = []
         done = 0
         for backward, target in zip(backwards, row):
             if target > done:
                 order += forwards[done:target]
                 done = target
             order.append(backward)
-        orders.append(order)
+        orders.append(order + forwards[done:])
     return orders
 
 
@@ -278,13 +282,18 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
 
 
 # ---- interleaved 1F1B (virtual pipeline stages) -----------------------------------------------
-def interleaved_table(num_units: int, vpp: int, group: int) -> list[tuple[int, int]]:
+def interleaved_table(num_units: int, vpp: int, group: int, min_group: int | None = None) -> list[tuple[int, int]]:
     """(unit, chunk) in the order every rank runs its forwards under Megatron's interleaved 1F1B:
     units in groups of `group` (Megatron's microbatch_group_size_per_vp_stage, default pp), each
-    group through chunk 0, then chunk 1, ...; the last group takes what remains."""
+    group through chunk 0, then chunk 1, ...; the last group takes what remains. With `min_group`
+    a remainder shorter than it joins the group before (Megatron refuses such a step: a last group
+    shorter than pp makes the first rank wait on the last one's previous chunk)."""
+    starts = list(range(0, num_units, group))
+    if min_group and len(starts) > 1 and num_units - starts[-1] < min_group:
+        starts.pop()
     table = []
-    for first in range(0, num_units, group):
-        last = num_units if first + group >= num_units else first + group
+    for index, first in enumerate(starts):
+        last = starts[index + 1] if index + 1 < len(starts) else num_units
         table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, last)]
     return table
 
@@ -302,37 +311,32 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
       2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
 
     With one MicroPack per unit and independent micro-batches this is exactly Megatron's order.
-    Where that formula would wait in a circle, `_guided_orders` (timed with `work`'s per-chunk
+    A long document's backward needs its later slices' forwards first: each backward's need is
+    added where it arises, or, where that would make ranks wait in a circle (rank 0's next chunk
+    waiting on the last rank, which waits on rank 0's backward), as one lead added to every rank's
+    warm-up (as Megatron adds one for all when it overlaps MoE traffic). Where neither runs
+    (forward and backward unit counts far apart), `_guided_orders` (timed with `work`'s per-chunk
     times when given) takes over.
     """
     group = group or pp
-    forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group)]
-    backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(len(backward_units), vpp, group)]
+    forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group, pp)]
+    backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(len(backward_units), vpp, group, pp)]
     position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
     needs = last_forward_needed(forward_units, backward_units).tolist() if backward_units else []
     total_forwards, total_backwards = len(forwards), len(backwards)
-    required, running = [], 0
-    for k, (_, unit, chunk) in enumerate(backwards):
-        steady = (vpp - 1) * group + k * total_forwards // total_backwards + 1
-        running = max(running, steady, position[(needs[unit], chunk)] + 1)
-        required.append(running)
-    targets = [[min(total_forwards, target + 2 * (pp - 1 - stage)) for target in required] for stage in range(pp)]
-    orders = []
-    for row in targets:
-        order, done = [], 0
-        for backward, target in zip(backwards, row):
-            if target > done:
-                order += forwards[done:target]
-                done = target
-            order.append(backward)
-        orders.append(order + forwards[done:])
-    if _runs_through(orders, needs, pp, vpp):
-        return orders
-    # Uneven unit groups or long chains can make the formula's waits circular (rank 0's next
-    # chunk waits on the last rank, which waits on rank 0's backward): let the targets guide an
-    # execution instead, each rank running what is ready when its preferred task is not.
-    return _guided_orders(forwards, backwards, targets, needs, _task_seconds(forward_units, backward_units, work, pp, vpp),
-                          pp, vpp)
+    steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
+    needed = [position[(needs[unit], chunk)] + 1 for _, unit, chunk in backwards]
+    # First each backward's own need (the least held in flight), then one lead for all.
+    lift = max([n - s for n, s in zip(needed, steady)] + [0])
+    for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift):
+        targets = np.minimum(total_forwards, required[None, :] + 2 * (pp - 1 - np.arange(pp))[:, None])
+        orders = orders_of_targets(targets, forwards, backwards)
+        if _runs_through(orders, needs, pp, vpp):
+            return orders
+    # Very different forward and backward unit counts (forward pairs, backward singles) misalign
+    # the two tables' chunk groups: let the targets guide an execution instead.
+    seconds = _task_seconds(forward_units, backward_units, work, pp, vpp)
+    return _guided_orders(forwards, backwards, targets.tolist(), needs, seconds, pp, vpp)
 
 
 def _task_seconds(forward_units, backward_units, work: "StageWork | None", pp: int, vpp: int):
