@@ -167,3 +167,17 @@ def save_whole_document_reference(config, vocab_size: int, documents, num_loss_t
     torch.save({"state": stock.state_dict(), "loss": loss,
                 "grads": {k: p.grad.detach().clone() for k, p in stock.named_parameters()}}, path)
     return loss
+
+
+def with_virtual_stages(plan, vpp: int):
+    """A copy of `plan` run with `vpp` model chunks per pipeline stage: same MicroPacks and units,
+    every replica plan's (merge groups' too) stage orders Megatron's interleaved 1F1B over them."""
+    import copy
+
+    from megatron_slimpack.solver.orders import interleaved_orders
+
+    plan = copy.deepcopy(plan)
+    plan.parallel = plan.parallel.with_(vpp=vpp)
+    for replica in plan.replicas:
+        replica.stage_orders = interleaved_orders(replica.forward_units, replica.backward_units, plan.parallel.pp, vpp)
+    return plan.validate()

@@ -32,6 +32,9 @@ TRAIN_DOCUMENTS = 270  # megatron-core's split of 300 sequences at 90,10,0
 TRAIN_IDS = 400  # training documents use token ids below this; validation documents ids from it up
 SLICED = ["--slimpack-max-micropack-tokens", "128"]
 RELATIVE = 1e-5
+FOUR_LAYERS = ["--num-layers", "4"]  # pp=2 x vpp=2 needs a layer per virtual stage
+# The flags each initial checkpoint's model is built with (later flags win over harness.MODEL_FLAGS).
+INITIAL_FLAGS = {"tied": [], "untied": ["--untie-embeddings-and-output-weights"], "four-layers": FOUR_LAYERS}
 
 
 def relative_difference(a, b) -> float:
@@ -77,7 +80,7 @@ class Workspace:
 
     def initial(self, kind: str) -> Path:
         """A checkpoint after one DP=1 iteration: the common starting weights (tied or untied)."""
-        extra = ["--untie-embeddings-and-output-weights"] if kind == "untied" else []
+        extra = INITIAL_FLAGS[kind]
         directory = self.root / f"initial-{kind}"
         self.run(f"initial-{kind}", initial=None, train_iters=1,
                  extra=[*extra, "--save", str(directory), "--save-interval", "1"])
@@ -146,6 +149,26 @@ def test_untied_embeddings_with_two_stages(workspace):
     untied = ["--untie-embeddings-and-output-weights"]
     reference = workspace.run("untied-dp1", initial="untied", extra=untied)
     run = workspace.run("untied-pp2", nproc=2, initial="untied", extra=[*untied, "--pipeline-model-parallel-size", "2"])
+    assert_same_training(run, reference)
+
+
+def test_virtual_stages_train_like_one_rank(workspace):
+    """Interleaved 1F1B (issue 24): PP=2 x vpp=2, every rank training two one-layer model chunks
+    (Megatron's `vp_stage` chunks, its per-chunk data iterators sharing one planner iterator),
+    against DP=1 PP=1 on the same four-layer model. (Megatron allows vpp with pp=2 only with its
+    overlapped p2p, on by default, which only its own schedule reads.) The strategy is
+    megatron-fixed, a trainable one whose registry entry plans virtual stages (SlimPack's does not
+    list them yet) and whose fixed-length sequences always meet Megatron's interleaving rule on
+    micro-batch counts (a multiple of pp), which the baselines' planners enforce."""
+    flags = [*FOUR_LAYERS, "--slimpack-strategy", "megatron-fixed"]
+    reference = workspace.run("four-layers-dp1", initial="four-layers", extra=flags)
+    run = workspace.run("vpp2", nproc=2, initial="four-layers",
+                        extra=[*flags, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                               "2"])
+    plans = plans_of(run)
+    assert plans and all(plan["parallel"].get("vpp") == 2 for plan in plans)
+    assert all(len(task) == 3 for plan in plans for replica in plan["replicas"] for order in replica["stage_orders"]
+               for task in order)
     assert_same_training(run, reference)
 
 

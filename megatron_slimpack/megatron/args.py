@@ -11,6 +11,12 @@ The `--slimpack-<name>` flags are generated from the fields of `SlimPackConfig` 
 `--seq-length` and `--seed`. `validate_slimpack_args(args)` checks the combination with
 Megatron's own flags, and the configs' own checks (`__post_init__`), and raises
 `SlimPackArgumentError` (a ValueError) with one line per problem naming the flag to change.
+
+Virtual pipeline stages (`--num-virtual-stages-per-pipeline-rank` /
+`--num-layers-per-virtual-pipeline-stage`, Megatron's interleaved 1F1B): the SlimPack schedule
+runs the trainer's model chunks (runtime/schedule.py), so they are accepted with pipeline
+parallelism and a strategy that plans them (its registry's `LayoutConstraints.vpp`);
+`virtual_stages_of_args` is the vpp the planner's `ParallelConfig` gets.
 """
 from __future__ import annotations
 
@@ -124,10 +130,8 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     if not getattr(args, "calculate_per_token_loss", False):
         problems.append("--slimpack needs --calculate-per-token-loss (the loss is divided once by the global "
                         "batch's token count, never per micro-batch)")
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp not in (None, 1) or getattr(args, "num_layers_per_virtual_pipeline_stage", None):
-        problems.append("--slimpack does not support the interleaved (virtual) pipeline schedule: remove "
-                        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+    strategy = getattr(args, "slimpack_strategy", SlimPackConfig.strategy)
+    problems += _virtual_stage_problems(args, strategy)
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         problems.append("--slimpack cannot be combined with --context-parallel-size > 1: SlimPack slices long "
                         "documents instead (and shares outliers through DP-Merge); use --context-parallel-size 1, "
@@ -148,7 +152,6 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                             "does not record attention logits; remove the flag")
     from ..solver.strategies import strategy_specs, trainable_strategy_names
 
-    strategy = getattr(args, "slimpack_strategy", SlimPackConfig.strategy)
     trainable = trainable_strategy_names()
     if strategy not in trainable:
         why = ("is simulated for comparison only: the SlimPack runtime does not run it"
@@ -169,6 +172,40 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                             "--no-slimpack-dp-merge")
     if problems:
         raise SlimPackArgumentError("invalid SlimPack arguments:\n  - " + "\n  - ".join(problems))
+
+
+def virtual_stages_of_args(args) -> int:
+    """Model chunks per pipeline rank (vpp): Megatron's `virtual_pipeline_model_parallel_size`, which
+    its own argument validation derives from --num-virtual-stages-per-pipeline-rank or
+    --num-layers-per-virtual-pipeline-stage (None there: 1, plain 1F1B)."""
+    return getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+
+
+_VIRTUAL_FLAGS = "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
+
+
+def _virtual_stage_problems(args, strategy: str) -> list[str]:
+    """Virtual stages need pipeline parallelism and a strategy that plans interleaved orders."""
+    vpp = virtual_stages_of_args(args)
+    asked = vpp > 1 or any(getattr(args, name, None) for name in (
+        "num_virtual_stages_per_pipeline_rank", "num_layers_per_virtual_pipeline_stage"))
+    if not asked:
+        return []
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) < 2:
+        return [f"virtual pipeline stages ({_VIRTUAL_FLAGS}) need --pipeline-model-parallel-size > 1"]
+    from ..solver.strategies import strategy_specs, trainable_strategy_names
+
+    specs = strategy_specs()
+    if vpp == 1 or strategy not in specs or _plans_virtual_stages(specs[strategy], vpp):
+        return []  # (an unknown strategy has its own problem line)
+    planning = [name for name in trainable_strategy_names() if _plans_virtual_stages(specs[name], vpp)]
+    return [f"--slimpack-strategy {strategy!r} does not plan virtual pipeline stages (vpp={vpp}, interleaved 1F1B): "
+            f"choose one that does ({', '.join(planning) or 'none yet'}) or remove {_VIRTUAL_FLAGS}"]
+
+
+def _plans_virtual_stages(spec, vpp: int) -> bool:
+    """Whether a strategy plans `vpp` chunks per rank (the registry's layout facts)."""
+    return spec.constraints.vpp is None or vpp in spec.constraints.vpp
 
 
 def flags_set_without_slimpack(args) -> list[str]:
@@ -216,4 +253,5 @@ def integration_config_from_args(args) -> MegatronIntegrationConfig:
 
 __all__ = ["add_slimpack_args", "with_slimpack_args", "validate_slimpack_args", "SlimPackArgumentError",
            "slimpack_config_from_args", "integration_config_from_args", "mcore_version", "check_mcore_version",
+           "virtual_stages_of_args",
            "SUPPORTED_MCORE", "FLAG_CONFIGS"]

@@ -10,10 +10,15 @@
   megatron.training.training.build_train_valid_test_data_iterators
       -> calls Megatron's, then replaces the *train* iterator with the planner iterator
          (`MegatronPlannerIterator`: global batches of documents, planned ahead, broadcast);
+         with virtual pipeline stages Megatron calls it once per model chunk, and every chunk
+         gets the same planner iterator (the schedule reads each step's plan once);
   megatron.training.training.get_model_config
       -> sets `variable_seq_lengths=True` and `calculate_per_token_loss=True` on the model config;
   gpt_builders.GPTModel (Megatron-LM's top-level builder module, when imported)
       -> builds a `SlimPackGPTModel` whose layer spec has the SlimPack core attention.
+
+With virtual pipeline stages (--num-virtual-stages-per-pipeline-rank) the trainer's list of model
+chunks goes to the SlimPack schedule as it is, and the planner plans with `ParallelConfig.vpp`.
 
 Every replacement reads the arguments when it is *called* (`args` given to `install`, else
 `megatron.training.get_args()`), so the same `install()` works with both conventions:
@@ -54,6 +59,7 @@ class _Installation:
     version: tuple
     swapped: list = field(default_factory=list)  # (module, attribute, original)
     validated: bool = False
+    planner_iterator: Any = None  # the train iterator of this setup, shared by every model chunk
 
 
 _state: Optional[_Installation] = None
@@ -174,7 +180,7 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
 
     iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
     planned = next(iterator)
-    chunks = model if isinstance(model, (list, tuple)) else [model]
+    chunks = model if isinstance(model, (list, tuple)) else [model]  # every virtual stage's chunk
     # The schedule owns the gradient reduction (Megatron's no_sync / grad_sync /
     # finalize_model_grads protocol, once per step): nothing is added here.
     result = slimpack_forward_backward(
@@ -215,7 +221,12 @@ def _build_train_valid_test_data_iterators(*args, **kwargs):
     train, valid, test = _original("build_train_valid_test_data_iterators")(*args, **kwargs)
     if not _enabled():
         return train, valid, test
-    return build_planner_iterator(_args()), valid, test
+    # With virtual stages Megatron builds iterators per model chunk (its dataset provider bound to
+    # vp_stage=c): chunks after the first share chunk 0's planner iterator rather than plan again.
+    provider = args[0] if args else kwargs.get("build_train_valid_test_datasets_provider")
+    if getattr(provider, "keywords", {}).get("vp_stage", 0) == 0 or _state.planner_iterator is None:
+        _state.planner_iterator = build_planner_iterator(_args())
+    return _state.planner_iterator, valid, test
 
 
 def _rerun_data_iterator():
@@ -332,7 +343,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     from ..solver.strategies import new_planner
     from ..specs import ModelSpec, ParallelConfig
     from ..workload import GlobalBatchSampler
-    from .args import integration_config_from_args, slimpack_config_from_args
+    from .args import integration_config_from_args, slimpack_config_from_args, virtual_stages_of_args
     from .data import PlannerIterator, fast_forward, plan_function
 
     if getattr(args, "mock_data", False):
@@ -351,7 +362,8 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
         cost = CostModel.from_profile(options.cost_model)
     recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", None), "none")
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
-                              tp=args.tensor_model_parallel_size, recompute=recompute)
+                              vpp=virtual_stages_of_args(args), tp=args.tensor_model_parallel_size,
+                              recompute=recompute)
     config = slimpack_config_from_args(args)
     planner = new_planner(config.strategy)
     sampler = GlobalBatchSampler(corpus.lengths, args.seq_length, args.global_batch_size,

@@ -16,7 +16,8 @@ global batch); elsewhere it is the gradient received from the next stage. K/V gr
 slices need nothing from the caller: they flow through the KV store as long as backward runs
 MicroPacks in the plan's backward-sequence order.
 
-Per unit on stage s (`replica.stage_orders[s]`):
+Per unit on stage s (`replica.stage_orders[s]`; "the previous/next stage" is the neighbouring
+virtual stage under virtual pipeline stages, see below):
 
 * forward unit u: receive the unit's activation from the previous stage (a [sum of the unit's
   MicroPack tokens, 1, hidden] tensor, this TP rank's share of the rows under sequence
@@ -28,13 +29,22 @@ Per unit on stage s (`replica.stage_orders[s]`):
   is the MicroPack's loss sum and its gradient is `_loss_seed`), concatenate the input gradients
   in the same order: the gradient for the previous stage.
 
+Virtual pipeline stages (interleaved 1F1B, `ParallelConfig.vpp` > 1): the executor gets this
+rank's model chunks, a list; chunk c of stage s is virtual stage c * pp + s, and every task
+`(kind, unit, chunk)` runs on its chunk, with the chunk's own held tensors. Only the first
+virtual stage (stage 0's chunk 0) embeds tokens and only the last (the last stage's last chunk)
+computes the loss; every other chunk receives an activation and sends one on, the last stage's
+chunk c to stage 0's chunk c + 1. K/V of sliced documents need nothing more: the chunks' layers
+are numbered globally (megatron-core's `vp_stage` offsets), so their KV-store entries are
+distinct, and each chunk runs its backward units in backward-sequence order.
+
 Communication is plain `torch.distributed` point-to-point over the pipeline process group (gloo
 on CPU, or NCCL), not Megatron's `p2p_communication` (which assumes CUDA), in the program of
 p2p.py: a task's outgoing tensor goes out together with the next task's receive in one
 `batch_isend_irecv` (NCCL-safe when neighbours send to each other at once); receives are waited
-on, sends stay pending until the schedule waits on them. Messages between two neighbouring stages
-flow in one direction per kind (activations downstream in forward-unit order, gradients upstream
-in backward-unit order) and each side posts them in the same order, so they match without tags.
+on, sends stay pending until the schedule waits on them. Every rank posts the transfers it shares
+with a peer in one global order (p2p.py), so they match without tags, also where two ranks
+exchange both kinds in both directions (virtual stages).
 `config.deallocate_pipeline_outputs` frees a stage's outputs' data once sent (backward then goes
 through megatron's `custom_backward`).
 """
@@ -42,13 +52,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import Plan, ReplicaPlan
+from ..plan import Plan, ReplicaPlan, task_chunk
 from . import p2p
 from .batch import MicroPackBatch
 from .kv_store import KVStore
@@ -133,8 +143,10 @@ def _backward(output: Tensor, grad, input_tensor: Optional[Tensor], freed: bool)
     return input_tensor.grad if input_tensor is not None else None
 
 
-def _label(transfer: "p2p.Transfer") -> str:
-    return f"{transfer.kind} {transfer.source}->{transfer.destination}"
+def _label(transfer: "p2p.Transfer", pp_size: int) -> str:
+    """Timeline detail of a transfer, as the simulator writes it: "F 0->1" between pipeline
+    stages (the record's chunk says which model chunk)."""
+    return f"{transfer.kind} {transfer.source % pp_size}->{transfer.destination % pp_size}"
 
 
 # ---- reports -------------------------------------------------------------------------------
@@ -150,6 +162,7 @@ class UnitReport:
     seconds: float  # wall time of the unit on this stage, its receive included
     loss_sum: Optional[float] = None  # forward units on the last stage: the summed per-token loss
     detail: str = ""  # "merge group [ranks]" for a DP-Merge group's units
+    chunk: int = 0  # the model chunk it ran on (virtual pipeline stages; 0 without)
 
 
 # ---- the executor --------------------------------------------------------------------------
@@ -157,11 +170,11 @@ class _PendingSends:
     """Non-blocking sends in flight; completion is polled (for the timeline) at task boundaries."""
 
     def __init__(self, timeline):
-        self.items: list[list] = []  # [handle, tensor, unit, detail, posted_at]
+        self.items: list[list] = []  # [handle, tensor, unit, detail, posted_at, chunk]
         self.timeline = timeline
 
-    def add(self, handle, tensor, unit: int, detail: str) -> None:
-        self.items.append([handle, tensor, unit, detail, self.timeline.now() if self.timeline else 0.0])
+    def add(self, handle, tensor, unit: int, detail: str, chunk: int = 0) -> None:
+        self.items.append([handle, tensor, unit, detail, self.timeline.now() if self.timeline else 0.0, chunk])
 
     def poll(self) -> None:
         if self.timeline is None:
@@ -169,22 +182,23 @@ class _PendingSends:
         keep = []
         for item in self.items:
             if item[0].is_completed():
-                self.timeline.record("P2P", item[2], item[4], self.timeline.now(), item[3])
+                self.timeline.record("P2P", item[2], item[4], self.timeline.now(), item[3], item[5])
             else:
                 keep.append(item)
         self.items = keep
 
     def wait_all(self) -> None:
-        for handle, _, unit, detail, posted in self.items:
+        for handle, _, unit, detail, posted, chunk in self.items:
             handle.wait()
             if self.timeline is not None:
-                self.timeline.record("P2P", unit, posted, self.timeline.now(), detail)
+                self.timeline.record("P2P", unit, posted, self.timeline.now(), detail, chunk)
         self.items = []
 
 
 @dataclass
 class _HeldTensors:
-    """A replica plan's MicroPack tensors between their forward and their backward on this stage."""
+    """A replica plan's MicroPack tensors between their forward and their backward on one model
+    chunk of this stage."""
 
     inputs: dict = field(default_factory=dict)   # received leaves, per MicroPack (not on the first stage)
     outputs: dict = field(default_factory=dict)  # forward outputs kept for backward
@@ -197,15 +211,21 @@ class StageExecutor:
     schedule runs the rank's merge groups, then its own replica, through it, so their sends share
     one `pending` list (wait on it before the step ends).
 
+    `model`: this stage's model chunk, or its list of chunks (virtual pipeline stages: chunk c is
+    virtual stage c * pp_size + pp_rank). `first` / `last`: whether this stage holds the first /
+    last virtual stage (it is the first / last pipeline stage).
     `timeline` (a started `runtime.timing.Timeline`) records every task; `memory_record` (a
-    `StageMemory`) collects saved-tensor bytes per MicroPack and the stage's peak.
+    `StageMemory`) collects saved-tensor bytes per MicroPack (summed over the chunks) and the
+    stage's peak.
     """
 
     def __init__(self, model, *, num_loss_tokens: int, store: KVStore, pp_group=None, pp_rank: int = 0,
                  pp_size: int = 1, forward_only: bool = False, timeline=None, memory_record=None):
-        config = megatron_config(model)
-        param = next(model.parameters())
-        self.inner = inner_module(model)
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = megatron_config(self.chunks[0])
+        param = next(self.chunks[0].parameters())
+        self.inners = [inner_module(chunk) for chunk in self.chunks]
+        self.vpp = len(self.chunks)
         self.pp_group, self.pp_rank = pp_group, pp_rank
         self.pp_size = pp_size
         self.first, self.last = pp_rank == 0, pp_rank == pp_size - 1
@@ -216,7 +236,8 @@ class StageExecutor:
         self.sequence_shards = sequence_shards(config)
         self.dtype = getattr(config, "pipeline_dtype", None) or param.dtype
         self.device = param.device
-        self.deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not self.last
+        # The loss chunk's outputs are scalars that are never sent: only sent activations are freed.
+        self.deallocate = bool(getattr(config, "deallocate_pipeline_outputs", False))
         self.grad_scale_func = getattr(config, "grad_scale_func", None)
         self.num_loss_tokens, self.forward_only, self.store = num_loss_tokens, forward_only, store
         self.timeline, self.memory_record = timeline, memory_record
@@ -224,21 +245,31 @@ class StageExecutor:
         if memory_record is not None:
             from .timing import SavedBytesMeter
 
-            self.meter = SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+            self.meter = SavedBytesMeter({p.untyped_storage().data_ptr() for chunk in self.chunks
+                                          for p in chunk.parameters()})
         self.pending = _PendingSends(timeline)
-        self.live_bytes: dict[int, int] = {}
+        self.live_bytes: dict[tuple[int, int], int] = {}  # (chunk, MicroPack) -> saved bytes
+
+    def is_input_chunk(self, chunk: int) -> bool:
+        """Whether `chunk` is the first virtual stage (embeds tokens, receives nothing)."""
+        return self.first and chunk == 0
+
+    def is_loss_chunk(self, chunk: int) -> bool:
+        """Whether `chunk` is the last virtual stage (computes the loss, receives no gradient)."""
+        return self.last and chunk == self.vpp - 1
 
     # ---- one replica plan ----------------------------------------------------------------
     def run(self, replica: ReplicaPlan, batches: list, *, replica_index: int, detail: str = "",
-            before_last_backward: Optional[Callable[[], None]] = None) -> list[UnitReport]:
+            grad_sync=None) -> list[UnitReport]:
         """Run `replica.stage_orders[pp_rank]` on `batches` (one per MicroPack: whole, or this
         member's share in a merge group). `replica_index`: the replica plan's position in the plan
-        (timeline records); `detail`: carried by its reports and records. `before_last_backward`
-        is called just before the order's last backward (DDP's grad sync)."""
+        (timeline records); `detail`: carried by its reports and records. `grad_sync` (DDP's
+        gradient sync, the schedule's `_GradientSync`): its `before_last_backward(chunk)` and
+        `after_last_backward(chunk)` are called around each chunk's last backward in the order."""
         stage_tasks = [[task for task in order if not (self.forward_only and task[0] == "B")]
                        for order in replica.stage_orders]
         tasks = stage_tasks[self.pp_rank]
-        last_backward = max((i for i, (kind, _) in enumerate(tasks) if kind == "B"), default=None)
+        last_backward = {task_chunk(task): position for position, task in enumerate(tasks) if task[0] == "B"}
         counts = [batch.num_tokens // self.sequence_shards for batch in batches]  # activation rows
 
         def members_of(kind: str, unit: int) -> list[int]:
@@ -247,37 +278,42 @@ class StageExecutor:
         def tokens_of(transfer) -> int:
             return sum(counts[mp] for mp in members_of(transfer.kind, transfer.unit))
 
-        calls = {call.before: call for call in p2p.stage_program(stage_tasks, self.pp_rank)}
+        calls = {call.before: call for call in p2p.stage_program(stage_tasks, self.pp_rank, vpp=self.vpp)}
         if self.timeline is not None:
             self.timeline.replica = replica_index
-        held = _HeldTensors()
+        held = [_HeldTensors() for _ in self.chunks]
         reports = []
         with torch.set_grad_enabled(not self.forward_only):
-            for position, (kind, unit) in enumerate(tasks):
+            for position, task in enumerate(tasks):
+                kind, unit, chunk = task[0], task[1], task_chunk(task)
                 members = members_of(kind, unit)
                 sizes = [counts[mp] for mp in members]
                 began = time.perf_counter()
                 self.pending.poll()
                 self._post(calls.get(position), tokens_of)
-                received = self._received(p2p.incoming((kind, unit), self.pp_rank, self.pp_size))
+                received = self._received(p2p.incoming(task, self.pp_rank, self.pp_size, self.vpp), chunk)
                 loss_sum = None
+                is_last_backward = grad_sync is not None and last_backward.get(chunk) == position
                 if kind == "F":
-                    loss_sum, sent = self._forward_unit(unit, members, sizes, batches, held, detail, received)
+                    loss_sum, sent = self._forward_unit(unit, chunk, members, sizes, batches, held[chunk], detail,
+                                                        received)
                 else:
-                    if position == last_backward and before_last_backward is not None:
-                        before_last_backward()
-                    sent = self._backward_unit(unit, members, sizes, held, detail, received)
-                outgoing = p2p.outgoing((kind, unit), self.pp_rank, self.pp_size)
+                    if is_last_backward:
+                        grad_sync.before_last_backward(chunk)
+                    sent = self._backward_unit(unit, chunk, members, sizes, held[chunk], detail, received)
+                    if is_last_backward:
+                        grad_sync.after_last_backward(chunk)
+                outgoing = p2p.outgoing(task, self.pp_rank, self.pp_size, self.vpp)
                 if outgoing is not None:
-                    self._outbox[outgoing] = sent
+                    self._outbox[outgoing] = (sent, chunk)
                 reports.append(UnitReport(
                     kind, unit, list(members), sum(batches[mp].num_tokens for mp in members),
                     sum(replica.micropacks[mp].attention_pairs for mp in members),
-                    time.perf_counter() - began, loss_sum, detail))
+                    time.perf_counter() - began, loss_sum, detail, chunk))
             self._post(calls.get(len(tasks)), tokens_of)
-        if not self.forward_only and held.outputs:
-            raise RuntimeError(f"after the step {len(held.outputs)} MicroPack outputs remain: "
-                               "some backward did not run")
+        remaining = sum(len(chunk_held.outputs) for chunk_held in held)
+        if not self.forward_only and remaining:
+            raise RuntimeError(f"after the step {remaining} MicroPack outputs remain: some backward did not run")
         self.live_bytes.clear()
         return reports
 
@@ -288,7 +324,8 @@ class StageExecutor:
         from the plan). Sends stay pending; receives are waited on by their consumer."""
         if call is None:
             return
-        ops = [dist.P2POp(dist.isend, self._outbox[t], self._peer(t.destination), self.pp_group) for t in call.sends]
+        ops = [dist.P2POp(dist.isend, self._outbox[t][0], self._peer(t.destination), self.pp_group)
+               for t in call.sends]
         buffers = [torch.empty(tokens_of(t), 1, self.hidden, dtype=self.dtype, device=self.device)
                    for t in call.receives]
         ops += [dist.P2POp(dist.irecv, buffer, self._peer(t.source), self.pp_group)
@@ -296,58 +333,63 @@ class StageExecutor:
         posted = self.timeline.now() if self.timeline else 0.0
         requests = dist.batch_isend_irecv(ops)
         for transfer, request in zip(call.sends, requests):
-            self.pending.add(request, self._outbox.pop(transfer), transfer.unit, _label(transfer))
+            tensor, chunk = self._outbox.pop(transfer)
+            self.pending.add(request, tensor, transfer.unit, _label(transfer, self.pp_size), chunk)
         for transfer, buffer, request in zip(call.receives, buffers, requests[len(call.sends):]):
             self._inbox[transfer] = (buffer, request, posted)
 
-    def _received(self, transfer: Optional[p2p.Transfer]) -> Optional[Tensor]:
-        """Wait for a posted receive and hand its buffer to the consuming task."""
+    def _received(self, transfer: Optional[p2p.Transfer], chunk: int) -> Optional[Tensor]:
+        """Wait for a posted receive and hand its buffer to the consuming task (on `chunk`)."""
         if transfer is None:
             return None
         buffer, request, posted = self._inbox.pop(transfer)
         request.wait()
         if self.timeline:
-            self.timeline.record("RECV", transfer.unit, posted, self.timeline.now(), _label(transfer))
+            self.timeline.record("RECV", transfer.unit, posted, self.timeline.now(), _label(transfer, self.pp_size),
+                                 chunk)
         return buffer
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage)
+    def _peer(self, virtual_stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, virtual_stage % self.pp_size)
 
-    def _record(self, kind: str, unit: int, start: float, detail: str) -> None:
+    def _record(self, kind: str, unit: int, start: float, detail: str, chunk: int) -> None:
         if self.timeline:
-            self.timeline.record(kind, unit, start, self.timeline.now(), detail)
+            self.timeline.record(kind, unit, start, self.timeline.now(), detail, chunk)
 
     def _note_memory(self) -> None:
         if self.memory_record is not None:
             current = sum(self.live_bytes.values()) + self.store.nbytes()
             self.memory_record.peak_activation_bytes = max(self.memory_record.peak_activation_bytes, current)
 
-    def _metered_forward(self, mp: int, batch, leaf, detail: str) -> Tensor:
+    def _metered_forward(self, mp: int, chunk: int, batch, leaf, detail: str) -> Tensor:
         if self.meter is None:
-            return forward_step(self.inner, batch, input_tensor=leaf)
+            return forward_step(self.inners[chunk], batch, input_tensor=leaf)
         with self.meter:
-            output = forward_step(self.inner, batch, input_tensor=leaf)
-        self.live_bytes[mp] = self.meter.bytes
-        if not detail:  # per-MicroPack figures of the rank's own replica (fidelity)
-            self.memory_record.micropack_bytes[mp] = self.meter.bytes
+            output = forward_step(self.inners[chunk], batch, input_tensor=leaf)
+        self.live_bytes[(chunk, mp)] = self.meter.bytes
+        if not detail:  # per-MicroPack figures of the rank's own replica (fidelity), all chunks together
+            figures = self.memory_record.micropack_bytes
+            figures[mp] = figures.get(mp, 0) + self.meter.bytes
         self._note_memory()
         return output
 
     # ---- units -----------------------------------------------------------------------------
-    def _forward_unit(self, unit, members, sizes, batches, held: _HeldTensors, detail,
+    def _forward_unit(self, unit, chunk, members, sizes, batches, held: _HeldTensors, detail,
                       buffer: Optional[Tensor]) -> tuple[Optional[float], Optional[Tensor]]:
-        """Forward of one unit on its received activation `buffer` (None on the first stage);
-        returns (its loss sum on the last stage, the activation to send on the others)."""
+        """Forward of one unit on `chunk`, on its received activation `buffer` (None on the first
+        virtual stage); returns (its loss sum on the last virtual stage, the activation to send on
+        the others)."""
         leaves = [None] * len(members)
-        if not self.first:
+        if not self.is_input_chunk(chunk):
             leaves = split_into_leaves(buffer, sizes)
             if self.meter is not None:
                 self.meter.shared = {buffer.untyped_storage().data_ptr()}
         task_start = self.timeline.now() if self.timeline else 0.0
+        computes_loss = self.is_loss_chunk(chunk)
         sent, unit_loss = [], 0.0
         for mp, leaf in zip(members, leaves):
-            output = self._metered_forward(mp, batches[mp], leaf, detail)
-            if self.last:
+            output = self._metered_forward(mp, chunk, batches[mp], leaf, detail)
+            if computes_loss:
                 unit_loss += float(output.detach())
             else:
                 sent.append(output.detach())
@@ -355,14 +397,14 @@ class StageExecutor:
                 held.outputs[mp] = output
                 if leaf is not None:
                     held.inputs[mp] = leaf
-        if self.last:
-            self._record("F", unit, task_start, detail)
+        if computes_loss:
+            self._record("F", unit, task_start, detail, chunk)
             return unit_loss, None
         activation = torch.cat(sent).to(self.dtype).contiguous()
         del sent
         if self.deallocate and not self.forward_only:
             held.freed.update(mp for mp in members if _free_output(held.outputs[mp]))
-        self._record("F", unit, task_start, detail)
+        self._record("F", unit, task_start, detail, chunk)
         return None, activation
 
     def _loss_seed(self, like: Tensor) -> Tensor:
@@ -373,12 +415,12 @@ class StageExecutor:
             return seed
         return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor
 
-    def _backward_unit(self, unit, members, sizes, held: _HeldTensors, detail,
+    def _backward_unit(self, unit, chunk, members, sizes, held: _HeldTensors, detail,
                        buffer: Optional[Tensor]) -> Optional[Tensor]:
-        """Backward of one unit on its received output gradient `buffer` (None on the last
-        stage); returns the input gradient to send upstream (None on the first stage)."""
+        """Backward of one unit on `chunk`, on its received output gradient `buffer` (None on the
+        last virtual stage); returns the input gradient to send upstream (None on the first)."""
         grads: list = [None] * len(members)
-        if not self.last:
+        if not self.is_loss_chunk(chunk):
             grads = list(buffer.split(sizes, dim=0))
         task_start = self.timeline.now() if self.timeline else 0.0
         upstream = []
@@ -389,14 +431,14 @@ class StageExecutor:
                 grad = self._loss_seed(output)
             input_grad = _backward(output, grad, leaf, mp in held.freed)
             held.freed.discard(mp)
-            if not self.first:
+            if not self.is_input_chunk(chunk):
                 if input_grad is None:
                     input_grad = torch.zeros(size, 1, self.hidden, dtype=self.dtype, device=self.device)
                 upstream.append(input_grad)
         for mp in members:
-            self.live_bytes.pop(mp, None)
+            self.live_bytes.pop((chunk, mp), None)
         self._note_memory()
-        self._record("B", unit, task_start, detail)
-        if self.first:
+        self._record("B", unit, task_start, detail, chunk)
+        if self.is_input_chunk(chunk):
             return None
         return torch.cat(upstream).to(self.dtype).contiguous()

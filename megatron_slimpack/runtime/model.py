@@ -59,6 +59,29 @@ def build_gpt_model(
     )
 
 
+def build_stage_chunks(config: TransformerConfig, *, vpp: int = 1, **build_kwargs) -> list[SlimPackGPTModel]:
+    """This pipeline stage's model chunks, one per virtual stage it holds (interleaved 1F1B, as
+    `slimpack_forward_backward(model=chunks)` runs them). Chunk c is virtual stage c * pp + pp_rank
+    (pp: `config.pipeline_model_parallel_size`; pp_rank: megatron's `parallel_state`, which
+    megatron-core's layer offsets read too):
+    built with `vp_stage=c`, so megatron-core gives it its own layers, numbered globally (the KV
+    store keys K/V by layer number); the embedding only on the first virtual stage, the output
+    layer and loss only on the last. `build_kwargs`: as `build_gpt_model`. vpp=1: one chunk, the
+    stage's whole model."""
+    pp = config.pipeline_model_parallel_size
+    if vpp > 1 and config.virtual_pipeline_model_parallel_size != vpp:
+        raise ValueError(f"build_stage_chunks(vpp={vpp}) needs config.virtual_pipeline_model_parallel_size={vpp} "
+                         f"(megatron-core numbers the chunks' layers by it), not "
+                         f"{config.virtual_pipeline_model_parallel_size}")
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
+    return [build_gpt_model(config, pre_process=pp_rank == 0 and chunk == 0,
+                            post_process=pp_rank == pp - 1 and chunk == vpp - 1,
+                            vp_stage=chunk if vpp > 1 else None, **build_kwargs)
+            for chunk in range(vpp)]
+
+
 def tiny_config(
     *, num_layers: int = 2, hidden_size: int = 64, num_attention_heads: int = 4,
     num_query_groups: Optional[int] = None, ffn_hidden_size: Optional[int] = None, **overrides,

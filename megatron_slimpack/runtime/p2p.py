@@ -22,13 +22,25 @@ All ranks post one global order, so the earliest unfinished transfer always has 
 no deadlock, even when every send blocks. `check_deadlock_free` replays the programs under that
 strict model and raises `P2PDeadlock` naming where stages wait (a plan whose orders cannot run at
 all fails already in step 1).
+
+Virtual pipeline stages (`vpp` model chunks per rank, tasks `(kind, unit, chunk)`): chunk c of
+stage s is virtual stage v = c * pp + s, and transfers run between neighbouring *virtual* stages
+(the last stage's chunk c feeds stage 0's chunk c + 1; gradients go the other way). A transfer
+names its virtual stages, so each one is unique even though two ranks now exchange both kinds in
+both directions (with pp = 2, rank 0 sends rank 1 activations of chunk c and gradients of chunk
+c + 1). Nothing else changes: the program is still one global order, so the transfers between
+two ranks are posted in the same order at both ends and match without tags (gloo matches per
+peer in posting order; NCCL needs that anyway). Without virtual stages a virtual stage is the
+pipeline stage, and every transfer, program and message is what it was before virtual stages.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-Task = tuple  # ("F", unit) or ("B", unit)
+from ..plan import task_chunk
+
+Task = tuple  # ("F", unit) or ("B", unit); with virtual stages ("F", unit, chunk) / ("B", unit, chunk)
 
 
 class P2PDeadlock(RuntimeError):
@@ -37,8 +49,9 @@ class P2PDeadlock(RuntimeError):
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor between neighbouring stages: a forward unit's activation ("F", downstream) or a
-    backward unit's input gradient ("B", upstream)."""
+    """One tensor between neighbouring (virtual) stages: a forward unit's activation ("F",
+    downstream) or a backward unit's input gradient ("B", upstream). `source` and `destination`
+    are virtual stages (chunk * pp + stage; the pipeline stages without virtual stages)."""
 
     kind: str
     unit: int
@@ -56,23 +69,42 @@ class P2PCall:
     receives: tuple[Transfer, ...]
 
 
-def incoming(task: Task, stage: int, num_stages: int) -> Optional[Transfer]:
-    kind, unit = task
+def virtual_stage(task: Task, stage: int, num_stages: int) -> int:
+    """The virtual stage a task of `stage` runs on: its chunk * num_stages + stage."""
+    return task_chunk(task) * num_stages + stage
+
+
+def incoming(task: Task, stage: int, num_stages: int, vpp: int = 1) -> Optional[Transfer]:
+    """The tensor `task` (run by pipeline stage `stage` of `num_stages`) waits for, if any."""
+    kind, unit = task[0], task[1]
+    here = virtual_stage(task, stage, num_stages)
     if kind == "F":
-        return Transfer("F", unit, stage - 1, stage) if stage > 0 else None
-    return Transfer("B", unit, stage + 1, stage) if stage < num_stages - 1 else None
+        return Transfer("F", unit, here - 1, here) if here > 0 else None
+    return Transfer("B", unit, here + 1, here) if here < num_stages * vpp - 1 else None
 
 
-def outgoing(task: Task, stage: int, num_stages: int) -> Optional[Transfer]:
-    kind, unit = task
+def outgoing(task: Task, stage: int, num_stages: int, vpp: int = 1) -> Optional[Transfer]:
+    """The tensor `task` produces for a neighbouring virtual stage, if any."""
+    kind, unit = task[0], task[1]
+    here = virtual_stage(task, stage, num_stages)
     if kind == "F":
-        return Transfer("F", unit, stage, stage + 1) if stage < num_stages - 1 else None
-    return Transfer("B", unit, stage, stage - 1) if stage > 0 else None
+        return Transfer("F", unit, here, here + 1) if here < num_stages * vpp - 1 else None
+    return Transfer("B", unit, here, here - 1) if here > 0 else None
 
 
-def transfer_times(stage_tasks: Sequence[Sequence[Task]]) -> dict[Transfer, int]:
+def stage_name(virtual: int, num_stages: int, vpp: int = 1) -> str:
+    """How messages name a virtual stage: "stage s", or "stage s chunk c" with virtual stages."""
+    chunk, stage = divmod(virtual, num_stages)
+    return f"stage {stage} chunk {chunk}" if vpp > 1 else f"stage {stage}"
+
+
+def _task_name(task: Task) -> str:
+    return f"{task[0]}{task[1]}" + (f" chunk {task[2]}" if len(task) > 2 else "")
+
+
+def transfer_times(stage_tasks: Sequence[Sequence[Task]], vpp: int = 1) -> dict[Transfer, int]:
     """Each transfer's logical time: the clock when its consumer runs in a replay of all stages
-    with receives blocking (see the module docstring)."""
+    with receives blocking (see the module docstring). `vpp`: model chunks per stage."""
     num_stages = len(stage_tasks)
     produced: set[Transfer] = set()
     position, clock, times = [0] * num_stages, 0, {}
@@ -82,12 +114,12 @@ def transfer_times(stage_tasks: Sequence[Sequence[Task]]) -> dict[Transfer, int]
         for stage in range(num_stages):
             while position[stage] < len(stage_tasks[stage]):
                 task = stage_tasks[stage][position[stage]]
-                needed = incoming(task, stage, num_stages)
+                needed = incoming(task, stage, num_stages, vpp)
                 if needed is not None and needed not in produced:
                     break
                 if needed is not None:
                     times[needed] = clock
-                sent = outgoing(task, stage, num_stages)
+                sent = outgoing(task, stage, num_stages, vpp)
                 if sent is not None:
                     produced.add(sent)
                 clock += 1
@@ -95,25 +127,24 @@ def transfer_times(stage_tasks: Sequence[Sequence[Task]]) -> dict[Transfer, int]
                 progress = True
     stuck = [stage for stage in range(num_stages) if position[stage] < len(stage_tasks[stage])]
     if stuck:
-        waits = ", ".join(f"stage {s} waits at {stage_tasks[s][position[s]][0]}{stage_tasks[s][position[s]][1]}"
-                          for s in stuck)
+        waits = ", ".join(f"stage {s} waits at {_task_name(stage_tasks[s][position[s]])}" for s in stuck)
         raise P2PDeadlock(f"the plan's stage orders deadlock: {waits}")
     return times
 
 
 def stage_program(stage_tasks: Sequence[Sequence[Task]], stage: int,
-                  times: Optional[dict[Transfer, int]] = None) -> list[P2PCall]:
+                  times: Optional[dict[Transfer, int]] = None, vpp: int = 1) -> list[P2PCall]:
     """The calls `stage` posts for its task list (`stage_tasks`: every stage's, so that all
-    stages derive one global order)."""
+    stages derive one global order; `vpp`: model chunks per stage)."""
     num_stages = len(stage_tasks)
-    times = transfer_times(stage_tasks) if times is None else times
+    times = transfer_times(stage_tasks, vpp) if times is None else times
     tasks = stage_tasks[stage]
-    mine = sorted((t for t in (*(incoming(task, stage, num_stages) for task in tasks),
-                               *(outgoing(task, stage, num_stages) for task in tasks)) if t is not None),
+    mine = sorted((t for t in (*(incoming(task, stage, num_stages, vpp) for task in tasks),
+                               *(outgoing(task, stage, num_stages, vpp) for task in tasks)) if t is not None),
                   key=lambda t: times[t])
     calls, posted, produced = [], 0, set()
     for position, task in enumerate(tasks):
-        needed = incoming(task, stage, num_stages)
+        needed = incoming(task, stage, num_stages, vpp)
         # Through the receive this task needs (unless an earlier call posted it), then on while
         # the next transfers are sends already produced: they go out as early as the order allows.
         through = posted if needed is None or times[needed] < times[mine[posted]] else mine.index(needed, posted) + 1
@@ -121,29 +152,31 @@ def stage_program(stage_tasks: Sequence[Sequence[Task]], stage: int,
         while end < len(mine) and mine[end] in produced:
             end += 1
         if end > posted:
-            calls.append(_call(position, mine[posted:end], stage))
+            calls.append(_call(position, mine[posted:end], stage, num_stages))
             posted = end
-        produced.add(outgoing(task, stage, num_stages))
+        produced.add(outgoing(task, stage, num_stages, vpp))
     if posted < len(mine):
-        calls.append(_call(len(tasks), mine[posted:], stage))
+        calls.append(_call(len(tasks), mine[posted:], stage, num_stages))
     return calls
 
 
-def _call(before: int, transfers: Sequence[Transfer], stage: int) -> P2PCall:
-    return P2PCall(before, tuple(t for t in transfers if t.source == stage),
-                   tuple(t for t in transfers if t.destination == stage))
+def _call(before: int, transfers: Sequence[Transfer], stage: int, num_stages: int) -> P2PCall:
+    # A transfer never stays on one stage (virtual stages need pp > 1): it is a send or a receive.
+    return P2PCall(before, tuple(t for t in transfers if t.source % num_stages == stage),
+                   tuple(t for t in transfers if t.destination % num_stages == stage))
 
 
-def check_deadlock_free(stage_tasks: Sequence[Sequence[Task]]) -> None:
+def check_deadlock_free(stage_tasks: Sequence[Sequence[Task]], vpp: int = 1) -> None:
     """Raise P2PDeadlock if the stages' task lists, run with the programs `stage_program` writes,
     would wait on each other forever with every send blocking (see `find_deadlock`)."""
-    times = transfer_times(stage_tasks)
-    waits = find_deadlock([stage_program(stage_tasks, stage, times) for stage in range(len(stage_tasks))])
+    times = transfer_times(stage_tasks, vpp)
+    waits = find_deadlock([stage_program(stage_tasks, stage, times, vpp) for stage in range(len(stage_tasks))],
+                          vpp)
     if waits:
         raise P2PDeadlock(f"the stage orders' point-to-point transfers deadlock: {waits}")
 
 
-def find_deadlock(programs: Sequence[Sequence[P2PCall]]) -> str:
+def find_deadlock(programs: Sequence[Sequence[P2PCall]], vpp: int = 1) -> str:
     """Replay the stages' programs with blocking calls (a call completes once the peers have posted
     every one of its transfers); '' if all finish, else where each stuck stage waits."""
     position = [0] * len(programs)
@@ -171,10 +204,11 @@ def find_deadlock(programs: Sequence[Sequence[P2PCall]]) -> str:
                 post(stage)
                 progress = True
     stuck = [stage for stage, program in enumerate(programs) if position[stage] < len(program)]
-    return "; ".join(f"stage {s} waits in {_describe(programs[s][position[s]])}" for s in stuck)
+    return "; ".join(f"stage {s} waits in {_describe(programs[s][position[s]], len(programs), vpp)}"
+                     for s in stuck)
 
 
-def _describe(call: P2PCall) -> str:
-    parts = [f"send {t.kind}{t.unit} to stage {t.destination}" for t in call.sends]
-    parts += [f"receive {t.kind}{t.unit} from stage {t.source}" for t in call.receives]
+def _describe(call: P2PCall, num_stages: int, vpp: int) -> str:
+    parts = [f"send {t.kind}{t.unit} to {stage_name(t.destination, num_stages, vpp)}" for t in call.sends]
+    parts += [f"receive {t.kind}{t.unit} from {stage_name(t.source, num_stages, vpp)}" for t in call.receives]
     return " + ".join(parts)

@@ -19,6 +19,14 @@ Each pipeline stage (one process holding a megatron-core GPTModel chunk built wi
 timeline); a single stage and a single replica is just pp=1. The result is the list of its
 `UnitReport`s (Megatron-style), with the step's loss on the last stage.
 
+Virtual pipeline stages (interleaved 1F1B, `plan.parallel.vpp` > 1): `model` is the list of the
+rank's vpp model chunks, as Megatron's trainer passes it; chunk c of stage s is virtual stage
+c * pp + s, built with `vp_stage=c` and `config.virtual_pipeline_model_parallel_size=vpp` (its
+layers numbered globally), `pre_process` only on stage 0's chunk 0 and `post_process` only on
+the last stage's last chunk (`runtime.model.build_stage_chunks` builds them so). The plan's tasks
+`(kind, unit, chunk)` name the chunk each runs on; the schedule checks the chunks against the
+plan before anything runs.
+
 DP-Merge groups (design.md section 3): a rank first runs the merge groups it belongs to, each
 exactly like a replica plan on this stage (its stage order, p2p to the member's own neighbour
 stages) but on the member's share of every MicroPack, with K/V gathered over the stage's merge
@@ -32,12 +40,16 @@ Gradient synchronisation is owned here and only here (Megatron's DDP protocol, a
 after the last backward `grad_sync_func` (if set) is called with the parameters and
 `finalize_model_grads_func([model], None)` once per step (num_tokens is None: the loss is already
 divided by the global batch's loss-token count, so DDP must *sum*: build the config with
-`calculate_per_token_loss=True` before wrapping, which the schedule checks). Megatron DDP
+`calculate_per_token_loss=True` before wrapping, which the schedule checks). With several model
+chunks the protocol is `forward_backward_pipelining_with_interleaving`'s: `no_sync_func` and
+`grad_sync_func` may be lists (one per chunk); no_sync wraps every backward but each chunk's last
+one (re-entered after it), `grad_sync_func[c]` runs right after chunk c's last backward, and
+`finalize_model_grads_func(chunks, None)` once with all chunks. Megatron DDP
 (0.16.1) runs on CPU with gloo under `compat.apply()` (overlap_grad_reduce=False tested).
-Fallback without a finalize function: a Megatron DDP model gets `finish_grad_sync()`, a plain
+Fallback without a finalize function: a Megatron DDP chunk gets `finish_grad_sync()`, a plain
 module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group, and the
 gradients that are partial per TP rank (sequence-parallel norms, q/k norms) are summed over the
-TP group, as `finalize_model_grads` does (`reduce_grads=False` skips both).
+TP group, as `finalize_model_grads` does (`reduce_grads=False` skips both); every chunk alike.
 
 Tensor parallelism runs with or without sequence parallelism. Without it each TP rank exchanges
 the full activation with its peer in the pipeline group; with it (`config.sequence_parallel`)
@@ -65,10 +77,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed
+from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed, task_chunk, tasks_of_chunk
 from . import p2p
 from .batch import TokenSource, build_batch
-from .executor import StageExecutor, global_loss_tokens, megatron_config
+from .executor import StageExecutor, global_loss_tokens, inner_module, megatron_config
 from .kv_store import KVStore
 from .merge import member_batches
 
@@ -141,30 +153,44 @@ class ScheduleResult(list):
 
 
 # ---- checks --------------------------------------------------------------------------------
-def check_stage_orders(replica: ReplicaPlan) -> None:
+def check_stage_orders(replica: ReplicaPlan, vpp: int = 1) -> None:
     """Raise ScheduleError if the stages' task lists deadlock: a task waits for the tensor it
     receives, and (as on NCCL) a send completes only once its receive is posted, with the
     transfers grouped as the executor posts them (p2p.py). Also checks what `Plan.validate`
-    checks per stage (each unit once, in sequence order, backward after the forwards it needs)."""
+    checks per stage and model chunk (each unit once, in sequence order, backward after the
+    forwards it needs). `vpp`: model chunks per stage (tasks are (kind, unit, chunk) when > 1)."""
     orders = replica.stage_orders
     needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
     expected = sorted([("F", u) for u in range(len(replica.forward_units))]
                       + [("B", v) for v in range(len(replica.backward_units))])
     for stage, order in enumerate(orders):
-        if sorted(order) != expected:
-            raise ScheduleError(f"stage {stage} must run each forward and backward unit exactly once")
-        done_forward = -1
-        for kind, unit in order:
-            if kind == "F":
-                if unit != done_forward + 1:
-                    raise ScheduleError(f"stage {stage} runs forward unit {unit} out of order")
-                done_forward = unit
-            elif needs[unit] > done_forward:
-                raise ScheduleError(f"stage {stage} runs backward unit {unit} before the forwards it needs")
+        if any(len(task) != (3 if vpp > 1 else 2) or not 0 <= task_chunk(task) < vpp for task in order):
+            raise ScheduleError(f"stage {stage} tasks must be " + (
+                f"(kind, unit, chunk) with chunk in 0..{vpp - 1} (vpp={vpp})" if vpp > 1
+                else "(kind, unit): the plan has no virtual stages"))
+        for chunk in range(vpp):
+            where = f"stage {stage}" + (f" chunk {chunk}" if vpp > 1 else "")
+            _check_chunk_order(tasks_of_chunk(order, chunk), expected, needs, where)
     try:
-        p2p.check_deadlock_free(orders)
+        p2p.check_deadlock_free(orders, vpp)
     except p2p.P2PDeadlock as error:
         raise ScheduleError(str(error)) from None
+
+
+def _check_chunk_order(order: list[tuple[str, int]], expected: list[tuple[str, int]], needs: list[int],
+                       where: str) -> None:
+    """One model chunk's tasks on one stage: each unit once, forwards in order, backward after the
+    forwards it needs."""
+    if sorted(order) != expected:
+        raise ScheduleError(f"{where} must run each forward and backward unit exactly once")
+    done_forward = -1
+    for kind, unit in order:
+        if kind == "F":
+            if unit != done_forward + 1:
+                raise ScheduleError(f"{where} runs forward unit {unit} out of order")
+            done_forward = unit
+        elif needs[unit] > done_forward:
+            raise ScheduleError(f"{where} runs backward unit {unit} before the forwards it needs")
 
 
 def check_same_plan(plan: Plan, group=None) -> None:
@@ -195,13 +221,52 @@ def _pick_replicas(plan: Plan, dp_rank: int) -> tuple[list[ReplicaPlan], Replica
     return merged, own[0]
 
 
-def _check_model(model, config, groups: ScheduleGroups, forward_only: bool) -> None:
-    if (_is_megatron_ddp(model) and groups.dp_size > 1 and not getattr(config, "calculate_per_token_loss", False)
-            and not forward_only):
+def _model_chunks(model, vpp: int) -> list:
+    """The rank's model chunks as a list: one per virtual stage it holds (`plan.parallel.vpp`)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != vpp:
+        raise ScheduleError(
+            f"the plan has {vpp} model chunk(s) per pipeline stage (vpp={vpp}) but model= has {len(chunks)}: "
+            + ("pass the list of this rank's model chunks, chunk c built with vp_stage=c "
+               "(runtime.model.build_stage_chunks)" if vpp > 1 else "plan with vpp equal to the number of chunks"))
+    return chunks
+
+
+def _check_model(chunks: list, config, groups: ScheduleGroups, forward_only: bool) -> None:
+    if (any(_is_megatron_ddp(chunk) for chunk in chunks) and groups.dp_size > 1
+            and not getattr(config, "calculate_per_token_loss", False) and not forward_only):
         raise ScheduleError(
             "with Megatron DDP the schedule needs config.calculate_per_token_loss=True before the model is "
             "wrapped: the loss is already divided by the global batch's token count, so DDP must sum (not "
             "average) gradients over data-parallel ranks")
+    if len(chunks) > 1:
+        _check_virtual_stages(chunks, groups)
+
+
+def _check_virtual_stages(chunks: list, groups: ScheduleGroups) -> None:
+    """Chunk c of stage s must be virtual stage c * pp + s: embedding only on the first, loss only
+    on the last, and layers numbered globally (the KV store keys K/V by layer number, so two chunks
+    with the same numbers would read each other's K/V)."""
+    from .attention import SlicedAttentionMixin
+
+    owner: dict[int, int] = {}
+    for index, chunk in enumerate(chunks):
+        inner = inner_module(chunk)
+        needed = (groups.pp_rank == 0 and index == 0, groups.pp_rank == groups.pp_size - 1 and index == len(chunks) - 1)
+        built = (getattr(inner, "pre_process", needed[0]), getattr(inner, "post_process", needed[1]))
+        if built != needed:
+            raise ScheduleError(
+                f"model chunk {index} of pipeline stage {groups.pp_rank} is built with pre_process={built[0]}, "
+                f"post_process={built[1]}; as virtual stage {index * groups.pp_size + groups.pp_rank} it needs "
+                f"pre_process={needed[0]}, post_process={needed[1]}")
+        for module in inner.modules():
+            if isinstance(module, SlicedAttentionMixin):
+                if owner.setdefault(module.layer_number, index) != index:
+                    raise ScheduleError(
+                        f"model chunks {owner[module.layer_number]} and {index} both hold layer "
+                        f"{module.layer_number}: build chunk c with vp_stage=c and "
+                        f"config.virtual_pipeline_model_parallel_size={len(chunks)}, so that layers are "
+                        "numbered globally (runtime.model.build_stage_chunks)")
 
 
 def _check_replicas(plan: Plan, replicas: list[ReplicaPlan], groups: ScheduleGroups, check_plan: bool) -> None:
@@ -216,7 +281,7 @@ def _check_replicas(plan: Plan, replicas: list[ReplicaPlan], groups: ScheduleGro
     if check_plan:
         check_same_plan(plan, groups.check_group)
         for replica in replicas:
-            check_stage_orders(replica)
+            check_stage_orders(replica, plan.parallel.vpp)
 
 
 # ---- gradient synchronisation (the one owner) ----------------------------------------------
@@ -240,11 +305,11 @@ def _all_reduce_sum(grads: list[Tensor], group) -> None:
             grad.copy_(reduced)
 
 
-def _reduce_grads(model, group) -> None:
-    """Sum parameter gradients over the data-parallel group."""
+def _reduce_grads(chunks: list, group) -> None:
+    """Sum the chunks' parameter gradients over the data-parallel group."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -266,27 +331,48 @@ def _tp_partial_grads(model, config) -> list[Tensor]:
     return grads
 
 
-def _reduce_tp_partial_grads(model, config, tp_group) -> None:
+def _reduce_tp_partial_grads(chunks: list, config, tp_group) -> None:
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        _all_reduce_sum(_tp_partial_grads(model, config), tp_group)
+        _all_reduce_sum([grad for chunk in chunks for grad in _tp_partial_grads(chunk, config)], tp_group)
+
+
+def _per_chunk(func, count: int) -> Optional[list]:
+    """Megatron's config hooks may be one function or a list with one per model chunk."""
+    if func is None or isinstance(func, (list, tuple)):
+        return func
+    return [func] * count
+
+
+def _entered_all(funcs: list):
+    """One context that enters every chunk's no_sync (Megatron's `multi_no_sync`)."""
+    stack = contextlib.ExitStack()
+    for func in funcs:
+        stack.enter_context(func())
+    return stack
 
 
 class _GradientSync:
-    """Megatron's DDP protocol, as `forward_backward_pipelining_without_interleaving`: gradient
-    sync is disabled (no_sync) around every backward but this stage's last one; then
-    grad_sync_func (if any) and finalize_model_grads_func once per step."""
+    """Megatron's DDP protocol: gradient sync is disabled (no_sync) around every backward but the
+    last one of each model chunk, grad_sync_func runs once per chunk, and finalize_model_grads_func
+    once per step with every chunk. One chunk follows
+    `forward_backward_pipelining_without_interleaving`; several follow
+    `forward_backward_pipelining_with_interleaving` (see the module docstring)."""
 
-    def __init__(self, model, config, *, first_stage: bool, groups: ScheduleGroups, reduce_grads: bool,
+    def __init__(self, chunks: list, config, *, first_stage: bool, groups: ScheduleGroups, reduce_grads: bool,
                  megatron_kwargs: dict):
-        self.model, self.config, self.first_stage, self.reduce_grads = model, config, first_stage, reduce_grads
+        self.chunks, self.config, self.first_stage, self.reduce_grads = chunks, config, first_stage, reduce_grads
+        self.interleaved = len(chunks) > 1
         self.dp_group, self.tp_group = groups.dp_group, groups.tp_group
-        self.no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
-        self.grad_sync_func = getattr(config, "grad_sync_func", None)
+        no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+        self.no_sync_func = (no_sync_func if not isinstance(no_sync_func, (list, tuple))
+                             else lambda: _entered_all(no_sync_func))
+        self.grad_sync_funcs = _per_chunk(getattr(config, "grad_sync_func", None), len(chunks))
         self.finalize_func = getattr(config, "finalize_model_grads_func", None)
         # Megatron's train_step passes force_all_reduce (0.16+): forwarded as given.
         self.finalize_kwargs = ({"force_all_reduce": megatron_kwargs["force_all_reduce"]}
                                 if "force_all_reduce" in megatron_kwargs else {})
         self.no_sync_context = None
+        self.synchronized: set[int] = set()  # chunks whose gradient sync has been launched
 
     def disable(self) -> None:
         if self.no_sync_context is None:
@@ -298,27 +384,44 @@ class _GradientSync:
             self.no_sync_context.__exit__(None, None, None)
             self.no_sync_context = None
 
-    def before_last_backward(self) -> None:
-        if self.grad_sync_func is None or self.first_stage:
+    def before_last_backward(self, chunk: int) -> None:
+        """Before chunk's last backward: let DDP's hooks launch its reduction during it (both of
+        Megatron's schedules without grad_sync_func; the plain one also on the first stage)."""
+        if self.grad_sync_funcs is None or (self.first_stage and not self.interleaved):
             self.enable()
+            self.synchronized.add(chunk)
+
+    def after_last_backward(self, chunk: int) -> None:
+        """After chunk's last backward (interleaved only): launch its sync with grad_sync_func, and
+        disable sync again for the other chunks' backwards still to come."""
+        if not self.interleaved:
+            return  # the plain schedule syncs in finish(): nothing runs after its last backward
+        if self.grad_sync_funcs is not None:
+            self.enable()
+            self.grad_sync_funcs[chunk](self.chunks[chunk].parameters())
+            self.synchronized.add(chunk)
+        self.disable()
 
     def finish(self) -> bool:
         """After the step's last backward; returns whether gradients were reduced."""
-        if self.no_sync_context is not None:
-            self.enable()
-            if self.grad_sync_func is not None:
-                self.grad_sync_func(self.model.parameters())
+        self.enable()
+        for chunk, model in enumerate(self.chunks):
+            if self.grad_sync_funcs is not None and chunk not in self.synchronized:
+                self.grad_sync_funcs[chunk](model.parameters())
         if self.finalize_func is not None:
             # The loss was divided by the global loss-token count already: no num_tokens scaling.
-            self.finalize_func([self.model], None, **self.finalize_kwargs)
+            self.finalize_func(self.chunks, None, **self.finalize_kwargs)
             return True
         if not self.reduce_grads:
             return False
-        if _is_megatron_ddp(self.model):
-            self.model.finish_grad_sync()
-        else:
-            _reduce_grads(self.model, self.dp_group)
-        _reduce_tp_partial_grads(self.model, self.config, self.tp_group)
+        plain = []
+        for model in self.chunks:
+            if _is_megatron_ddp(model):
+                model.finish_grad_sync()
+            else:
+                plain.append(model)
+        _reduce_grads(plain, self.dp_group)
+        _reduce_tp_partial_grads(self.chunks, self.config, self.tp_group)
         return _group_size(self.dp_group) > 1 or _group_size(self.tp_group) > 1
 
 
@@ -384,30 +487,28 @@ def slimpack_forward_backward(
 ) -> ScheduleResult:
     """Run this rank's stage of its replica plans for one global-batch step (see module doc).
 
-    Gradients accumulate into the chunk's parameters' `.grad` (or Megatron DDP's `main_grad`);
-    zero them before the step, as with Megatron's schedules. `groups`: default
+    `model`: this rank's model chunk, or the list of its chunks (one per virtual stage it holds:
+    `plan.parallel.vpp`). Gradients accumulate into the chunks' parameters' `.grad` (or Megatron
+    DDP's `main_grad`); zero them before the step, as with Megatron's schedules. `groups`: default
     `ScheduleGroups.from_parallel_state()`. `timeline`: True or a `runtime.timing.Timeline` to record every
     task's start and end (returned as `result.timeline`). `kv_store`: default a fresh one.
     """
     moved = sorted(set(kwargs) & set(_MOVED_INTO_GROUPS))
     if moved:
         raise TypeError(f"slimpack_forward_backward: {', '.join(moved)} moved into groups=ScheduleGroups(...)")
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise NotImplementedError("virtual pipeline stages (several model chunks) are not supported")
-        model = model[0]
+    chunks = _model_chunks(model, plan.parallel.vpp)
     groups = groups if groups is not None else ScheduleGroups.from_parallel_state()
-    config = megatron_config(model)
-    _check_model(model, config, groups, forward_only)
+    config = megatron_config(chunks[0])
+    _check_model(chunks, config, groups, forward_only)
     merged, own = _pick_replicas(plan, groups.dp_rank)
     _check_replicas(plan, merged + [own], groups, check_plan)
 
     timeline, memory_record = _start_timeline(timeline, groups)
     store = kv_store if kv_store is not None else KVStore()
-    executor = StageExecutor(model, num_loss_tokens=global_loss_tokens(plan), store=store, pp_group=groups.pp_group,
+    executor = StageExecutor(chunks, num_loss_tokens=global_loss_tokens(plan), store=store, pp_group=groups.pp_group,
                              pp_rank=groups.pp_rank, pp_size=groups.pp_size, forward_only=forward_only,
                              timeline=timeline, memory_record=memory_record)
-    sync = _GradientSync(model, config, first_stage=executor.first, groups=groups,
+    sync = _GradientSync(chunks, config, first_stage=executor.first, groups=groups,
                          reduce_grads=reduce_grads, megatron_kwargs=kwargs)
     result = ScheduleResult()
     result.num_loss_tokens = executor.num_loss_tokens
@@ -422,7 +523,7 @@ def slimpack_forward_backward(
                 replica, _batches(replica, token_source, store, groups, executor.device, executor.sequence_shards),
                 replica_index=position_of[id(replica)],
                 detail=f"merge group {list(replica.dp_ranks)}" if replica.is_merge_group else "",
-                before_last_backward=None if replica.is_merge_group else sync.before_last_backward)
+                grad_sync=None if replica.is_merge_group or forward_only else sync)
             loss_sum += sum(r.loss_sum for r in reports if r.loss_sum is not None)
             result += reports
         executor.pending.wait_all()

@@ -7,7 +7,9 @@ match the simulator's `TaskRecord` (rank, stage, replica, kind, unit, start, end
 `simulator.report.write_chrome_trace` / `write_gantt` draw measured and simulated steps alike:
 
 * kind "F" / "B": compute of a forward / backward unit on a stage (after its input arrived, up to
-  posting its output send). `rank` is the data-parallel rank, `stage` the pipeline stage.
+  posting its output send). `rank` is the data-parallel rank, `stage` the pipeline stage, `chunk`
+  the model chunk (virtual pipeline stages; 0 without; for RECV the receiving chunk, for P2P the
+  sending one).
 * kind "RECV": time blocked in a receive (`detail` "F 0->1": activation of forward unit `unit`
   sent by stage 0 to stage 1; "B 1->0": gradient of backward unit `unit`).
 * kind "P2P": a non-blocking send from posting to observed completion (completion is polled at
@@ -117,9 +119,9 @@ class Timeline:
     def now(self) -> float:
         return time.perf_counter() - self.origin
 
-    def record(self, kind: str, unit: int, start: float, end: float, detail: str = "") -> None:
+    def record(self, kind: str, unit: int, start: float, end: float, detail: str = "", chunk: int = 0) -> None:
         self.records.append(TimedTask(self.rank, self.stage, self.replica, kind, unit, start, end, detail,
-                                      self.tp_rank))
+                                      chunk=chunk, tp_rank=self.tp_rank))
 
     def gather(self) -> None:
         """Collect all ranks' records (and memory) on the group's first rank."""

@@ -305,9 +305,11 @@ def chrome_trace(records: Iterable[Any], metadata: Mapping[str, Any] | None = No
         start, end = float(_get(record, "start")), float(_get(record, "end"))
         unit = _get(record, "unit")
         name = _get(record, "name") or (f"{kind}{unit}" if unit is not None and unit >= 0 else kind)
+        if _get(record, "chunk"):  # virtual pipeline stages: which model chunk ran it
+            name += f" c{_get(record, 'chunk')}"
         tid = stage if kind in COMPUTE_KINDS else COMM_TID_OFFSET + stage
         threads.add((rank, tid, f"stage {stage}" if tid == stage else f"stage {stage} comm"))
-        args = {k: _get(record, k) for k in ("unit", "replica", "detail") if _get(record, k) not in (None, "")}
+        args = {k: _get(record, k) for k in ("unit", "replica", "detail", "chunk") if _get(record, k) not in (None, "")}
         events.append({"name": name, "cat": kind, "ph": "X", "ts": start * time_scale,
                        "dur": max(0.0, end - start) * time_scale, "pid": rank, "tid": tid, "args": args})
     names = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
