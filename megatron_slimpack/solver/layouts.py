@@ -23,7 +23,10 @@ Search, cheapest checks first:
    than the batch, are screened without the bound). Recompute modes cascade: selective is tried
    only where none does not fit, full only where selective does not, since recompute only adds
    time (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
-   more memory can buy larger MicroPacks).
+   more memory can buy larger MicroPacks). Virtual stages cascade too: vpp > 1 is tried only where
+   the same layout with vpp = 1 fits and its simulated busy time per device (`work_bound_s`) is
+   below the best screened time, since interleaving removes only pipeline idle time (and adds p2p
+   and in-flight memory).
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
@@ -53,7 +56,7 @@ from .work import causal_pairs
 class Rejection:
     """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner (the
     strategy raised DoesNotFit), simulated-memory, simulation, invalid (infeasible) or bound,
-    recompute-cascade (not evaluated, because they could not win)."""
+    recompute-cascade, interleave-cascade (not evaluated, because they could not win)."""
 
     parallel: ParallelConfig
     kind: str
@@ -61,7 +64,7 @@ class Rejection:
 
     @property
     def infeasible(self) -> bool:
-        return self.kind not in ("bound", "recompute-cascade")
+        return self.kind not in NOT_EVALUATED
 
     def __str__(self) -> str:
         return f"{self.parallel.describe()}: {self.reason}"
@@ -147,6 +150,10 @@ class LayoutResult:
             "search_time_s": self.search_time_s,
             "candidates": self.candidates,
         }
+
+
+# Rejections of layouts that were not evaluated because they could not win (not infeasible).
+NOT_EVALUATED = ("bound", "recompute-cascade", "interleave-cascade")
 
 
 class NoFeasibleLayout(PlanError):
@@ -467,9 +474,11 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
-    # Bound order; recompute only adds time, so within a shape the lighter modes come first.
-    ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute]))
+    # Bound order; recompute only adds time, so within a shape the lighter modes come first, and
+    # plain 1F1B comes before its interleaved variants (same bound).
+    ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute], run.parallel.vpp))
     fitted: set[tuple[int, ...]] = set()  # shapes where a lighter recompute mode fits
+    plain: dict[ParallelConfig, float] = {}  # vpp = 1 layouts that fit -> their simulated busy time
     best = math.inf
     feasible: list[_Run] = []
     for run in ordered:
@@ -478,6 +487,10 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
             rejected.append(Rejection(run.parallel, "recompute-cascade",
                                       "not evaluated: a lighter recompute mode fits this layout, and recompute "
                                       "only adds time"))
+            continue
+        why_not = _interleave_cascade(run.parallel, plain, best)
+        if why_not:
+            rejected.append(Rejection(run.parallel, "interleave-cascade", why_not))
             continue
         if bounded and bounds[id(run)] >= best:
             rejected.append(Rejection(run.parallel, "bound",
@@ -492,7 +505,23 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
         fitted.add(shape)
         feasible.append(run)
         best = min(best, run.reports[0].iteration_time_s)
+        if run.parallel.vpp == 1:
+            plain[run.parallel] = run.reports[0].work_bound_s
     return feasible
+
+
+def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, float], best: float) -> str | None:
+    """Why an interleaved layout is not worth evaluating (None: evaluate it): its plain 1F1B twin
+    did not fit, or already spends more time busy than the best screened layout takes in all."""
+    if parallel.vpp == 1:
+        return None
+    twin = parallel.with_(vpp=1)
+    if twin not in plain:
+        return f"not evaluated: {twin.describe()} does not fit (or was not evaluated), and interleaving holds more"
+    if plain[twin] >= best:
+        return (f"not evaluated: {twin.describe()} is busy {plain[twin]:.3f} s per device, above the best first-batch "
+                f"time {best:.3f} s, and interleaving removes only idle time")
+    return None
 
 
 def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> str:

@@ -49,16 +49,20 @@ def plan_slimpack(
     return with_input_sources(plan, sources, len(lengths))
 
 
+# The SlimPack runtime runs virtual pipeline stages (runtime/schedule.py): its layouts include vpp.
+INTERLEAVED = LayoutConstraints(vpp=None, reason="the SlimPack schedule runs any vpp dividing the layers per stage")
+
+
 @register("slimpack", role="method", trainable=True,
           description="SlimPack: cost-balanced slices, asymmetric units, DP-Merge",
-          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True)
+          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True, constraints=INTERLEAVED)
 def _slimpack(lengths, parallel, cost, config, *, sources=None):
     return plan_slimpack(lengths, parallel, cost, config, sources=sources)
 
 
 @register("slimpack-sym", role="ablation", trainable=True,
           description="SlimPack with symmetric units (same grouping for forward and backward)",
-          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True)
+          minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True, constraints=INTERLEAVED)
 def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
     return plan_slimpack(lengths, parallel, cost, config, symmetric=True, sources=sources)
 
@@ -69,7 +73,7 @@ def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
 @register("slimpack-nomerge", role="ablation", trainable=True, description="SlimPack without DP-Merge",
           minimum_in_flight="document", sizes_to_memory=True,
           constraints=LayoutConstraints(
-              cp=(1,), reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either"))
+              cp=(1,), vpp=None, reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either"))
 def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
     return plan_slimpack(lengths, parallel, cost, config, dp_merge=False, sources=sources)
 
