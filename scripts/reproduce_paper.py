@@ -95,8 +95,8 @@ class Layout:
         for token in text.split():
             match = LAYOUT_TOKEN.fullmatch(token)
             if not match:
-                raise ValueError(f"layout {text!r}: unknown part {token!r} (expected tpN ppN [vppN] cpN dpN [rc-MODE]); "
-                                 "teach scripts/reproduce_paper.py's Layout.parse the new part")
+                raise ValueError(f"layout {text!r}: unknown part {token!r} (expected tpN ppN [vppN] cpN dpN "
+                                 "[rc-MODE]); teach scripts/reproduce_paper.py's Layout.parse the new part")
             key, number, mode = match.groups()
             if mode:
                 values["recompute"] = mode

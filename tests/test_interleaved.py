@@ -9,9 +9,9 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
 from megatron_slimpack.simulator import simulate
+from megatron_slimpack.solver import orders as orders_module
 from megatron_slimpack.solver.baselines import schedule_1f1b
 from megatron_slimpack.solver.layouts import enumerate_layouts
-from megatron_slimpack.solver import orders as orders_module
 from megatron_slimpack.solver.orders import interleaved_orders
 from megatron_slimpack.specs import ParallelConfig, SpecError
 from test_simulator import FixedCost, build_replica, random_micropacks

@@ -435,7 +435,8 @@ class _Graph:
             limit = {"F": rc.num_forward, "B": rc.num_backward}.get(kind)
             if limit is None or not 0 <= unit < limit or not 0 <= task_chunk(task) < self.vpp:
                 chunk = f" on chunk {task_chunk(task)}" if self.vpp > 1 or len(task) > 2 else ""
-                raise SimulationError(f"replica plan {index} stage {stage} order names unknown task {kind}{unit}{chunk}")
+                raise SimulationError(
+                    f"replica plan {index} stage {stage} order names unknown task {kind}{unit}{chunk}")
         chunks = f" on each of its {self.vpp} chunks" if self.vpp > 1 else ""
         raise SimulationError(
             f"replica plan {index} stage {stage} order must run each of its {rc.num_forward} forward and "
