@@ -7,6 +7,12 @@ are made as in test_schedule.py / test_dp_merge.py and given Megatron's interlea
 (conftest.with_virtual_stages). The reference is one stock megatron-core GPTModel running every
 document whole in the test process; each worker compares its chunks' gradients with the matching
 layers of it.
+
+The same worker runs with options: TP=2 with sequence parallelism (every chunk's weights the
+matching TP shard of the reference's, MicroPacks padded to even row counts, the schedule's
+fallback summing the norms' partial gradients over TP for every chunk), and activation recompute
+(selective and full, megatron-core's CheckpointFunction re-running each chunk's forward in
+backward, with its CUDA RNG-state calls pointed at the CPU generator).
 """
 import random
 
@@ -14,11 +20,16 @@ import pytest
 import torch
 
 from conftest import init_megatron, run_multiprocess, save_whole_document_reference, with_virtual_stages
+from test_schedule import _shard
 
 VOCAB = 64
 HIDDEN = 32
 PP, VPP = 2, 2
 LAYERS = 4  # one per virtual stage
+
+
+RECOMPUTE = {"selective": dict(recompute_granularity="selective"),
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
 
 
 def _config(**overrides):
@@ -88,6 +99,24 @@ def _global_name(name: str, stage: int, chunk: int) -> str:
 
 
 # ---- the worker ---------------------------------------------------------------------------------
+def _cpu_checkpointing() -> list:
+    """megatron-core's CheckpointFunction (activation recompute) saves and restores the CUDA RNG
+    state, which raises on a CPU-only torch (compat.apply() does not cover it; the real trainer's
+    tests/real_megatron/cpu_shim.py does the same). Point both at the CPU generator; returns the
+    list that the state reads are counted in (one per checkpointed forward, one per re-run)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    reads = []
+
+    def get_state(*args, **kwargs):
+        reads.append(1)
+        return torch.get_rng_state()
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    return reads
+
+
 class _SyncLog:
     """Megatron DDP hooks with a log: when each chunk's no_sync is entered and left, grad_sync_func
     and finalize calls, on the step's timeline clock."""
@@ -154,19 +183,35 @@ def _worker(rank, world_size, port, path, case, seed, options):
     from megatron_slimpack.runtime.schedule import ScheduleError
     from megatron_slimpack.runtime.timing import Timeline
 
-    init_megatron(rank, world_size, pp=PP, port=port)
+    tp = options.get("tp", 1)
+    init_megatron(rank, world_size, tp=tp, pp=PP, port=port)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     plan, documents = make_case(case, seed)
     saved = torch.load(path)
     ddp = options.get("ddp", False)
+    extra = dict(RECOMPUTE.get(options.get("recompute"), {}))
+    if tp > 1:
+        extra.update(tensor_model_parallel_size=tp, sequence_parallel=bool(options.get("sp")))
     config = _config(pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=VPP,
                      pipeline_dtype=torch.float32, calculate_per_token_loss=ddp,
-                     deallocate_pipeline_outputs=options.get("deallocate", False))
+                     deallocate_pipeline_outputs=options.get("deallocate", False), **extra)
     build = dict(vocab_size=VOCAB, max_sequence_length=64, backend="torch")
     chunks = build_stage_chunks(config, vpp=VPP, **build)
+
+    def shard(name, full, param):  # this TP rank's shard of a reference tensor (itself without TP)
+        return _shard(name, full, param, tp, tp_rank)
+
     for chunk, model in enumerate(chunks):
-        model.load_state_dict({k: saved["state"][_global_name(k, stage, chunk)] for k in model.state_dict()})
+        params = dict(model.named_parameters())
+        model.load_state_dict({k: shard(k, saved["state"][_global_name(k, stage, chunk)], params.get(k))
+                               for k in model.state_dict()})
+    reads = _cpu_checkpointing() if options.get("recompute") else None
+    if options.get("recompute") == "selective":  # core attention checkpointed in every chunk's layers
+        assert all(layer.self_attention.checkpoint_core_attention for m in chunks for layer in m.decoder.layers)
+    if options.get("sp"):  # the norms' weights are partial per TP rank, in every chunk
+        assert all(any(getattr(p, "sequence_parallel", False) for p in m.parameters()) for m in chunks)
     merge = merge_groups(plan, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
     groups = ScheduleGroups.from_parallel_state(merge_groups=merge)
     source = InMemoryTokenSource(documents)
@@ -183,7 +228,10 @@ def _worker(rank, world_size, port, path, case, seed, options):
 
     # Plain chunks: the schedule's own fallback sums every chunk's .grad over data parallelism.
     result = slimpack_forward_backward(model=chunks, plan=plan, token_source=source, groups=groups, timeline=True)
-    _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad=False)
+    _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad=False, shard=shard)
+    if reads is not None:  # each MicroPack checkpointed once in each of the rank's layers, and re-run once
+        micropacks = sum(len(r.micropacks) for r in plan.replicas_of_rank(dp_rank))
+        assert len(reads) == 2 * micropacks * LAYERS // PP, (len(reads), micropacks)
     if not ddp:
         return
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -207,9 +255,10 @@ def _worker(rank, world_size, port, path, case, seed, options):
         log.check(mine, with_grad_sync)
 
 
-def _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad):
+def _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad, shard=None):
     """Units on the right chunks in plan order (merge groups first), the loss on the last stage, the
-    timeline's chunks as the simulator's, and every chunk's gradients those of whole documents."""
+    timeline's chunks as the simulator's, and every chunk's gradients those of whole documents
+    (`shard(name, reference, param)`: this TP rank's part of a reference gradient)."""
     expected = [tuple(t) for r in plan.replicas_of_rank(dp_rank) for t in r.stage_orders[stage]]
     assert [(u.kind, u.index, u.chunk) for u in result] == expected
     assert all((u.loss_sum is not None) == (u.kind == "F" and stage == PP - 1 and u.chunk == VPP - 1)
@@ -233,6 +282,8 @@ def _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad):
         for name, p in model.named_parameters():
             grad = p.main_grad if main_grad else p.grad
             want = saved["grads"][_global_name(name, stage, chunk)]
+            if shard is not None:
+                want = shard(name, want, p)
             error = ((grad - want).norm() / want.norm().clamp_min(1e-30)).item()
             assert error <= 1e-5, f"rank {rank} (stage {stage} chunk {chunk}): {name} gradient error {error:.2e}"
 
@@ -243,7 +294,7 @@ def _run(tmp_path, case, seed, dp=1, timeout_s=180, **options):
     plan, documents = make_case(case, seed)
     path = tmp_path / "reference.pt"
     save_whole_document_reference(_config(), VOCAB, documents, global_loss_tokens(plan), path)
-    run_multiprocess(_worker, PP * dp, str(path), case, seed, options, timeout_s=timeout_s)
+    run_multiprocess(_worker, PP * dp * options.get("tp", 1), str(path), case, seed, options, timeout_s=timeout_s)
 
 
 def _interleaves(order) -> bool:
@@ -280,6 +331,29 @@ def test_pp2_vpp2_dp2_merge_group_megatron_ddp(tmp_path, megatron_cpu):
     plan, _ = make_case("merge", 3)
     assert any(r.is_merge_group for r in plan.replicas)
     _run(tmp_path, "merge", 3, dp=2, timeout_s=300, ddp=True)
+
+
+@pytest.mark.slow
+def test_pp2_vpp2_tensor_and_sequence_parallel(tmp_path, megatron_cpu):
+    """PP=2 x vpp=2 x TP=2 with sequence parallelism (4 processes), asymmetric units over sliced
+    documents: odd-token MicroPacks padded to even row counts (a one-token slice leaves TP rank 1
+    only a padding row), each TP rank's share of the rows sent between virtual stages (the
+    wrap-around too), and no finalize function: the schedule's fallback sums the sequence-parallel
+    norms' partial gradients over TP in every chunk (chunk 1 of stage 1 holds the final norm)."""
+    plan, _ = make_case("asymmetric", 2)
+    counts = [mp.num_tokens for mp in plan.replicas[0].micropacks]
+    assert 1 in counts and any(n % 2 for n in counts if n > 1), counts  # padding is exercised
+    _run(tmp_path, "asymmetric", 2, timeout_s=300, tp=2, sp=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("granularity, case, seed", [("selective", "symmetric", 1), ("full", "asymmetric", 3)])
+def test_pp2_vpp2_activation_recompute(tmp_path, megatron_cpu, granularity, case, seed):
+    """PP=2 x vpp=2 under activation recompute: selective (core attention) and full (uniform, one
+    layer: each chunk's layer), so every chunk's forward re-runs in backward, the KV store's
+    side effects idempotent across chunks (layers numbered globally). Full recompute with the
+    outputs deallocated once sent."""
+    _run(tmp_path, case, seed, recompute=granularity, deallocate=granularity == "full")
 
 
 # ---- checks that need no processes -----------------------------------------------------------------
