@@ -7,7 +7,7 @@ import pytest
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from megatron_slimpack.costmodel import CostModel
-from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
+from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
 from megatron_slimpack.simulator import simulate
 from megatron_slimpack.solver import orders as orders_module
 from megatron_slimpack.solver.baselines import schedule_1f1b
@@ -116,30 +116,39 @@ def test_a_long_documents_run_up_does_not_stall_the_interleaved_pipeline():
     assert times[2] <= (16 + 3 / 2) * 3.0 + 1e-9 < times[1] + 1e-9
 
 
-def test_far_apart_unit_counts_take_a_guided_order(monkeypatch):
-    """A replica the SlimPack planner produced at llama-70b tp8 pp8 vpp2 (one of a batch's
-    candidates): 16 forward units, 22 backward units, 8 two-slice documents. Neither formula runs
-    through; the guided execution's orders do (validated and simulated)."""
-    starts = {1, 4, 8, 12, 15, 19, 23, 26}  # first slice of each two-slice document
-    packs, samples, document = [], [], 0
-    for index in range(29):
-        if index - 1 in starts:
-            packs.append(MicroPack([Slice(document - 1, 8, 16)]))
-            continue
-        packs.append(MicroPack([Slice(document, 0, 8)]))
-        samples.append(Sample(document, 16 if index in starts else 8))
-        document += 1
+def test_far_apart_unit_counts_are_refused_and_skipped_by_the_planner():
+    """A candidate the SlimPack planner met at llama-70b tp8 pp8 vpp2: 16 forward units, 22
+    backward units, 8 two-slice documents. Neither order runs without a circular wait: a PlanError
+    naming the counts; the planner skips such a candidate and plans with another (test below)."""
     forward_units = [[0], [1, 2], [3], [4, 5], [6], [7, 8]] + [[i, i + 1] for i in range(9, 29, 2)]
     backward_units = [[0], [2, 1], [3], [5, 4], [6], [7], [9], [8], [10], [11], [13], [12], [14], [16, 15],
                       [17, 18], [20, 19], [21, 22], [24, 23], [25], [27], [26], [28]]
-    guided = []
-    original = orders_module._guided_orders
-    monkeypatch.setattr(orders_module, "_guided_orders", lambda *a: guided.append(1) or original(*a))
-    orders = interleaved_orders(forward_units, backward_units, 8, 2)
-    assert guided
-    replica = ReplicaPlan(packs, forward_units, backward_units, orders, [0])
-    plan = Plan([replica], samples, ParallelConfig(pp=8, vpp=2), 16, "test").validate()
-    assert simulate(plan, ChunkCost()).iteration_time_s > 0
+    with pytest.raises(PlanError, match="16 forward and 22 backward units over pp=8 x vpp=2"):
+        interleaved_orders(forward_units, backward_units, 8, 2)
+
+
+def test_slimpack_plans_interleaved_and_beats_plain_1f1b_on_a_long_tail():
+    """llama-70b tp8 pp8 dp2, 300 documents up to 64K (two long ones sliced): SlimPack's plan with
+    vpp 2 validates, and the simulator prices it below plain 1F1B's (bubble cut by interleaving)."""
+    import numpy as np
+
+    from megatron_slimpack.config import SlimPackConfig
+    from megatron_slimpack.solver.strategies import plan_slimpack
+
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in np.minimum(rng.lognormal(8, 1.5, 300).astype(int) + 16, 65536)]
+    lengths[:2] = [65536, 50000]
+    cost = CostModel.analytic("llama-70b", "h100-sxm")
+    config = SlimPackConfig(context_length=65536)
+    reports = {}
+    for vpp in (1, 2):
+        plan = plan_slimpack(lengths, ParallelConfig(tp=8, pp=8, vpp=vpp, dp=2, recompute="selective"), cost, config)
+        plan.validate()
+        assert all(len(task) == (3 if vpp > 1 else 2) for r in plan.replicas for task in r.stage_orders[0])
+        reports[vpp] = simulate(plan, cost, detail=False)
+    assert reports[2].iteration_time_s < reports[1].iteration_time_s
+    assert reports[2].bubble_ratio < reports[1].bubble_ratio
+    assert max(reports[2].peak_memory_bytes) <= cost.memory_budget_bytes()
 
 
 def test_plan_json_keeps_chunks_and_plain_plans_are_unchanged():

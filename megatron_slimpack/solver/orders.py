@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import last_forward_needed
+from ..plan import PlanError, last_forward_needed
 
 
 def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
@@ -299,7 +299,7 @@ def interleaved_table(num_units: int, vpp: int, group: int, min_group: int | Non
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
-                       group: int | None = None, work: "StageWork | None" = None) -> list[list[tuple[str, int, int]]]:
+                       group: int | None = None) -> list[list[tuple[str, int, int]]]:
     """Each rank's task order ("F"/"B", unit, chunk) under Megatron's interleaved 1F1B
     (`forward_backward_pipelining_with_interleaving`), generalised to units:
 
@@ -315,8 +315,7 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
     added where it arises, or, where that would make ranks wait in a circle (rank 0's next chunk
     waiting on the last rank, which waits on rank 0's backward), as one lead added to every rank's
     warm-up (as Megatron adds one for all when it overlaps MoE traffic). Where neither runs
-    (forward and backward unit counts far apart), `_guided_orders` (timed with `work`'s per-chunk
-    times when given) takes over.
+    (forward and backward unit counts far apart), a PlanError: the planner skips such candidates.
     """
     group = group or pp
     forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group, pp)]
@@ -334,19 +333,9 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
         if _runs_through(orders, needs, pp, vpp):
             return orders
     # Very different forward and backward unit counts (forward pairs, backward singles) misalign
-    # the two tables' chunk groups: let the targets guide an execution instead.
-    seconds = _task_seconds(forward_units, backward_units, work, pp, vpp)
-    return _guided_orders(forwards, backwards, targets.tolist(), needs, seconds, pp, vpp)
-
-
-def _task_seconds(forward_units, backward_units, work: "StageWork | None", pp: int, vpp: int):
-    """(kind, unit, chunk, stage) -> seconds: `work`'s per-chunk times, or 1 per MicroPack forward
-    and 2 backward without it."""
-    if work is None:
-        return lambda kind, unit, chunk, stage: len((forward_units if kind == "F" else backward_units)[unit]) * (
-            1 if kind == "F" else 2)
-    return lambda kind, unit, chunk, stage: _chunk_row(
-        work.forward_time if kind == "F" else work.backward_time, stage, chunk, pp, vpp)[unit]
+    # the two tables' chunk groups.
+    raise PlanError(f"no interleaved 1F1B order runs {len(forward_units)} forward and {len(backward_units)} backward "
+                    f"units over pp={pp} x vpp={vpp} without a circular wait; use units of closer counts or vpp=1")
 
 
 def _dependencies(task: tuple[str, int, int], stage: int, needs: list[int], pp: int, vpp: int) -> list[tuple]:
@@ -375,51 +364,6 @@ def _runs_through(orders: list[list[tuple]], needs: list[int], pp: int, vpp: int
                 position[stage] += 1
                 progress = True
     return all(position[stage] == len(order) for stage, order in enumerate(orders))
-
-
-def _guided_orders(forwards, backwards, targets, needs, seconds, pp: int, vpp: int) -> list[list[tuple[str, int, int]]]:
-    """Orders from an execution (`seconds` per task): each rank runs
-    the forward its target asks for, else its next backward, and whichever of the two is ready when
-    the other is not (forwards and backwards stay in table order). Ranks start tasks in time order,
-    so every task's inputs precede it: the orders cannot wait in a circle."""
-    finished: dict[tuple, float] = {}
-    free, next_forward, next_backward = [0.0] * pp, [0] * pp, [0] * pp
-    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
-
-    def ready_at(task, stage) -> float | None:
-        times = [finished.get(need) for need in _dependencies(task, stage, needs, pp, vpp)]
-        return None if None in times else max(times, default=0.0)
-
-    def choice(stage):
-        """(start time, task) this rank would run next, or None while it waits on others."""
-        options = []
-        if next_forward[stage] < len(forwards):
-            options.append(forwards[next_forward[stage]])
-        if next_backward[stage] < len(backwards):
-            options.append(backwards[next_backward[stage]])
-        wants_forward = (next_backward[stage] == len(backwards)
-                         or next_forward[stage] < targets[stage][next_backward[stage]])
-        options.sort(key=lambda task: (task[0] == "F") != wants_forward)
-        for task in options:
-            ready = ready_at(task, stage)
-            if ready is not None:
-                return max(free[stage], ready), task
-        return None
-
-    while True:
-        choices = [(choice(stage), stage) for stage in range(pp)]
-        choices = [(found, stage) for found, stage in choices if found is not None]
-        if not choices:
-            break
-        (start, task), stage = min(choices)
-        kind, unit, chunk = task
-        free[stage] = finished[(kind, unit, chunk * pp + stage)] = start + seconds(kind, unit, chunk, stage)
-        orders[stage].append(task)
-        if kind == "F":
-            next_forward[stage] += 1
-        else:
-            next_backward[stage] += 1
-    return orders
 
 
 def interleaved_microbatch_error(num_units: int, pp: int, group: int | None = None) -> str | None:

@@ -475,8 +475,7 @@ class InterleavedCandidate:
     @classmethod
     def of(cls, candidate: UnitCandidate, dp_ranks: list[int]) -> "InterleavedCandidate":
         pp = len(candidate.work.forward_time)
-        orders = interleaved_orders(candidate.forward_units, candidate.backward_units, pp, candidate.vpp,
-                                    work=candidate.work)
+        orders = interleaved_orders(candidate.forward_units, candidate.backward_units, pp, candidate.vpp)
         return cls(candidate, list(dp_ranks), orders, peak_interleaved(orders, candidate.work, pp, candidate.vpp))
 
     @cached_property

@@ -7,7 +7,7 @@ from functools import cached_property
 
 from ..config import PlannerTunables, SlimPackConfig
 from ..costmodel import CostModel, format_bytes
-from ..plan import MicroPack, ReplicaPlan, Sample
+from ..plan import MicroPack, PlanError, ReplicaPlan, Sample
 from ..specs import ParallelConfig
 from .ladder import SizeLadder
 from .memory import activation_budget
@@ -150,7 +150,10 @@ class ReplicaSearch:
         True when it fits."""
         if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
             return False  # its stage 0 cannot fit even before the first backward: not worth ordering
-        result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+        try:
+            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+        except PlanError:  # interleaved: no order of these units runs without a circular wait
+            return False
         peak = result.peak_activation_bytes + costs.largest_recompute_bytes
         if self.leanest is None or peak < self.leanest[0]:
             self.leanest = (peak, micropack_tokens)
