@@ -49,9 +49,9 @@ reproduce_paper = _script()
 
 def grid_layout(text: str) -> dict:
     """The grid's layout string as numbers, read here independently of the script."""
-    numbers = {key: int(value) for key, value in re.findall(r"\b(tp|pp|cp|dp)(\d+)\b", text)}
+    numbers = {key: int(value) for key, value in re.findall(r"\b(tp|pp|vpp|cp|dp)(\d+)\b", text)}
     mode = re.search(r"\brc-(\w+)", text)
-    return {**numbers, "recompute": mode.group(1) if mode else "none"}
+    return {"vpp": 1, **numbers, "recompute": mode.group(1) if mode else "none"}
 
 
 def cell_name(cell: dict) -> str:
@@ -155,6 +155,7 @@ def test_the_shell_wrapper_prints_what_the_script_prints():
 
 def test_layouts_the_script_does_not_know_are_refused():
     assert reproduce_paper.Layout.parse("tp2 pp4 cp2 dp8 rc-full") == reproduce_paper.Layout(2, 4, 2, 8, "full")
+    assert reproduce_paper.Layout.parse("tp2 pp4 vpp5 cp2 dp8").vpp == 5
     with pytest.raises(ValueError, match="unknown part 'v2'"):
         reproduce_paper.Layout.parse("tp2 pp4 v2 cp2 dp8")
     with pytest.raises(ValueError, match="lacks dp"):
@@ -248,7 +249,8 @@ def check_run(arguments, monkeypatch, cell: dict, strategy: str, run: dict) -> N
     else:
         assert args.context_parallel_size == layout["cp"] and args.data_parallel_size == layout["dp"]
         assert args.slimpack_base_merge == 1
-    assert args.virtual_pipeline_model_parallel_size is None
+    # Megatron's own validation turns --num-virtual-stages-per-pipeline-rank into this (None: plain 1F1B)
+    assert (args.virtual_pipeline_model_parallel_size or 1) == layout["vpp"]
     recompute = layout["recompute"]
     assert args.recompute_granularity == (None if recompute == "none" else recompute) == config.recompute_granularity
     if recompute == "full":
