@@ -7,7 +7,8 @@ committed one), e.g.:
 
     python benchmarks/paper_table.py --cells llama-70b/131072/128/wikipedia,... \
         --strategies megatron-fixed,megatron-stock --steps 10 --fresh --out /tmp/vpp/paper_table.md
-    python benchmarks/interleaved_rows.py /tmp/vpp/paper_table.json [more.json ...]
+    python benchmarks/interleaved_rows.py /tmp/vpp/paper_table.json [more.json ...] \
+        --before <(git show eadb9f2:benchmarks/results/paper_table.json)
 
 Each merged row keeps the commit it ran at; rows not re-run keep theirs (and their layouts were
 searched without virtual stages).
@@ -54,10 +55,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="paper_table.json files of re-run cells")
     parser.add_argument("--config", default=str(ROOT / "configs" / "bench" / "paper.yaml"))
+    parser.add_argument("--before", help="the table the 'before' columns come from (default: the current one, "
+                                         "before this merge)")
     args = parser.parse_args()
     order = grid_order(load_config(Path(args.config)))
     table = RESULTS / "paper_table.json"
-    old = json.loads(table.read_text())
+    old = json.loads(Path(args.before).read_text() if args.before else table.read_text())
     new_cells = [cell for path in args.runs for cell in json.loads(Path(path).read_text())]
     merged = merge_cells(json.loads(table.read_text()), json.loads(json.dumps(new_cells)), order)
     table.write_text(json.dumps(merged, indent=1))
@@ -67,7 +70,8 @@ def main() -> None:
         "# Grid rows re-run with virtual pipeline stages searched (issue 24 part 1)\n\n"
         "Each row: a strategy of a cell re-run by `benchmarks/paper_table.py` (10 batches, as the grid) with vpp "
         "searched, the layout and mean iteration time it had before (plain 1F1B) and has now, and SlimPack's "
-        "speedup over megatron-fixed in that cell before and now. Made by `benchmarks/interleaved_rows.py`.\n\n"
+        "speedup over megatron-fixed in that cell before and now. Made by `benchmarks/interleaved_rows.py` "
+        "(before: the table at eadb9f2, every row searched without virtual stages).\n\n"
         + moved_rows(old, new_cells, merged))
     print((RESULTS / "interleaved.md").read_text())
 

@@ -304,7 +304,9 @@ def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel
         rule, longest = strategy_spec(strategy).minimum_in_flight, max(lengths)
         what = {
             "sequence": f"full {min(context_length, sum(lengths))}-token sequences (1F1B keeps up to pp of them "
-                        "on stage 0)",
+                        "on stage 0)" if parallel.vpp == 1 else
+                        f"full {min(context_length, sum(lengths))}-token sequences' chunks (interleaved 1F1B keeps "
+                        f"2 (pp - 1) + (vpp - 1) pp + 1 of them on stage 0)",
             "document": f"the longest document ({longest} tokens) whole",
             "half-document": f"the larger piece of the longest document ({-(-longest // 2)}+ tokens)",
             "merged-document": f"the longest document ({longest} tokens) whole, even shared by its largest "
