@@ -155,20 +155,21 @@ def test_untied_embeddings_with_two_stages(workspace):
 def test_virtual_stages_train_like_one_rank(workspace):
     """Interleaved 1F1B (issue 24): PP=2 x vpp=2, every rank training two one-layer model chunks
     (Megatron's `vp_stage` chunks, its per-chunk data iterators sharing one planner iterator),
-    against DP=1 PP=1 on the same four-layer model. (Megatron allows vpp with pp=2 only with its
-    overlapped p2p, on by default, which only its own schedule reads.) The strategy is
-    megatron-fixed, a trainable one whose registry entry plans virtual stages (SlimPack's does not
-    list them yet) and whose fixed-length sequences always meet Megatron's interleaving rule on
-    micro-batch counts (a multiple of pp), which the baselines' planners enforce."""
-    flags = [*FOUR_LAYERS, "--slimpack-strategy", "megatron-fixed"]
-    reference = workspace.run("four-layers-dp1", initial="four-layers", extra=flags)
-    run = workspace.run("vpp2", nproc=2, initial="four-layers",
+    against DP=1 PP=1 on the same four-layer model, three iterations (the fewest the comparison
+    takes; CI time). (Megatron allows vpp with pp=2 only with its overlapped p2p, on by default,
+    which only its own schedule reads.) The strategy is SlimPack's own: documents sliced into
+    several MicroPacks, their K/V handed from slice to slice inside every chunk."""
+    flags = [*FOUR_LAYERS]
+    reference = workspace.run("four-layers-dp1", initial="four-layers", extra=flags, train_iters=3)
+    run = workspace.run("vpp2", nproc=2, initial="four-layers", train_iters=3,
                         extra=[*flags, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                                "2"])
     plans = plans_of(run)
     assert plans and all(plan["parallel"].get("vpp") == 2 for plan in plans)
     assert all(len(task) == 3 for plan in plans for replica in plan["replicas"] for order in replica["stage_orders"]
                for task in order)
+    assert any(piece[1] > 0 for plan in plans for replica in plan["replicas"] for pack in replica["micropacks"]
+               for piece in pack)  # a document sliced: later slices read earlier ones' K/V
     assert_same_training(run, reference)
 
 
