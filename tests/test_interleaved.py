@@ -190,11 +190,13 @@ def test_megatrons_micro_batch_rule_refuses_a_step():
     assert schedule_1f1b(packs[:4], ParallelConfig(pp=4, vpp=2), [0]).stage_orders[0][0] == ("F", 0, 0)
 
 
-def test_layout_search_offers_vpp_to_megatron_schedules_only():
+def test_layout_search_offers_vpp_where_the_schedule_interleaves():
+    """Megatron's schedules and SlimPack's runtime interleave; SlimPipe keeps its slice-level 1F1B."""
     cost = CostModel.analytic("llama-70b", "h100-sxm")
-    fixed = enumerate_layouts(cost, 64, "megatron-fixed")
-    assert {p.vpp for p in fixed if p.pp == 8} == {1, 2, 5}  # 80 layers: 10 per stage
-    assert {p.vpp for p in fixed if p.pp == 1} == {1}
+    for strategy in ("megatron-fixed", "slimpack"):
+        layouts = enumerate_layouts(cost, 64, strategy)
+        assert {p.vpp for p in layouts if p.pp == 8} == {1, 2, 5}  # 80 layers: 10 per stage
+        assert {p.vpp for p in layouts if p.pp == 1} == {1}
     assert {p.vpp for p in enumerate_layouts(cost, 64, "slimpipe")} == {1}
 
 
