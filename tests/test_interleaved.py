@@ -87,8 +87,9 @@ def test_sliced_and_asymmetric_units_interleave_and_run_through(monkeypatch):
     backward's own need would make ranks wait in a circle, one lead for all is used (counted: it
     happens here)."""
     lifted = []
-    original = orders_module._runs_through
-    monkeypatch.setattr(orders_module, "_runs_through", lambda *a: original(*a) or lifted.append(1))
+    original = orders_module.InterleavedSchedule.runs_through
+    monkeypatch.setattr(orders_module.InterleavedSchedule, "runs_through",
+                        lambda self: original(self) or lifted.append(1))
     for seed in range(10):
         rng = random.Random(seed)
         packs, samples, _ = random_micropacks(rng, 0, 9 + seed, 512, long_share=0.5)

@@ -298,10 +298,129 @@ def interleaved_table(num_units: int, vpp: int, group: int, min_group: int | Non
     return table
 
 
-def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
-                       group: int | None = None) -> list[list[tuple[str, int, int]]]:
-    """Each rank's task order ("F"/"B", unit, chunk) under Megatron's interleaved 1F1B
-    (`forward_backward_pipelining_with_interleaving`), generalised to units:
+@dataclass
+class InterleavedSchedule:
+    """Every rank's interleaved order in short: the forward and backward tables all ranks share
+    (`interleaved_table`) and how many forwards each rank has run before each backward
+    ([rank][backward], as `forward_targets`). Walked, timed and measured without building the
+    orders (`orders` builds them): the planner judges many and keeps one."""
+
+    targets: np.ndarray
+    forwards: list[tuple[str, int, int]]
+    backwards: list[tuple[str, int, int]]
+    needs: list[int]  # the last forward unit each backward unit needs (`last_forward_needed`)
+    pp: int
+    vpp: int
+
+    def orders(self) -> list[list[tuple[str, int, int]]]:
+        return orders_of_targets(self.targets, self.forwards, self.backwards)
+
+    def runs_through(self) -> bool:
+        """Whether every rank can run its order to the end (no circular wait)."""
+        return self._walk(None) is not None
+
+    def makespan_s(self, work: StageWork) -> float:
+        """`replay` for interleaved orders: `work`'s times are per chunk. A PlanError where the
+        ranks would wait in a circle (a schedule handed out unwalked, `InterleavedCandidate`)."""
+        makespan = self._walk(work)
+        if makespan is None:
+            raise no_interleaved_order(len(self.forwards) // self.vpp, len(self.needs), self.pp, self.vpp)
+        return makespan
+
+    def peak_bytes(self, work: StageWork) -> float:
+        """`peak_in_flight` over ranks: a rank holds every chunk's in-flight units, and holds the
+        most right before some backward, after the forwards run ahead of it (or at its end)."""
+        pp, vpp = self.pp, self.vpp
+        forward_units = np.array([unit for _, unit, _ in self.forwards], dtype=np.int64)
+        backward_units = np.array([unit for _, unit, _ in self.backwards], dtype=np.int64)
+        last_forward = np.array([chunk == vpp - 1 for *_, chunk in self.forwards], dtype=bool)
+        last_backward = np.array([chunk == vpp - 1 for *_, chunk in self.backwards], dtype=bool)
+        peak = 0.0
+        for stage, row in enumerate(np.asarray(self.targets)):
+            allocated = np.asarray(work.forward_bytes[0], dtype=float)[forward_units]
+            frees = np.asarray(work.backward_frees[0], dtype=float)[backward_units]
+            if stage == pp - 1:  # its last chunk holds the output layer's activations
+                last_row = np.asarray(work.forward_bytes[pp - 1], dtype=float)
+                allocated[last_forward] = last_row[forward_units[last_forward]]
+                last_row = np.asarray(work.backward_frees[pp - 1], dtype=float)
+                frees[last_backward] = last_row[backward_units[last_backward]]
+            held = np.concatenate([[0.0], np.cumsum(allocated)])
+            levels = held[row] - np.concatenate([[0.0], np.cumsum(frees)[:-1]])
+            peak = max(peak, float(levels.max()) if len(row) else 0.0, float(held[-1] - frees.sum()))
+        return peak
+
+    def _walk(self, work: StageWork | None) -> float | None:
+        """Run every rank's order, each task once its inputs are done: a forward on virtual stage
+        v after the same unit's forward on v - 1; a backward after its needed forward on v and
+        its own backward on v + 1. With `work`, times them (per-chunk durations, p2p between
+        ranks) and returns the makespan; without, returns 0.0. None: a circular wait."""
+        pp, vpp, needs, forwards, backwards = self.pp, self.vpp, self.needs, self.forwards, self.backwards
+        virtual = pp * vpp
+        forward_count = len(forwards) // vpp
+        forward_end: list[list[float | None]] = [[None] * forward_count for _ in range(virtual)]
+        backward_end: list[list[float | None]] = [[None] * len(needs) for _ in range(virtual)]
+        if work is None:
+            zeros = [0.0] * max(forward_count, len(needs))
+            forward_rows = backward_rows = [zeros] * virtual
+            forward_transfer = backward_transfer = zeros
+        else:
+            forward_rows = [_chunk_row(work.forward_time, v % pp, v // pp, pp, vpp) for v in range(virtual)]
+            backward_rows = [_chunk_row(work.backward_time, v % pp, v // pp, pp, vpp) for v in range(virtual)]
+            forward_transfer, backward_transfer = work.forward_transfer, work.backward_transfer
+        between_ranks = pp > 1  # with one rank, neighbouring virtual stages share a device: no p2p
+        targets = np.asarray(self.targets).tolist()
+        total_forwards, total_backwards = len(forwards), len(backwards)
+        free, next_forward, next_backward = [0.0] * pp, [0] * pp, [0] * pp
+        progress = True
+        while progress:
+            progress = False
+            for stage in range(pp):
+                clock, done_f, done_b, row = free[stage], next_forward[stage], next_backward[stage], targets[stage]
+                while True:
+                    if done_b < total_backwards:
+                        forward_next = done_f < row[done_b]
+                    elif done_f < total_forwards:
+                        forward_next = True
+                    else:
+                        break
+                    if forward_next:
+                        _, unit, chunk = forwards[done_f]
+                        vstage = chunk * pp + stage
+                        ready = 0.0
+                        if vstage > 0:
+                            end = forward_end[vstage - 1][unit]
+                            if end is None:
+                                break
+                            ready = end + forward_transfer[unit] if between_ranks else end
+                        clock = (clock if clock > ready else ready) + forward_rows[vstage][unit]
+                        forward_end[vstage][unit] = clock
+                        done_f += 1
+                    else:
+                        _, unit, chunk = backwards[done_b]
+                        vstage = chunk * pp + stage
+                        ready = forward_end[vstage][needs[unit]]
+                        if ready is None:
+                            break
+                        if vstage < virtual - 1:
+                            end = backward_end[vstage + 1][unit]
+                            if end is None:
+                                break
+                            end = end + backward_transfer[unit] if between_ranks else end
+                            ready = ready if ready > end else end
+                        clock = (clock if clock > ready else ready) + backward_rows[vstage][unit]
+                        backward_end[vstage][unit] = clock
+                        done_b += 1
+                if done_f != next_forward[stage] or done_b != next_backward[stage]:
+                    progress = True
+                free[stage], next_forward[stage], next_backward[stage] = clock, done_f, done_b
+        if next_forward != [total_forwards] * pp or next_backward != [total_backwards] * pp:
+            return None
+        return max(free) if work is not None else 0.0
+
+
+def interleaved_schedules(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
+                          group: int | None = None) -> list[InterleavedSchedule]:
+    """The interleaved 1F1B schedules to try, least held in flight first (`interleaved_orders`):
 
     - forwards follow `interleaved_table` over the forward units; backwards follow it over the
       backward units with chunks reversed (the last chunk's backward comes first);
@@ -310,13 +429,9 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
       the forward it needs on that chunk (a long document's later slices); rank s keeps
       2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
 
-    With one MicroPack per unit and independent micro-batches this is exactly Megatron's order.
-    A long document's backward needs its later slices' forwards first: each backward's need is
-    added where it arises, or, where that would make ranks wait in a circle (rank 0's next chunk
-    waiting on the last rank, which waits on rank 0's backward), as one lead added to every rank's
-    warm-up (as Megatron adds one for all when it overlaps MoE traffic). Where neither runs
-    (forward and backward unit counts far apart), a PlanError: the planner skips such candidates.
-    """
+    The first adds each backward's need where it arises; the second adds the largest excess as
+    one lead to every rank's warm-up (as Megatron adds one for all when it overlaps MoE traffic).
+    Every target of the second is at least the first's, so it never holds less in flight."""
     group = group or pp
     forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group, pp)]
     backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(len(backward_units), vpp, group, pp)]
@@ -325,45 +440,38 @@ def interleaved_orders(forward_units: list[list[int]], backward_units: list[list
     total_forwards, total_backwards = len(forwards), len(backwards)
     steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
     needed = [position[(needs[unit], chunk)] + 1 for _, unit, chunk in backwards]
-    # First each backward's own need (the least held in flight), then one lead for all.
     lift = max([n - s for n, s in zip(needed, steady)] + [0])
+    schedules = []
     for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift):
         targets = np.minimum(total_forwards, required[None, :] + 2 * (pp - 1 - np.arange(pp))[:, None])
-        orders = orders_of_targets(targets, forwards, backwards)
-        if _runs_through(orders, needs, pp, vpp):
-            return orders
+        schedules.append(InterleavedSchedule(targets, forwards, backwards, needs, pp, vpp))
+    return schedules
+
+
+def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
+                       group: int | None = None) -> list[list[tuple[str, int, int]]]:
+    """Each rank's task order ("F"/"B", unit, chunk) under Megatron's interleaved 1F1B
+    (`forward_backward_pipelining_with_interleaving`), generalised to units: the first of
+    `interleaved_schedules` that runs through.
+
+    With one MicroPack per unit and independent micro-batches this is exactly Megatron's order.
+    A long document's backward needs its later slices' forwards first: each backward's need is
+    added where it arises, or, where that would make ranks wait in a circle (rank 0's next chunk
+    waiting on the last rank, which waits on rank 0's backward), as one lead added to every rank's
+    warm-up. Where neither runs (forward and backward unit counts far apart), a PlanError: the
+    planner skips such candidates.
+    """
+    for schedule in interleaved_schedules(forward_units, backward_units, pp, vpp, group):
+        if schedule.runs_through():
+            return schedule.orders()
+    raise no_interleaved_order(len(forward_units), len(backward_units), pp, vpp)
+
+
+def no_interleaved_order(forward_units: int, backward_units: int, pp: int, vpp: int) -> PlanError:
     # Very different forward and backward unit counts (forward pairs, backward singles) misalign
     # the two tables' chunk groups.
-    raise PlanError(f"no interleaved 1F1B order runs {len(forward_units)} forward and {len(backward_units)} backward "
-                    f"units over pp={pp} x vpp={vpp} without a circular wait; use units of closer counts or vpp=1")
-
-
-def _dependencies(task: tuple[str, int, int], stage: int, needs: list[int], pp: int, vpp: int) -> list[tuple]:
-    """(kind, unit, virtual stage) of the tasks `task` on `stage` waits for."""
-    kind, unit, chunk = task
-    vstage = chunk * pp + stage
-    if kind == "F":
-        return [("F", unit, vstage - 1)] if vstage > 0 else []
-    needed = [("F", needs[unit], vstage)]
-    return needed + [("B", unit, vstage + 1)] if vstage < pp * vpp - 1 else needed
-
-
-def _runs_through(orders: list[list[tuple]], needs: list[int], pp: int, vpp: int) -> bool:
-    """Whether every rank can run its order to the end (no circular wait)."""
-    done: set[tuple] = set()
-    position = [0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for stage, order in enumerate(orders):
-            while position[stage] < len(order):
-                task = order[position[stage]]
-                if not all(need in done for need in _dependencies(task, stage, needs, pp, vpp)):
-                    break
-                done.add((task[0], task[1], task[2] * pp + stage))
-                position[stage] += 1
-                progress = True
-    return all(position[stage] == len(order) for stage, order in enumerate(orders))
+    return PlanError(f"no interleaved 1F1B order runs {forward_units} forward and {backward_units} backward units "
+                     f"over pp={pp} x vpp={vpp} without a circular wait; use units of closer counts or vpp=1")
 
 
 def interleaved_microbatch_error(num_units: int, pp: int, group: int | None = None) -> str | None:
@@ -384,49 +492,3 @@ def _chunk_row(rows: list, stage: int, chunk: int, pp: int, vpp: int):
     """A StageWork row for one chunk: the last stage's row (output layer) only for the last
     virtual stage; every other chunk is a middle one."""
     return rows[pp - 1] if (stage, chunk) == (pp - 1, vpp - 1) else rows[0]
-
-
-def replay_interleaved(orders: list[list[tuple[str, int, int]]], work: StageWork, pp: int, vpp: int,
-                       needs: list[int]) -> float:
-    """`replay` for interleaved orders: each rank runs its (kind, unit, chunk) tasks in order; a
-    task waits for its inputs (`_dependencies`) plus their p2p time; `work`'s times are per chunk."""
-    finished: dict[tuple, float] = {}
-    free, position = [0.0] * pp, [0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for stage, order in enumerate(orders):
-            clock = free[stage]
-            while position[stage] < len(order):
-                kind, unit, chunk = task = order[position[stage]]
-                inputs = _dependencies(task, stage, needs, pp, vpp)
-                if not all(need in finished for need in inputs):
-                    break
-                ready = 0.0
-                for need in inputs:
-                    transfer = (0.0 if need[2] % pp == stage else
-                                (work.forward_transfer if need[0] == "F" else work.backward_transfer)[need[1]])
-                    ready = max(ready, finished[need] + transfer)
-                seconds = _chunk_row(work.forward_time if kind == "F" else work.backward_time, stage, chunk, pp, vpp)
-                clock = max(clock, ready) + seconds[unit]
-                finished[(kind, unit, chunk * pp + stage)] = clock
-                position[stage] += 1
-                progress = True
-            free[stage] = clock
-    if any(position[stage] < len(order) for stage, order in enumerate(orders)):
-        raise RuntimeError("interleaved orders deadlock; this is a bug in interleaved_orders")
-    return max(free)
-
-
-def peak_interleaved(orders: list[list[tuple[str, int, int]]], work: StageWork, pp: int, vpp: int) -> float:
-    """`peak_in_flight` over ranks for interleaved orders: a rank holds every chunk's in-flight units."""
-    peak = 0.0
-    for stage, order in enumerate(orders):
-        level = 0.0
-        for kind, unit, chunk in order:
-            if kind == "F":
-                level += _chunk_row(work.forward_bytes, stage, chunk, pp, vpp)[unit]
-                peak = max(peak, level)
-            else:
-                level -= _chunk_row(work.backward_frees, stage, chunk, pp, vpp)[unit]
-    return peak

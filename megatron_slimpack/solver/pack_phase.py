@@ -30,21 +30,20 @@ from ..plan import (
     Sample,
     Slice,
     backward_sequence,
-    last_forward_needed,
     pack_figures,
     slice_table,
     whole_slices,
 )
 from ..specs import ParallelConfig
 from .orders import (
+    InterleavedSchedule,
     StageWork,
     forward_targets,
-    interleaved_orders,
+    interleaved_schedules,
+    no_interleaved_order,
     orders_of_targets,
-    peak_interleaved,
     peaks_of_targets,
     replay,
-    replay_interleaved,
     segment,
     warmup_counts,
 )
@@ -415,7 +414,7 @@ class UnitCandidate:
         (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
         before the chain's backward) are returned when none does."""
         if self.vpp > 1:
-            return InterleavedCandidate.of(self, dp_ranks)
+            return InterleavedCandidate.of(self, dp_ranks, budget_bytes)
         warmups = warmup_counts(self.work, len(self.work.forward_time))
         pipelined = self._ordered(dp_ranks, warmups, None)
         if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
@@ -464,31 +463,36 @@ class OrderedCandidate:
 
 @dataclass
 class InterleavedCandidate:
-    """A candidate under interleaved 1F1B (`interleaved_orders`), with the same interface as
+    """A candidate under interleaved 1F1B (`interleaved_schedules`), with the same interface as
     `OrderedCandidate`: its orders, their peak memory and their replay (chunk-aware)."""
 
     candidate: UnitCandidate
     dp_ranks: list[int]
-    orders: list
+    schedule: InterleavedSchedule
     peak_activation_bytes: float
 
     @classmethod
-    def of(cls, candidate: UnitCandidate, dp_ranks: list[int]) -> "InterleavedCandidate":
+    def of(cls, candidate: UnitCandidate, dp_ranks: list[int], budget_bytes: float | None = None
+           ) -> "InterleavedCandidate":
+        """The first schedule that runs through. Each is measured before it is walked: one above
+        `budget_bytes` is returned as it is (the search drops it for memory, and the next one
+        never holds less), so most candidates cost no walk."""
         pp = len(candidate.work.forward_time)
-        orders = interleaved_orders(candidate.forward_units, candidate.backward_units, pp, candidate.vpp)
-        return cls(candidate, list(dp_ranks), orders, peak_interleaved(orders, candidate.work, pp, candidate.vpp))
+        for schedule in interleaved_schedules(candidate.forward_units, candidate.backward_units, pp, candidate.vpp):
+            peak = schedule.peak_bytes(candidate.work)
+            if (budget_bytes is not None and peak > budget_bytes) or schedule.runs_through():
+                return cls(candidate, list(dp_ranks), schedule, peak)
+        raise no_interleaved_order(len(candidate.forward_units), len(candidate.backward_units), pp, candidate.vpp)
 
     @cached_property
     def replica(self) -> ReplicaPlan:
         candidate = self.candidate
-        return ReplicaPlan(candidate.micropacks, candidate.forward_units, candidate.backward_units, self.orders,
-                           self.dp_ranks)
+        return ReplicaPlan(candidate.micropacks, candidate.forward_units, candidate.backward_units,
+                           self.schedule.orders(), self.dp_ranks)
 
     @cached_property
     def makespan_s(self) -> float:
-        candidate = self.candidate
-        needs = last_forward_needed(candidate.forward_units, candidate.backward_units).tolist()
-        return replay_interleaved(self.orders, candidate.work, len(self.orders), candidate.vpp, needs)
+        return self.schedule.makespan_s(self.candidate.work)
 
 
 def pipeline_estimate(work: StageWork) -> float:
