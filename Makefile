@@ -23,8 +23,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two pytest workers (pytest-xdist): the real-trainer and gloo tests spend much of their time in
+# single-threaded imports and process start-up, so a 2-core machine runs two of them at once.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner.py
