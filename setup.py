@@ -26,8 +26,9 @@ setup(
         # triton is imported, unguarded, by megatron-core's inference engine (never called in training).
         # ruff: `make lint` (run first by `make test`), rules in ruff.toml; one minor series, since a
         # new minor release may change what the selected rules report.
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "six", "regex", "pydantic", "IPython", "triton",
-                 "ruff>=0.17,<0.18"],
+        # pytest-xdist: `make test` runs two workers.
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "six", "regex", "pydantic", "IPython",
+                 "triton", "ruff>=0.17,<0.18"],
     },
     entry_points={"console_scripts": ["slimpack=megatron_slimpack.cli:main"]},
 )

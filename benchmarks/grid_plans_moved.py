@@ -25,11 +25,13 @@ TABLE = HERE / "results" / "paper_table.json"
 
 
 def layout_of(text: str) -> dict:
-    """'tp4 pp8 cp2 dp2 rc-selective' -> ParallelConfig keywords."""
+    """'tp4 pp8 vpp2 cp2 dp2 rc-selective' -> ParallelConfig keywords (vpp only where written)."""
     parts = text.split()
-    sizes = {part[:2]: int(part[2:]) for part in parts if not part.startswith("rc-")}
+    sizes = {part.rstrip("0123456789"): int(part.lstrip("abcdefghijklmnopqrstuvwxyz"))
+             for part in parts if not part.startswith("rc-")}
     recompute = next((part[3:] for part in parts if part.startswith("rc-")), "none")
-    return dict(tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"], dp=sizes["dp"], recompute=recompute)
+    return dict(tp=sizes["tp"], pp=sizes["pp"], vpp=sizes.get("vpp", 1), cp=sizes["cp"], dp=sizes["dp"],
+                recompute=recompute)
 
 
 def plan_cells(checkout: Path, cells: list[str]) -> None:

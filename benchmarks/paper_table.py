@@ -52,14 +52,32 @@ def load_config(path: Path) -> dict:
     return bench
 
 
+def cell_batches(bench: dict, context: int, dataset: str, steps: int, seed: int) -> list[list[int]]:
+    """The cell's consecutive global batches (document lengths), the same for every strategy."""
+    batch_size = bench["global_batch_size"][context]
+    sampler = GlobalBatchSampler(load_lengths(bench["workloads"][dataset], seed=seed), context, batch_size, seed=seed)
+    return [sampler.next_batch().lengths for _ in range(steps)]
+
+
+def row_of(layout) -> dict:
+    """A strategy's figures in a cell, from its `LayoutResult`."""
+    times = layout.best.iteration_times_s
+    return {
+        "layout": layout.parallel.describe(), "mean_s": layout.mean_iteration_time_s,
+        "min_s": min(times), "max_s": max(times), "stdev_s": statistics.pstdev(times),
+        "bubble": statistics.mean(r.bubble_ratio for r in layout.reports),
+        "peak_gib": layout.best.peak_memory_bytes / 2**30,
+        "lower_bound_s": statistics.mean(r.lower_bound_s for r in layout.reports),
+    }
+
+
 def run_cell(bench: dict, model: str, context: int, cluster: str, dataset: str, strategies: str, steps: int,
              seed: int) -> dict:
     gpus, hardware = bench["cluster_gpus"][cluster]
     preset = bench["model_presets"][model]
     cost = CostModel.analytic(preset, hardware)
     batch_size = bench["global_batch_size"][context]
-    sampler = GlobalBatchSampler(load_lengths(bench["workloads"][dataset], seed=seed), context, batch_size, seed=seed)
-    batches = [sampler.next_batch().lengths for _ in range(steps)]
+    batches = cell_batches(bench, context, dataset, steps, seed)
     started = time.perf_counter()
     result = run_comparison(workload=bench["workloads"][dataset], model=preset, hardware=hardware, cost=cost, gpus=gpus,
                             context_length=context, global_batch_size=batch_size, steps=steps, strategies=strategies,
@@ -67,14 +85,7 @@ def run_cell(bench: dict, model: str, context: int, cluster: str, dataset: str, 
     cell = {"model": model, "context": context, "gpus": gpus, "dataset": dataset, "steps": steps,
             "seconds": time.perf_counter() - started, "strategies": {}, "failures": result.failures}
     for name, layout in result.results.items():
-        times = layout.best.iteration_times_s
-        cell["strategies"][name] = {
-            "layout": layout.parallel.describe(), "mean_s": layout.mean_iteration_time_s,
-            "min_s": min(times), "max_s": max(times), "stdev_s": statistics.pstdev(times),
-            "bubble": statistics.mean(r.bubble_ratio for r in layout.reports),
-            "peak_gib": layout.best.peak_memory_bytes / 2**30,
-            "lower_bound_s": statistics.mean(r.lower_bound_s for r in layout.reports),
-        }
+        cell["strategies"][name] = row_of(layout)
     set_speedups(cell)
     return cell
 
