@@ -264,7 +264,9 @@ class MicroPackCosts:
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
         table = slice_table(micropacks)
         figures = pack_figures(micropacks, table)
-        tokens, pairs = figures.tokens, figures.pairs
+        # Priced as the runtime runs them and the simulator prices them: padded for sequence
+        # parallelism (unpadded, a plan could pass the budget by the padding's activations).
+        tokens, pairs = parallel.padded_tokens(figures.tokens), figures.pairs
 
         def rows(fn, **extra) -> np.ndarray:  # [middle stage, last stage] x MicroPacks
             return np.array([fn(tokens, pairs, parallel, last_stage=last, **extra) * np.ones_like(tokens)
