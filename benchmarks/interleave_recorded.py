@@ -94,12 +94,19 @@ def report(strategy: str, cells: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(paths: list[str], config: Path) -> None:
-    order = grid_order(load_config(config))
-    table = RESULTS / "paper_table.json"
+def load_cells(paths: list[str]) -> list[dict]:
     cells = [cell for path in paths for cell in json.loads(Path(path).read_text())]
     for cell in cells:  # one strategy's row per cell
         cell.setdefault("strategy", next(iter(cell["strategies"])))
+    return cells
+
+
+def merge(paths: list[str], config: Path, listed: list[str], why_listed: str) -> None:
+    """Merge the rows of `paths` into the grid; report them, and the cells of `listed` (shown with
+    `why_listed`, not merged)."""
+    order = grid_order(load_config(config))
+    table = RESULTS / "paper_table.json"
+    cells, others = load_cells(paths), load_cells(listed)
     rows = [{key: cell[key] for key in ("model", "context", "gpus", "dataset", "steps", "seconds", "strategies",
                                         "failures")} for cell in cells]
     merged = merge_cells(json.loads(table.read_text()), rows, order)
@@ -107,10 +114,15 @@ def merge(paths: list[str], config: Path) -> None:
     (RESULTS / "paper_table.md").write_text(render(merged, order))
     plot(merged, RESULTS / "paper_speedup.png")
     rank = {key: index for index, key in enumerate(order)}
-    cells.sort(key=lambda cell: rank.get(cell_key(cell), len(rank)))
-    for strategy in sorted({cell["strategy"] for cell in cells}):
+    for group in (cells, others):
+        group.sort(key=lambda cell: rank.get(cell_key(cell), len(rank)))
+    for strategy in sorted({cell["strategy"] for cell in cells + others}):
         path = RESULTS / f"interleaved_{strategy}.md"
-        path.write_text(report(strategy, [cell for cell in cells if cell["strategy"] == strategy]))
+        text = report(strategy, [cell for cell in cells if cell["strategy"] == strategy])
+        listed_here = [cell for cell in others if cell["strategy"] == strategy]
+        if listed_here:
+            text += f"\n## Not merged: {why_listed}\n\n" + report(strategy, listed_here).split("\n", 3)[3]
+        path.write_text(text)
         print(path.read_text())
 
 
@@ -124,9 +136,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", help="where the rows go (JSON), one cell at a time as they finish")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge rows written by --out into the grid")
+    parser.add_argument("--also-list", nargs="+", default=[], metavar="JSON",
+                        help="with --merge: cells only shown in the report, e.g. run before a fix")
+    parser.add_argument("--why-listed", default="cells shown, not merged", help="the heading of --also-list")
     args = parser.parse_args()
     if args.merge:
-        merge(args.merge, Path(args.config))
+        merge(args.merge, Path(args.config), args.also_list, args.why_listed)
         return
     if not (args.cells and args.out):
         parser.error("give --cells and --out (or --merge)")
