@@ -112,20 +112,22 @@ def test_the_simulator_prices_the_padding_the_runtime_adds():
     assert priced > cost.forward_time(4097, micropack.attention_pairs, parallel, last_stage=True)
 
 
-def test_the_planner_prices_the_padding_as_the_simulator_does():
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_the_planner_prices_the_padding_as_the_simulator_does(vpp):
     """The planner's memory of a schedule is the simulator's, padding included: priced unpadded,
     a plan of many small MicroPacks passed the budget by the padding's activations (llama-150b
-    128K Wikipedia, tp8 pp16, batch 4: 68.55 GiB simulated, 68.55 usable)."""
+    128K Wikipedia, tp8 pp16, batch 4: 68.55 GiB simulated, 68.55 usable). Interleaved too: the
+    peak of the schedule the plan runs (`InterleavedSchedule.peak_bytes`) is the simulator's."""
     import numpy as np
 
     import megatron_slimpack as ms
     from megatron_slimpack.solver.memory import activation_budget
-    from megatron_slimpack.solver.orders import peak_in_flight
+    from megatron_slimpack.solver.orders import interleaved_schedules, peak_in_flight
     from megatron_slimpack.solver.pack_phase import MicroPackCosts, stage_work
     from megatron_slimpack.specs import ParallelConfig
 
     cost = ms.CostModel.analytic("llama-7b", "h100-sxm")
-    parallel = ParallelConfig(tp=8, pp=2)
+    parallel = ParallelConfig(tp=8, pp=2, vpp=vpp)
     lengths = [5 + 11 * i for i in range(40)]  # no length a multiple of 8: every MicroPack is padded
     plan = ms.plan(lengths, parallel=parallel, cost=cost,
                    config=ms.SlimPackConfig(context_length=4096, max_micropack_tokens=256))
@@ -135,5 +137,12 @@ def test_the_planner_prices_the_padding_as_the_simulator_does():
     assert (costs.tokens > real_tokens).any() and (costs.tokens % 8 == 0).all()
     work = stage_work(replica.forward_units, replica.backward_units, costs, cost, parallel,
                       activation_budget(cost, parallel))
-    planned = [cost.static_memory_bytes(parallel) + peak for peak in peak_in_flight(replica.stage_orders, work)]
-    assert ms.simulate(plan, cost).peak_memory_bytes == pytest.approx(planned, rel=1e-12)
+    simulated = ms.simulate(plan, cost).peak_memory_bytes
+    if vpp == 1:
+        planned = [cost.static_memory_bytes(parallel) + peak for peak in peak_in_flight(replica.stage_orders, work)]
+        assert simulated == pytest.approx(planned, rel=1e-12)
+    else:
+        (schedule,) = [s for s in interleaved_schedules(replica.forward_units, replica.backward_units, 2, vpp)
+                       if s.orders() == replica.stage_orders][:1]
+        planned = cost.static_memory_bytes(parallel) + schedule.peak_bytes(work)
+        assert max(simulated) == pytest.approx(planned, rel=1e-12)
