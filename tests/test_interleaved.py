@@ -6,13 +6,15 @@ import random
 import pytest
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
+from megatron_slimpack.config import SlimPackConfig
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
 from megatron_slimpack.simulator import simulate
 from megatron_slimpack.solver import orders as orders_module
-from megatron_slimpack.solver.baselines import schedule_1f1b
+from megatron_slimpack.solver.baselines import meet_interleaved_count, schedule_1f1b
 from megatron_slimpack.solver.layouts import enumerate_layouts
-from megatron_slimpack.solver.orders import interleaved_orders
+from megatron_slimpack.solver.orders import interleaved_microbatch_error, interleaved_orders
+from megatron_slimpack.solver.strategies import new_planner
 from megatron_slimpack.specs import ParallelConfig, SpecError
 from test_simulator import FixedCost, build_replica, random_micropacks
 
@@ -208,3 +210,64 @@ def test_cost_model_prices_a_chunk():
     assert cost.static_memory_bytes(interleaved) == cost.static_memory_bytes(plain)
     assert cost.activation_bytes(8192, 8192 ** 2 / 2, interleaved) == pytest.approx(
         cost.activation_bytes(8192, 8192 ** 2 / 2, plain) / 2)
+
+
+def _packs(*documents_per_pack: tuple[int, ...]) -> list[MicroPack]:
+    """MicroPacks of whole documents: each argument is one pack's document lengths."""
+    ids = iter(range(1000))
+    return [MicroPack([Slice(next(ids), 0, length) for length in lengths]) for lengths in documents_per_pack]
+
+
+def _documents(micropacks: list[MicroPack]) -> list[tuple]:
+    return sorted((s.sample_id, s.start, s.length) for micropack in micropacks for s in micropack.slices)
+
+
+def test_variable_counts_are_split_or_merged_to_megatrons_multiple():
+    interleaved = ParallelConfig(pp=4, vpp=2)
+    # 3 packs, 5 documents: the heaviest packs of two documents are split up to 4.
+    packs = _packs((300, 200), (250,), (100, 90, 80))
+    [split] = meet_interleaved_count([packs], interleaved, 512, "bfd")
+    assert len(split) == 4 and _documents(split) == _documents(packs)
+    assert max(p.num_tokens for p in split) < max(p.num_tokens for p in packs)
+    # 5 single documents: nothing to split, the two smallest merge pairwise down to 4.
+    singles = _packs((400,), (30,), (200,), (20,), (300,))
+    [merged] = meet_interleaved_count([singles], interleaved, 512, "wlb-llm")
+    assert len(merged) == 4 and _documents(merged) == _documents(singles)
+    assert sorted(p.num_tokens for p in merged) == [50, 200, 300, 400]
+    # 3 long single documents: neither way reaches a multiple of 4.
+    with pytest.raises(PlanError, match=r"wlb-llm, data-parallel rank 1: 3 micro-batches .* pp=4"):
+        meet_interleaved_count([_packs((1,), (1,), (1,), (1,)), _packs((400,), (300,), (200,))],
+                               interleaved, 512, "wlb-llm")
+    # Plain 1F1B takes any count; a rank with nothing to run stays empty.
+    assert meet_interleaved_count([packs, []], ParallelConfig(pp=4), 512, "bfd") == [packs, []]
+    assert meet_interleaved_count([[]], interleaved, 512, "bfd") == [[]]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "sorted", "wlb-llm"])
+def test_variable_count_packers_plan_every_step_megatron_interleaves(strategy):
+    """Their micro-batch counts vary from batch to batch; with virtual stages every step must be one
+    Megatron's interleaved 1F1B takes, or training stops mid-run (sorted and wlb-llm did on the
+    real trainer's own batches)."""
+    cost = CostModel.analytic("llama-7b", "h100-sxm")
+    rng = random.Random(3)
+    refused_plain = 0
+    config = SlimPackConfig(context_length=512, strategy=strategy)
+    for pp, dp in ((2, 1), (4, 2)):
+        layouts = {"plain": ParallelConfig(pp=pp, dp=dp), "interleaved": ParallelConfig(pp=pp, dp=dp, vpp=2)}
+        planners = {name: new_planner(strategy) for name in layouts}
+        trained = {name: [] for name in layouts}  # every document's length, over all steps
+        for _ in range(6):
+            lengths = [rng.randint(5, 512) for _ in range(rng.randint(20, 60))]
+            plans = {name: planners[name].plan(lengths, layouts[name], cost, config).validate() for name in layouts}
+            refused_plain += any(interleaved_microbatch_error(len(r.micropacks), pp)
+                                 for r in plans["plain"].replicas if r.micropacks)
+            assert all(len(r.micropacks) % pp == 0 for r in plans["interleaved"].replicas)
+            assert simulate(plans["interleaved"], cost).iteration_time_s > 0
+            for name, plan in plans.items():
+                trained[name] += [s.length for s in plan.samples]
+        for name in layouts:  # wlb-llm's delayed documents come in a last step
+            flush = getattr(planners[name], "flush", lambda *args: None)
+            last = flush(layouts[name], cost, config)
+            trained[name] += [s.length for s in last.samples] if last else []
+        assert sorted(trained["interleaved"]) == sorted(trained["plain"])
+    assert refused_plain, "no batch needed a split or a merge: the test would prove nothing"

@@ -453,3 +453,22 @@ def test_megatron_arguments_for_virtual_stages():
         with pytest.raises(SlimPackArgumentError, match=rf"--slimpack-strategy '{name}' does not plan virtual pipeline "
                                                         rf"stages \(vpp=2.*remove --num-virtual-stages-per-pipeline"):
             validate_slimpack_args(args(slimpack_strategy=name))
+
+
+def test_megatron_fixed_with_virtual_stages_needs_a_multiple_of_pp_per_rank():
+    """megatron-fixed runs global-batch-size / dp sequences per rank every step: a count Megatron's
+    interleaved 1F1B refuses is said before training, not at the first step."""
+    from types import SimpleNamespace
+
+    from megatron_slimpack.megatron.args import SlimPackArgumentError, validate_slimpack_args
+
+    def args(global_batch_size, strategy="megatron-fixed"):
+        return SimpleNamespace(slimpack=True, calculate_per_token_loss=True, pipeline_model_parallel_size=4,
+                               virtual_pipeline_model_parallel_size=2, data_parallel_size=2,
+                               global_batch_size=global_batch_size, slimpack_strategy=strategy)
+
+    with pytest.raises(SlimPackArgumentError, match=r"--global-batch-size 12 / data-parallel size 2 = 6 sequences "
+                                                    r"per rank .* multiple of 8"):
+        validate_slimpack_args(args(12))
+    validate_slimpack_args(args(16))
+    validate_slimpack_args(args(12, "sorted"))  # its packer meets the rule every step

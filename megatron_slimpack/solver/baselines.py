@@ -18,8 +18,11 @@ Registered names and what each reproduces (details in each function's docstring)
     megatron-hybrid-cp  Megatron-Core's BalancedCPScheduler (hybrid context parallel), called as a library
     slimpipe            SlimPipe: uniform slices of each sequence, slice-level 1F1B
 
-All of them schedule each data-parallel replica with standard (non-interleaved) 1F1B: one
-forward and one backward unit per micro-batch, pp - s - 1 warm-up forwards on stage s.
+All of them schedule each data-parallel replica with Megatron's 1F1B: one forward and one
+backward unit per micro-batch, pp - s - 1 warm-up forwards on stage s; those Megatron-LM runs
+(all but SlimPipe) also with virtual stages, in Megatron's interleaved order and under its rule
+on the micro-batch count (`schedule_1f1b`), which the variable-count packers meet by splitting or merging
+micro-batches (`meet_interleaved_count`).
 """
 from __future__ import annotations
 
@@ -86,6 +89,59 @@ def schedule_1f1b(micropacks: list[MicroPack], parallel: ParallelConfig, dp_rank
     warmups = [min(parallel.pp - stage - 1, len(micropacks)) for stage in range(parallel.pp)]
     orders = stage_orders(forward_units, backward_units, warmups)
     return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
+
+
+def meet_interleaved_count(per_rank: list[list[MicroPack]], parallel: ParallelConfig, capacity: int,
+                           strategy: str) -> list[list[MicroPack]]:
+    """Each rank's micro-batches brought to a count Megatron's interleaved 1F1B takes (a multiple
+    of pp, at least pp: `interleaved_microbatch_error`), for packers whose count varies from batch
+    to batch. Without virtual stages the lists are returned as they are; a rank with nothing to
+    run stays empty.
+
+    Nothing is padded or dropped. Up to the next multiple: the micro-batch of the most tokens among
+    those of two or more documents is split in two (whole documents, halves of about equal tokens:
+    `_halves`). Where too few hold two documents, down to the multiple below: the two of the fewest
+    tokens are merged while they fit `capacity` tokens. A PlanError names the rank where neither
+    reaches a multiple (too few documents)."""
+    if parallel.vpp == 1:
+        return per_rank
+    return [_to_multiple(micropacks, parallel.pp, capacity, f"{strategy}, data-parallel rank {rank}")
+            for rank, micropacks in enumerate(per_rank)]
+
+
+def _to_multiple(micropacks: list[MicroPack], pp: int, capacity: int, where: str) -> list[MicroPack]:
+    if not micropacks or len(micropacks) % pp == 0:
+        return micropacks
+    up, down = math.ceil(len(micropacks) / pp) * pp, len(micropacks) // pp * pp
+    documents = sum(len(micropack.slices) for micropack in micropacks)
+    micropacks = list(micropacks)
+    if documents >= up:  # each split adds one micro-batch while some pack holds two documents
+        while len(micropacks) < up:
+            index = max((i for i, micropack in enumerate(micropacks) if len(micropack.slices) > 1),
+                        key=lambda i: micropacks[i].num_tokens)
+            micropacks[index:index + 1] = _halves(micropacks[index])
+        return micropacks
+    while down and len(micropacks) > down:
+        first, second = sorted(sorted(range(len(micropacks)), key=lambda i: micropacks[i].num_tokens)[:2])
+        if micropacks[first].num_tokens + micropacks[second].num_tokens > capacity:
+            break
+        micropacks[first] = MicroPack(micropacks[first].slices + micropacks.pop(second).slices)
+    if down and len(micropacks) == down:
+        return micropacks
+    raise PlanError(f"{where}: {len(micropacks)} micro-batches of {documents} documents can neither be split into "
+                    f"{up} nor merged into {down} within {capacity} tokens, and Megatron's interleaved 1F1B needs a "
+                    f"multiple of pp={pp}; use a larger --global-batch-size or no virtual pipeline stages")
+
+
+def _halves(micropack: MicroPack) -> list[MicroPack]:
+    """Two MicroPacks of the slices (whole documents), longest first into the one with fewer
+    tokens; each keeps the slices' order."""
+    tokens, side = [0, 0], {}
+    for position in sorted(range(len(micropack.slices)), key=lambda i: -micropack.slices[i].length):
+        half = 0 if tokens[0] <= tokens[1] else 1
+        side[position] = half
+        tokens[half] += micropack.slices[position].length
+    return [MicroPack([s for position, s in enumerate(micropack.slices) if side[position] == half]) for half in (0, 1)]
 
 
 def whole_documents(samples: list[Sample]) -> MicroPack:
@@ -323,13 +379,15 @@ def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, conf
     Reproduces: whole documents (never split) packed into bins of `context_length` tokens by
     best-fit decreasing (`best_fit_decreasing`); one bin per micro-batch, per-document attention
     masking. Bins are sorted by token count, largest first (stable), and dealt round-robin to
-    data-parallel ranks (bin i to rank i % dp); each rank runs classic 1F1B.
+    data-parallel ranks (bin i to rank i % dp); each rank runs classic 1F1B (with virtual stages
+    Megatron's interleaved 1F1B, a rank's bins split or merged to a multiple of pp: `meet_interleaved_count`).
     """
     samples = samples_of(lengths)
     bins = best_fit_decreasing(lengths, config.context_length)
     bins.sort(key=lambda members: -sum(lengths[i] for i in members))
     micropacks = [whole_documents([samples[i] for i in members]) for members in bins]
-    per_rank = deal_round_robin(micropacks, parallel.dp)
+    per_rank = meet_interleaved_count(deal_round_robin(micropacks, parallel.dp), parallel,
+                                      config.context_length, "bfd")
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, {"num_bins": len(bins)},
                          input_sources(lengths, sources))
 
@@ -362,7 +420,8 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
     similar lengths at the same time); the order of the groups is shuffled with
     `random.Random(config.seed)` (LongAlign shuffles its sorted batches) and within a group
     sequence j goes to rank j (a last, partial group leaves the last ranks one micro-batch
-    short). Each rank runs classic 1F1B.
+    short). Each rank runs classic 1F1B (with virtual stages Megatron's interleaved 1F1B, a rank's
+    sequences split or merged to a multiple of pp: `meet_interleaved_count`).
     """
     samples = samples_of(lengths)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -373,6 +432,7 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
     for group in groups:
         for rank, members in enumerate(group):
             per_rank[rank].append(whole_documents([samples[i] for i in members]))
+    per_rank = meet_interleaved_count(per_rank, parallel, config.context_length, "sorted")
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length,
                          {"num_sequences": len(sequences), "group_order_seed": config.seed},
                          input_sources(lengths, sources))
@@ -421,7 +481,9 @@ class WlbLlmPlanner(StepPlanner):
 
     Reproduces, per global batch:
     - Micro-batch count fixed as in Megatron: M = ceil(new tokens / (context_length * dp)) per
-      replica, dp * M micro-batches in all, each capped at `context_length` tokens.
+      replica, dp * M micro-batches in all, each capped at `context_length` tokens; with virtual
+      stages M is rounded up to a multiple of pp (Megatron's interleaved 1F1B needs it), and a
+      replica left with fewer non-empty micro-batches is split or merged to one (`meet_interleaved_count`).
     - Multi-level outlier-delay queues: a new document longer than `context_length *
       LEVEL_FRACTIONS[i]` (and not longer than the previous level's threshold) joins queue i
       instead of being packed. A queue releases documents only once it holds as many as there
@@ -517,7 +579,7 @@ class WlbLlmPlanner(StepPlanner):
         self.arrived += len(lengths)
         context = config.context_length
         rates = WorkRates.from_cost(cost, parallel, context)
-        per_replica = max(1, math.ceil(sum(lengths) / (context * parallel.dp)))
+        per_replica = _micro_batches_per_replica(sum(lengths), context, parallel)
         micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
         fresh: list[PendingDocument] = []
         for index, (length, level, (document, offset)) in enumerate(
@@ -544,12 +606,13 @@ class WlbLlmPlanner(StepPlanner):
         """All pending documents, packed by cost into just enough micro-batches."""
         documents = self._take_pending()
         context = config.context_length
-        per_replica = max(1, math.ceil(sum(d.length for d in documents) / (context * parallel.dp)))
+        per_replica = _micro_batches_per_replica(sum(d.length for d in documents), context, parallel)
         while True:
             micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
             if not _pack_by_cost(documents, micro_batches, rates, context):
                 break
-            per_replica += 1  # greedy packing left some out: one more micro-batch per replica
+            # Greedy packing left some out: more micro-batches per replica (pp more with virtual stages).
+            per_replica += parallel.pp if parallel.vpp > 1 else 1
         metadata = {**metadata, "micro_batches_per_replica": per_replica, "released_all_pending": len(documents)}
         return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
 
@@ -578,6 +641,8 @@ class WlbLlmPlanner(StepPlanner):
         sample_of = {(d.step, d.index): Sample(i, d.length) for i, d in enumerate(documents)}
         micropacks = [[whole_documents([sample_of[d.step, d.index] for d in mb.documents]) for mb in mbs]
                       for mbs in per_rank]
+        # A replica left short (empty micro-batches: documents delayed).
+        micropacks = meet_interleaved_count(micropacks, parallel, config.context_length, "wlb-llm")
         pending = self.pending
         metadata = {
             **metadata, "step": self.step,
@@ -593,6 +658,13 @@ class WlbLlmPlanner(StepPlanner):
         repeated = overlapping_documents(sources, [d.length for d in documents])
         return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata,
                              (sources, repeated))
+
+
+def _micro_batches_per_replica(tokens: int, context_length: int, parallel: ParallelConfig) -> int:
+    """WLB-LLM's micro-batch count per replica, Megatron's: ceil(tokens / (context x dp)); with
+    virtual stages rounded up to the multiple of pp Megatron's interleaved 1F1B needs."""
+    count = max(1, math.ceil(tokens / (context_length * parallel.dp)))
+    return math.ceil(count / parallel.pp) * parallel.pp if parallel.vpp > 1 else count
 
 
 def _pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatch], rates: WorkRates,
