@@ -220,3 +220,20 @@ def test_slimpack_minimum_need_agrees_with_its_planner():
             with pytest.raises(PlanError, match="memory"):
                 get_strategy("slimpack")(lengths, parallel, COST_70B, config)
     assert cheap_rejection("slimpack", lengths, COST_70B, ParallelConfig(dp=1, pp=4, tp=8), context) is not None
+
+
+def test_interleaved_layouts_are_screened_after_their_plain_twin():
+    """A chunk's smaller activations give an interleaved layout a lower bound than its plain twin,
+    yet the interleave cascade needs the twin screened first: every interleaved layout was turned
+    away as "not evaluated" (megatron-fixed and wlb-llm, whose packs the bound does not cap)."""
+    context = 16384
+    lengths = batch(4, 400, context)
+    while sum(lengths) > 16 * context:  # 16 full sequences: a count Megatron's interleaving takes
+        lengths.pop()
+    lengths.append(16 * context - sum(lengths))
+    plain = ParallelConfig(tp=2, pp=4, dp=1, recompute="selective")
+    layouts = [plain.with_(vpp=vpp) for vpp in (1, 2, 4)]
+    bounds = [iteration_lower_bound("megatron-fixed", lengths, COST_7B, p) for p in layouts]
+    assert max(bounds[1:]) < bounds[0]  # the premise
+    result = best_layout("megatron-fixed", [lengths], COST_7B, 8, context, FAST, layouts=layouts, finalists=1)
+    assert sorted(p.vpp for p, _ in result.screened) == [1, 2, 4], [str(r) for r in result.rejected]

@@ -142,6 +142,12 @@ class _SyncLog:
             self.events.append(("grad_sync", chunk, self.timeline.now()))
         return func
 
+    def param_sync(self, chunk: int):
+        def func(params):
+            assert {id(p) for p in params} == {id(p) for p in self.chunks[chunk].parameters()}
+            self.events.append(("param_sync", chunk, self.timeline.now()))
+        return func
+
     def finalize(self, *args, **kwargs):
         from megatron.core.distributed import finalize_model_grads
 
@@ -151,7 +157,7 @@ class _SyncLog:
     def check(self, records, with_grad_sync: bool) -> None:
         """Megatron's interleaved protocol: no_sync around every backward but each chunk's last
         (or around all, then grad_sync_func[c] right after chunk c's last), finalize once with all
-        chunks."""
+        chunks; with the sync functions also param_sync_func per chunk before the first forward."""
         backwards = sorted((r for r in records if r.kind == "B"), key=lambda r: r.start)
         last = {r.chunk: r for r in backwards}
         for chunk in range(VPP):
@@ -171,6 +177,13 @@ class _SyncLog:
             assert not syncs
         finals = [arg for what, arg, _ in self.events if what == "finalize"]
         assert len(finals) == 1 and finals[0] == self.chunks
+        # The overlapped parameter all-gather: both chunks launched once, before the step's first forward.
+        launches = [(c, t) for what, c, t in self.events if what == "param_sync"]
+        if with_grad_sync:
+            assert sorted(c for c, _ in launches) == list(range(VPP))
+            assert max(t for _, t in launches) <= min(r.start for r in records if r.kind == "F")
+        else:
+            assert not launches
 
 
 def _worker(rank, world_size, port, path, case, seed, options):
@@ -247,6 +260,7 @@ def _worker(rank, world_size, port, path, case, seed, options):
             model.zero_grad_buffer()
         config.no_sync_func = [log.no_sync(c) for c in range(VPP)]
         config.grad_sync_func = [log.grad_sync(c) for c in range(VPP)] if with_grad_sync else None
+        config.param_sync_func = [log.param_sync(c) for c in range(VPP)] if with_grad_sync else None
         config.finalize_model_grads_func = log.finalize
         result = slimpack_forward_backward(model=models, plan=plan, token_source=source, groups=groups,
                                            timeline=timeline)
@@ -327,7 +341,7 @@ def test_pp2_vpp2_dp2_merge_group_megatron_ddp(tmp_path, megatron_cpu):
     """PP=2 x vpp=2 x DP=2 (4 processes): a DP-Merge group's interleaved orders, then each rank's own.
     Three steps: plain chunks (the schedule's all-reduce fallback over every chunk), then Megatron
     DDP per chunk with Megatron's interleaved gradient-sync protocol (a no_sync per chunk, then also
-    a grad_sync_func per chunk) and finalize_model_grads once with both chunks."""
+    a grad_sync_func and a param_sync_func per chunk) and finalize_model_grads once with both chunks."""
     plan, _ = make_case("merge", 3)
     assert any(r.is_merge_group for r in plan.replicas)
     _run(tmp_path, "merge", 3, dp=2, timeout_s=300, ddp=True)
@@ -472,3 +486,39 @@ def test_megatron_fixed_with_virtual_stages_needs_a_multiple_of_pp_per_rank():
         validate_slimpack_args(args(12))
     validate_slimpack_args(args(16))
     validate_slimpack_args(args(12, "sorted"))  # its packer meets the rule every step
+
+
+def test_parameter_gathers_are_launched_chunk_by_chunk():
+    """Megatron's interleaved schedule launches the overlapped parameter all-gather of chunks 0 and 1
+    when the step starts and of chunk c + 1 at chunk c's first forward; each chunk once per step,
+    with its own parameters; plain 1F1B (one chunk) leaves it to DDP's forward pre-hooks."""
+    from types import SimpleNamespace
+
+    from megatron_slimpack.runtime.schedule import _ParamSync
+
+    chunks = [torch.nn.Linear(2, 2) for _ in range(4)]
+    launched = []
+
+    def launcher(chunk):
+        def launch(params):
+            assert [id(p) for p in params] == [id(p) for p in chunks[chunk].parameters()]
+            launched.append(chunk)
+        return launch
+
+    config = SimpleNamespace(param_sync_func=[launcher(c) for c in range(4)])
+    sync = _ParamSync(chunks, config)
+    sync.start()
+    assert launched == [0, 1]
+    launched_at = []
+    for chunk in (0, 0, 1, 0, 1, 2, 2, 3, 3):  # an interleaved order's forwards
+        sync.before_forward(chunk)
+        launched_at.append(len(launched))
+    assert launched == [0, 1, 2, 3]
+    assert launched_at == [2, 2, 3, 3, 3, 4, 4, 4, 4]  # chunk 2 at chunk 1's first forward, 3 at chunk 2's
+    plain = _ParamSync(chunks[:1], SimpleNamespace(param_sync_func=launcher(0)))
+    plain.start()
+    plain.before_forward(0)
+    assert launched == [0, 1, 2, 3]
+    none = _ParamSync(chunks, SimpleNamespace(param_sync_func=None))
+    none.start()
+    none.before_forward(3)

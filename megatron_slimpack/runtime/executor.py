@@ -260,12 +260,14 @@ class StageExecutor:
 
     # ---- one replica plan ----------------------------------------------------------------
     def run(self, replica: ReplicaPlan, batches: list, *, replica_index: int, detail: str = "",
-            grad_sync=None) -> list[UnitReport]:
+            grad_sync=None, param_sync=None) -> list[UnitReport]:
         """Run `replica.stage_orders[pp_rank]` on `batches` (one per MicroPack: whole, or this
         member's share in a merge group). `replica_index`: the replica plan's position in the plan
         (timeline records); `detail`: carried by its reports and records. `grad_sync` (DDP's
         gradient sync, the schedule's `_GradientSync`): its `before_last_backward(chunk)` and
-        `after_last_backward(chunk)` are called around each chunk's last backward in the order."""
+        `after_last_backward(chunk)` are called around each chunk's last backward in the order;
+        `param_sync` (the overlapped parameter all-gather, the schedule's `_ParamSync`): its
+        `before_forward(chunk)` before every forward."""
         stage_tasks = [[task for task in order if not (self.forward_only and task[0] == "B")]
                        for order in replica.stage_orders]
         tasks = stage_tasks[self.pp_rank]
@@ -295,6 +297,8 @@ class StageExecutor:
                 loss_sum = None
                 is_last_backward = grad_sync is not None and last_backward.get(chunk) == position
                 if kind == "F":
+                    if param_sync is not None:
+                        param_sync.before_forward(chunk)
                     loss_sum, sent = self._forward_unit(unit, chunk, members, sizes, batches, held[chunk], detail,
                                                         received)
                 else:

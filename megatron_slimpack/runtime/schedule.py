@@ -44,7 +44,9 @@ divided by the global batch's loss-token count, so DDP must *sum*: build the con
 chunks the protocol is `forward_backward_pipelining_with_interleaving`'s: `no_sync_func` and
 `grad_sync_func` may be lists (one per chunk); no_sync wraps every backward but each chunk's last
 one (re-entered after it), `grad_sync_func[c]` runs right after chunk c's last backward, and
-`finalize_model_grads_func(chunks, None)` once with all chunks. Megatron DDP
+`finalize_model_grads_func(chunks, None)` once with all chunks; `param_sync_func` (the
+distributed optimizer's overlapped parameter all-gather) is launched per chunk as there
+(`_ParamSync`). Megatron DDP
 (0.16.1) runs on CPU with gloo under `compat.apply()` (overlap_grad_reduce=False tested).
 Fallback without a finalize function: a Megatron DDP chunk gets `finish_grad_sync()`, a plain
 module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group, and the
@@ -425,6 +427,36 @@ class _GradientSync:
         return _group_size(self.dp_group) > 1 or _group_size(self.tp_group) > 1
 
 
+class _ParamSync:
+    """Megatron's overlapped parameter all-gather with virtual stages (the distributed optimizer
+    with --overlap-param-gather, aligned by default: `config.param_sync_func`, one per chunk):
+    chunks 0 and 1 are launched when the step starts and chunk c + 1 when chunk c's first forward
+    begins, as `forward_backward_pipelining_with_interleaving` does (it shifts that launch earlier
+    by the pipeline rank; here each rank launches at its own first forward). With one chunk DDP's
+    forward pre-hooks gather on demand, as in Megatron's plain 1F1B; a chunk not launched in time
+    is gathered by them too, so the launch points decide overlap, never correctness."""
+
+    def __init__(self, chunks: list, config):
+        self.chunks = chunks
+        funcs = getattr(config, "param_sync_func", None)
+        self.funcs = _per_chunk(funcs, len(chunks)) if len(chunks) > 1 else None
+        self.launched: set[int] = set()
+
+    def start(self) -> None:
+        for chunk in (0, 1):
+            self._launch(chunk)
+
+    def before_forward(self, chunk: int) -> None:
+        self._launch(chunk)
+        self._launch(chunk + 1)
+
+    def _launch(self, chunk: int) -> None:
+        if self.funcs is None or chunk >= len(self.chunks) or chunk in self.launched:
+            return
+        self.launched.add(chunk)
+        self.funcs[chunk](self.chunks[chunk].parameters())
+
+
 # ---- the step ------------------------------------------------------------------------------
 def _start_timeline(timeline, groups: ScheduleGroups):
     """(the started Timeline or None, this stage's StageMemory record or None)."""
@@ -514,7 +546,9 @@ def slimpack_forward_backward(
     result.num_loss_tokens = executor.num_loss_tokens
     loss_sum = 0.0
     position_of = {id(r): i for i, r in enumerate(plan.replicas)}
+    param_sync = None if forward_only else _ParamSync(chunks, config)
     if not forward_only:
+        param_sync.start()
         sync.disable()
     try:
         # DP-Merge groups first (design.md section 3): members share each outlier's tokens.
@@ -523,7 +557,7 @@ def slimpack_forward_backward(
                 replica, _batches(replica, token_source, store, groups, executor.device, executor.sequence_shards),
                 replica_index=position_of[id(replica)],
                 detail=f"merge group {list(replica.dp_ranks)}" if replica.is_merge_group else "",
-                grad_sync=None if replica.is_merge_group or forward_only else sync)
+                grad_sync=None if replica.is_merge_group or forward_only else sync, param_sync=param_sync)
             loss_sum += sum(r.loss_sum for r in reports if r.loss_sum is not None)
             result += reports
         executor.pending.wait_all()

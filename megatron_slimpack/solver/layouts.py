@@ -476,9 +476,16 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
-    # Bound order; recompute only adds time, so within a shape the lighter modes come first, and
-    # plain 1F1B comes before its interleaved variants (same bound).
-    ordered = sorted(runs, key=lambda run: (bounds[id(run)], mode_rank[run.parallel.recompute], run.parallel.vpp))
+    # Bound order; recompute only adds time, so within a shape the lighter modes come first. An
+    # interleaved layout goes right after its plain 1F1B twin, which the cascade needs evaluated
+    # first, although its bound is lower (a chunk's activations leave room for larger packs).
+    twin_bound = {run.parallel: bounds[id(run)] for run in runs if run.parallel.vpp == 1}
+
+    def order(run: _Run) -> tuple:
+        key_bound = twin_bound.get(run.parallel.with_(vpp=1), bounds[id(run)])
+        return key_bound, mode_rank[run.parallel.recompute], run.parallel.with_(vpp=1).describe(), run.parallel.vpp
+
+    ordered = sorted(runs, key=order)
     fitted: set[tuple[int, ...]] = set()  # shapes where a lighter recompute mode fits
     plain: dict[ParallelConfig, float] = {}  # vpp = 1 layouts that fit -> their simulated busy time
     best = math.inf
