@@ -171,6 +171,18 @@ def test_virtual_stages_train_like_one_rank(workspace):
     assert_same_training(run, reference)
 
 
+def test_virtual_stages_with_overlapped_parameter_gathers(workspace):
+    """The distributed optimizer with --overlap-param-gather under interleaving (issue 24):
+    Megatron hands the schedule one param_sync_func per chunk (aligned gathers), which it launches
+    chunk by chunk (`_ParamSync`); DDP's forward pre-hooks wait on them. PP=2 x vpp=2 x DP=2
+    trains like DP=1 PP=1."""
+    reference = workspace.run("four-layers-dp1", initial="four-layers", extra=FOUR_LAYERS, train_iters=3)
+    run = workspace.run("vpp2-dp2-overlap-param-gather", nproc=4, initial="four-layers", train_iters=3,
+                        extra=[*FOUR_LAYERS, *VIRTUAL_STAGES, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                               "--overlap-param-gather"])
+    assert_same_training(run, reference)
+
+
 def test_a_variable_count_strategy_trains_with_virtual_stages(workspace):
     """Megatron's interleaved 1F1B takes a multiple of pp micro-batches per step; sorted's count
     follows the batch (9 on this data), which stopped the run at the first such step
