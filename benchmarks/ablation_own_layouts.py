@@ -46,7 +46,7 @@ def search_variant(job: tuple) -> dict:
     extra = {"slice_tokens": context} if variant == "no slicing" else {}
     started = time.perf_counter()
     try:
-        result = best_layout(strategy, batches, cost, GPUS, context, ms.SlimPackConfig(**extra))
+        result = best_layout(strategy, batches, cost, GPUS, context, ms.SlimPackConfig(context_length=context, **extra))
         row = row_of(result)
     except NoFeasibleLayout as error:
         row = {"error": str(error).splitlines()[0]}
