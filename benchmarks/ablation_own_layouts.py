@@ -54,7 +54,7 @@ def search_variant(job: tuple) -> dict:
             "seconds": time.perf_counter() - started, **row}
 
 
-def report(rows: list[dict]) -> str:
+def report(rows: list[dict], note: str = "") -> str:
     cells = sorted({(r["model"], r["context"]) for r in rows}, key=lambda c: (int(c[0].split("-")[1][:-1]), -c[1]))
     by_key = {(r["model"], r["context"], r["variant"]): r for r in rows}
     lines = ["# Ablation: each variant in its own best layout (issue 23, item 4)\n",
@@ -78,6 +78,8 @@ def report(rows: list[dict]) -> str:
     failures = [f"- {r['model']} {r['context'] // 1024}K {r['variant']}: {r['error']}" for r in rows if "error" in r]
     if failures:
         lines += ["", "Where no layout fits, the search's reason:", "", *failures]
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
@@ -89,11 +91,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", help="rows (JSON), written as each search finishes")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="render rows into ablation_own_layouts.md")
+    parser.add_argument("--note", default="", help="with --report: a paragraph under the table (what was not run)")
     args = parser.parse_args()
     if args.report:
         rows = [row for path in args.report for row in json.loads(Path(path).read_text())]
         path = HERE / "results" / "ablation_own_layouts.md"
-        path.write_text(report(rows))
+        path.write_text(report(rows, args.note))
         print(path.read_text())
         return
     if not args.out:
