@@ -237,3 +237,22 @@ def test_interleaved_layouts_are_screened_after_their_plain_twin():
     assert max(bounds[1:]) < bounds[0]  # the premise
     result = best_layout("megatron-fixed", [lengths], COST_7B, 8, context, FAST, layouts=layouts, finalists=1)
     assert sorted(p.vpp for p, _ in result.screened) == [1, 2, 4], [str(r) for r in result.rejected]
+
+
+def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):
+    """Held as objects, the screened layouts' plans outgrew a 24 GiB machine (llama-13b 256K on 128
+    GPUs): all but the `finalists` fastest so far are kept pickled, and the search picks the same."""
+    from megatron_slimpack.solver import layouts
+
+    context = 32768
+    batches = [batch(seed, 120, context) for seed in (5, 6)]
+    shelved = []
+    original = layouts._Run.shelve
+    monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or original(run))
+    result = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=2)
+    assert len(result.screened) > 2 and len(shelved) == len(result.screened) - 2
+    assert result.best.parallel not in shelved or len(result.best.plans) == len(batches)
+    monkeypatch.setattr(layouts._Run, "shelve", lambda run: None)
+    kept = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=2)
+    assert [e.parallel for e in kept.finalists] == [e.parallel for e in result.finalists]
+    assert [p.fingerprint() for p in kept.plans] == [p.fingerprint() for p in result.plans]
