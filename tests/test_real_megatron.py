@@ -192,8 +192,10 @@ def test_a_variable_count_strategy_trains_with_virtual_stages(workspace):
     flags = ["--slimpack-strategy", "sorted", *FOUR_LAYERS]
     reference = workspace.run("four-layers-sorted-dp1", initial="four-layers", extra=flags, train_iters=3)
     run = workspace.run("vpp2-sorted", nproc=2, initial="four-layers", train_iters=3, extra=[*flags, *VIRTUAL_STAGES])
-    counts = [len(replica["micropacks"]) for plan in plans_of(run) for replica in plan["replicas"]]
+    plans = plans_of(run)
+    counts = [len(replica["micropacks"]) for plan in plans for replica in plan["replicas"]]
     assert counts and all(count % 2 == 0 for count in counts)
+    assert any(plan["metadata"]["num_sequences"] % 2 for plan in plans)  # a step that needed a split
     assert_same_training(run, reference)
 
 
