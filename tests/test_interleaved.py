@@ -246,8 +246,8 @@ def test_variable_counts_are_split_or_merged_to_megatrons_multiple():
 @pytest.mark.parametrize("strategy", ["bfd", "sorted", "wlb-llm"])
 def test_variable_count_packers_plan_every_step_megatron_interleaves(strategy):
     """Their micro-batch counts vary from batch to batch; with virtual stages every step must be one
-    Megatron's interleaved 1F1B takes, or training stops mid-run (sorted and wlb-llm did on the
-    real trainer's own batches)."""
+    Megatron's interleaved 1F1B takes, or training stops mid-run (sorted did on the real trainer's
+    own batches)."""
     cost = CostModel.analytic("llama-7b", "h100-sxm")
     rng = random.Random(3)
     refused_plain = 0
