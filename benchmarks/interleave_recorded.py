@@ -101,12 +101,11 @@ def load_cells(paths: list[str]) -> list[dict]:
     return cells
 
 
-def merge(paths: list[str], config: Path, listed: list[str], why_listed: str) -> None:
-    """Merge the rows of `paths` into the grid; report them, and the cells of `listed` (shown with
-    `why_listed`, not merged)."""
+def merge(paths: list[str], config: Path) -> None:
+    """Merge the rows of `paths` into the grid and report them, one file per strategy."""
     order = grid_order(load_config(config))
     table = RESULTS / "paper_table.json"
-    cells, others = load_cells(paths), load_cells(listed)
+    cells = load_cells(paths)
     rows = [{key: cell[key] for key in ("model", "context", "gpus", "dataset", "steps", "seconds", "strategies",
                                         "failures")} for cell in cells]
     merged = merge_cells(json.loads(table.read_text()), rows, order)
@@ -114,15 +113,10 @@ def merge(paths: list[str], config: Path, listed: list[str], why_listed: str) ->
     (RESULTS / "paper_table.md").write_text(render(merged, order))
     plot(merged, RESULTS / "paper_speedup.png")
     rank = {key: index for index, key in enumerate(order)}
-    for group in (cells, others):
-        group.sort(key=lambda cell: rank.get(cell_key(cell), len(rank)))
-    for strategy in sorted({cell["strategy"] for cell in cells + others}):
+    cells.sort(key=lambda cell: rank.get(cell_key(cell), len(rank)))
+    for strategy in sorted({cell["strategy"] for cell in cells}):
         path = RESULTS / f"interleaved_{strategy}.md"
-        text = report(strategy, [cell for cell in cells if cell["strategy"] == strategy])
-        listed_here = [cell for cell in others if cell["strategy"] == strategy]
-        if listed_here:
-            text += f"\n## Not merged: {why_listed}\n\n" + report(strategy, listed_here).split("\n", 3)[3]
-        path.write_text(text)
+        path.write_text(report(strategy, [cell for cell in cells if cell["strategy"] == strategy]))
         print(path.read_text())
 
 
@@ -136,12 +130,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", help="where the rows go (JSON), one cell at a time as they finish")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge rows written by --out into the grid")
-    parser.add_argument("--also-list", nargs="+", default=[], metavar="JSON",
-                        help="with --merge: cells only shown in the report, e.g. run before a fix")
-    parser.add_argument("--why-listed", default="cells shown, not merged", help="the heading of --also-list")
     args = parser.parse_args()
     if args.merge:
-        merge(args.merge, Path(args.config), args.also_list, args.why_listed)
+        merge(args.merge, Path(args.config))
         return
     if not (args.cells and args.out):
         parser.error("give --cells and --out (or --merge)")

@@ -240,19 +240,39 @@ def test_interleaved_layouts_are_screened_after_their_plain_twin():
 
 
 def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):
-    """Held as objects, the screened layouts' plans outgrew a 24 GiB machine (llama-13b 256K on 128
-    GPUs): all but the `finalists` fastest so far are kept pickled, and the search picks the same."""
+    """The screened layouts' plans, but the `finalists` fastest so far, are kept pickled; the search
+    picks the same, and a shelved layout that becomes a finalist (the fastest failed a later batch)
+    gets its first batch's plan back instead of planning that batch again."""
     from megatron_slimpack.solver import layouts
 
     context = 32768
     batches = [batch(seed, 120, context) for seed in (5, 6)]
-    shelved = []
-    original = layouts._Run.shelve
-    monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or original(run))
+    shelved, planned = [], []
+    shelve, plan_and_simulate = layouts._Run.shelve, layouts._plan_and_simulate
+    monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or shelve(run))
+    monkeypatch.setattr(layouts, "_plan_and_simulate",
+                        lambda run, *args: planned.append((run.parallel, args[-1])) or plan_and_simulate(run, *args))
     result = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=2)
     assert len(result.screened) > 2 and len(shelved) == len(result.screened) - 2
-    assert result.best.parallel not in shelved or len(result.best.plans) == len(batches)
+    assert len(planned) == len(set(planned))  # no batch of a layout planned twice
     monkeypatch.setattr(layouts._Run, "shelve", lambda run: None)
     kept = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=2)
     assert [e.parallel for e in kept.finalists] == [e.parallel for e in result.finalists]
     assert [p.fingerprint() for p in kept.plans] == [p.fingerprint() for p in result.plans]
+
+    # The fastest screened layout fails its second batch: the runner-up, shelved, is finished.
+    monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or shelve(run))
+    shelved.clear()
+    planned.clear()
+    fastest = result.screened[0][0]  # screened fastest first
+    finish = layouts._finish_run
+
+    def failing(run, *args):
+        if run.parallel == fastest:
+            return layouts.Rejection(run.parallel, "simulated-memory", "batch 1: made to fail")
+        return finish(run, *args)
+
+    monkeypatch.setattr(layouts, "_finish_run", failing)
+    fallback = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1)
+    assert fallback.parallel != fastest and fallback.parallel in shelved
+    assert len(fallback.plans) == len(batches) and len(planned) == len(set(planned))

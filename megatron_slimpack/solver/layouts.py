@@ -336,8 +336,8 @@ class _Run:
 
     def shelve(self) -> None:
         """Keep the plans pickled, about 8x smaller (one llama-13b 256K plan of 64 replicas: 50 MiB
-        as objects, 6 MiB pickled): a search screens hundreds of layouts, and held as objects
-        their plans outgrew a 24 GiB machine."""
+        as objects, 6 MiB pickled): a search screens hundreds of layouts, and only its finalists'
+        plans are used again."""
         if self.plans:
             self.shelved, self.plans = pickle.dumps(self.plans, protocol=pickle.HIGHEST_PROTOCOL), []
 
