@@ -4,6 +4,7 @@ collective), is raised in the parent."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 import traceback
@@ -15,9 +16,27 @@ class SpawnError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port that is free now, drawn below the kernel's ephemeral range: a port the kernel hands out
+    (bind to 0) is soon handed out again, to gloo's own connections among others, and the rendezvous
+    that binds it a moment later then fails with EADDRINUSE."""
+    low = max(_ephemeral_range_start() - 12000, 1024)
+    for _ in range(100):
+        port = random.randrange(low, low + 12000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SpawnError(f"no free port in {low}-{low + 11999} after 100 tries")
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's dynamic range starts at 49152
+        return 49152
 
 
 def _run(rank, world_size, port, fn, args, errors):

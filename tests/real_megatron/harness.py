@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_slimpack.runtime.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MEGATRON_LM = Path(os.environ.get("SLIMPACK_MEGATRON_LM", ROOT.parent / "shared" / "megatron-lm" / "core_v0.16.1"))
@@ -156,19 +158,22 @@ def train(script: Path, data_prefix: Path, directory: Path, *, nproc: int = 1, e
     if slimpack:
         flags += [*SLIMPACK_FLAGS, "--slimpack-dump-plans", str(directory / "plans")]
     flags += list(extra)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), str(HERE / "launch.py"), str(script), *flags]
     environment = {**os.environ, "SLIMPACK_TEST_RECORD": str(record), "OMP_NUM_THREADS": "1",
                    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                    "PYTHONPATH": os.pathsep.join([str(megatron_lm()), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    **(env or {})}
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
-                                cwd=directory)
-    except subprocess.TimeoutExpired as error:
-        raise HarnessError(
-            f"the trainer did not finish in {timeout_s} s:\n{_tail(error.stdout)}{_tail(error.stderr)}") from error
-    log = result.stdout + result.stderr
+    for _attempt in range(3):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-port", str(free_port()), str(HERE / "launch.py"), str(script), *flags]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
+                                    cwd=directory)
+        except subprocess.TimeoutExpired as error:
+            raise HarnessError(
+                f"the trainer did not finish in {timeout_s} s:\n{_tail(error.stdout)}{_tail(error.stderr)}") from error
+        log = result.stdout + result.stderr
+        if not _lost_its_port(result.returncode, log):
+            break
     (directory / "log.txt").write_text(log)
     if result.returncode != 0:
         raise HarnessError(f"the trainer failed (exit {result.returncode}):\n{_tail(log, 12000)}")
@@ -185,9 +190,7 @@ def _tail(text, limit: int = 6000) -> str:
     return (text or "")[-limit:]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _lost_its_port(returncode: int, log: str) -> bool:
+    """The launcher's rendezvous found its port taken between our choice and its bind (another test
+    process took it): nothing ran yet, so a new port is a fair retry."""
+    return returncode != 0 and "EADDRINUSE" in log and "rendezvous" in log
