@@ -180,10 +180,20 @@ def _solve(
     return replicas, report
 
 
+class _CpModel(cp_model.CpModel):
+    """OR-Tools' CpModel (9.15) binds camelCase aliases of its methods onto each instance, a
+    reference cycle: every model, with its C++ proto, then lives until the cyclic collector runs.
+    A layout search pauses the collector and plans hundreds of layouts, and those models held
+    gigabytes. We use only the snake_case API, so the aliases are not made."""
+
+    def _add_pre_pep8_methods(self) -> None:
+        pass
+
+
 def _build_model(scaled: dict[int, int], heavy: np.ndarray, fixed: list[int], sand_total: int, hint: _Hint):
     """min makespan s.t. each heavy document on one replica; sand split freely (integer amounts)."""
     dp = len(fixed)
-    model = cp_model.CpModel()
+    model = _CpModel()
     upper = sum(scaled.values()) + sand_total + max(fixed)
     assign = {}
     for index in heavy:
