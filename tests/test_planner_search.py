@@ -247,3 +247,36 @@ def test_phase_one_leaves_no_cp_sat_model_for_the_cyclic_collector():
         if was_enabled:
             gc.enable()
     assert left == []
+
+
+def test_a_planning_whose_attempts_fail_leaves_nothing_for_the_cyclic_collector():
+    """The search keeps the first failure of its attempts (and each replica's); kept with its
+    traceback, the catching frame and the plans in it formed a cycle, which lived to the end of a
+    layout search (the collector is paused there). This batch's planning fails some attempts and
+    then succeeds: refcounting alone must free all of it (it left 1789 objects before)."""
+    import gc
+
+    context = 64 * K
+    lengths = [int(x) for x in np.minimum(np.random.default_rng(0).lognormal(7.5, 1.8, size=60), context).clip(100)]
+    lengths[:2] = [context, context - 5]
+    arguments = dict(parallel=ParallelConfig(dp=4, pp=2, tp=2, recompute="selective"),
+                     cost=ms.CostModel.analytic("llama-13b", "h100-sxm"),
+                     config=ms.SlimPackConfig(context_length=context))
+    ms.plan(lengths, **arguments)  # first-call caches (imports, lazily built tables) out of the count
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        plan = ms.plan(lengths, **arguments)
+        assert plan.replicas
+        del plan
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        left = gc.collect()
+        kinds = sorted({type(item).__name__ for item in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+        if was_enabled:
+            gc.enable()
+    assert left == 0, kinds

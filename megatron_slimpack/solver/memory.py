@@ -9,7 +9,7 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..specs import ParallelConfig
 from .ladder import SizeLadder
-from .outcomes import DoesNotFit
+from .outcomes import DoesNotFit, kept
 
 
 def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:
@@ -133,7 +133,7 @@ def largest_merged_micropack(lengths: list[int], cost: CostModel, parallel: Para
     try:
         return token_cap, merge_group_sizes(lengths, cost, parallel, [token_cap], use_merge)
     except DoesNotFit as error:
-        first_error = error
+        first_error = kept(error)
     groups: dict[int, np.ndarray] = {}
 
     def fits(micropack_tokens: int) -> bool:

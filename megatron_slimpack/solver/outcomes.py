@@ -41,6 +41,14 @@ def _restored(cls: type, args: tuple, state: dict) -> DoesNotFit:
     return error
 
 
+def kept(error: PlanError) -> PlanError:
+    """A caught failure to keep past its `except` block (the first of several attempts, a
+    replica's), without its traceback: the traceback holds the catching frame, whose locals hold
+    the failure, a cycle that kept every plan in those frames alive while a layout search pauses
+    the cyclic collector. The message and the fields say what did not fit."""
+    return error.with_traceback(None)
+
+
 class ReplicasDoNotFit(DoesNotFit):
     """Every replica (or merge group) of one planning that did not fit memory; it reads as the
     first of them."""

@@ -21,7 +21,7 @@ from ..specs import ParallelConfig
 from .dp_phase import Assignment, MergeGroup, assign_to_replicas
 from .ladder import SizeLadder
 from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
-from .outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
+from .outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit, kept
 from .replica import plan_replica
 from .work import WorkRates
 
@@ -101,7 +101,7 @@ class SlimPackSearch:
                 best = self.best_at(base_merge, [attempt.sizing for attempt in attempts])
                 return best.plan if base_merge == 1 else shared_by_groups(best.plan, self.parallel, base_merge)
             except PlanError as error:
-                first_error = first_error or error
+                first_error = first_error or kept(error)
                 if not isinstance(error, DoesNotFit):
                     break
         raise first_error from None
@@ -127,7 +127,7 @@ class SlimPackSearch:
                 seen.append(groups)
                 planned.append(self.plan_sizing(view, groups))
             except PlanError as error:
-                first_error = first_error or error
+                first_error = first_error or kept(error)
         if not planned:
             raise first_error
         return min(planned, key=lambda batch: batch.predicted_iteration_s)
@@ -236,7 +236,7 @@ class _BatchPlanning:
             return plan_replica(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
                                 self.search.symmetric, budget=budget)
         except DoesNotFit as failure:
-            self.failures.append(failure)
+            self.failures.append(kept(failure))
             return None
 
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
@@ -256,7 +256,7 @@ class _BatchPlanning:
                 own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
                                          [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None)
             except DoesNotFit as failure:
-                self.failures.append(failure)
+                self.failures.append(kept(failure))
                 continue
             if members and ladder is None:
                 chosen = own[rank][1].micropack_tokens  # may lie between two rungs (bisected)
