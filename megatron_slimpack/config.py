@@ -203,6 +203,11 @@ class ConfigError(SlimPackError):
     def messages(self, name: Namer) -> list[str]:
         return [message for _, message in self._check(self.values, name)]
 
+    def __reduce__(self):
+        # Rebuilt from what made it, so it crosses processes (a benchmark's worker pool); the
+        # default would call __init__ with the message only.
+        return ConfigError, (self.owner, self.values, self._check)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

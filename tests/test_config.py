@@ -208,3 +208,17 @@ def test_the_python_api_validates_and_keeps_its_contract():
     # base_merge > 1 without DP-Merge is a planning error (the search says so), not a config error:
     # `plan_slimpack(..., dp_merge=False)` plans a config's base merge without DP-Merge the same way.
     assert ms.SlimPackConfig(base_merge=2, dp_merge=False).base_merge == 2
+
+
+def test_a_config_error_crosses_processes_with_its_problems():
+    """A benchmark's worker pool sends a worker's exception back pickled; ConfigError's own
+    __init__ used to make the parent fail to unpickle it (a TypeError instead of the problem)."""
+    import pickle
+
+    with pytest.raises(ConfigError) as caught:
+        SlimPackConfig(context_length=-1, merge_threshold=0)
+    restored = pickle.loads(pickle.dumps(caught.value))
+    assert type(restored) is ConfigError and str(restored) == str(caught.value)
+    assert restored.problems == caught.value.problems and len(restored.problems) == 2
+    flag = lambda name: f"--slimpack-{name}"  # noqa: E731
+    assert restored.messages(flag) == caught.value.messages(flag)
