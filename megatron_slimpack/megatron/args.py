@@ -196,8 +196,8 @@ def _virtual_stage_problems(args, strategy: str) -> list[str]:
     from ..solver.strategies import strategy_specs, trainable_strategy_names
 
     specs = strategy_specs()
-    if vpp > 1 and strategy == "megatron-fixed":
-        return _fixed_count_problems(args)
+    if vpp > 1 and strategy in specs and specs[strategy].fixed_sequences_per_rank:
+        return _fixed_count_problems(args, strategy)
     if vpp == 1 or strategy not in specs or _plans_virtual_stages(specs[strategy], vpp):
         return []  # (an unknown strategy has its own problem line)
     planning = [name for name in trainable_strategy_names() if _plans_virtual_stages(specs[name], vpp)]
@@ -205,7 +205,7 @@ def _virtual_stage_problems(args, strategy: str) -> list[str]:
             f"choose one that does ({', '.join(planning) or 'none yet'}) or remove {_VIRTUAL_FLAGS}"]
 
 
-def _fixed_count_problems(args) -> list[str]:
+def _fixed_count_problems(args, strategy: str) -> list[str]:
     """megatron-fixed runs exactly global-batch-size / dp sequences per rank and step (the sampler
     fills every batch to within one sequence); Megatron's interleaved 1F1B needs a multiple of pp.
     Said up front rather than at the first step. (The variable-count packers meet the rule every
@@ -214,7 +214,7 @@ def _fixed_count_problems(args) -> list[str]:
     per_rank = args.global_batch_size // dp if dp and getattr(args, "global_batch_size", None) else None
     if per_rank is None or per_rank % pp == 0:
         return []
-    return [f"--slimpack-strategy 'megatron-fixed' with virtual pipeline stages runs --global-batch-size "
+    return [f"--slimpack-strategy {strategy!r} with virtual pipeline stages runs --global-batch-size "
             f"{args.global_batch_size} / data-parallel size {dp} = {per_rank} sequences per rank and step, and "
             f"Megatron's interleaved 1F1B needs a multiple of --pipeline-model-parallel-size {pp}: choose a global "
             f"batch size that is a multiple of {dp * pp}"]

@@ -143,6 +143,9 @@ class StrategySpec:
     # Its samples are not the input lengths (it cuts documents or carries them across steps): its
     # plans must say where every sample comes from (plan.py's check; tests/test_baselines.py keeps them equal).
     renumbers_samples: bool = False
+    # Each rank runs exactly global-batch-size / dp sequences per step (Megatron's GPTDataset), so
+    # with virtual stages that count must be a multiple of pp: checked when the flags are parsed.
+    fixed_sequences_per_rank: bool = False
     # Its layout's cp k is a base merge (every MicroPack shared by a DP-Merge group of k replicas),
     # which Megatron runs with --context-parallel-size 1, dp x k replicas and --slimpack-base-merge k.
     cp_is_base_merge: bool = False
