@@ -12,6 +12,7 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,28 +31,29 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     if units == count:
         return [[i] for i in range(count)]
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    sums = prefix.tolist()  # the greedy checks step with bisect: numpy's per-call cost dominated
     # Greedy with limit L cuts groups of more than L - max each: L = mean + max always fits.
     low = max(float(costs.max()), float(prefix[-1]) / units)
     high = min(float(prefix[-1]), low + float(costs.max()))
-    # Narrow [low, high] with a 16-way search (the greedy check runs for 16 limits at once) ...
+    # Narrow [low, high] to the first of 16 limits that fits, found by bisection (the greedy's group
+    # count only falls as the limit grows) ...
     while high - low > BRACKET_TOLERANCE * max(high, 1.0):
-        limits = np.linspace(low, high, SEARCH_WAYS + 2)[1:-1]
-        fits = _groups_needed(prefix, limits, stop_after=units + 1) <= units
-        if fits.any():
-            first = int(np.argmax(fits))
-            high = float(limits[first])
-            low = float(limits[first - 1]) if first > 0 else low
+        limits = np.linspace(low, high, SEARCH_WAYS + 2)[1:-1].tolist()
+        first = _first_fitting(sums, limits, units)
+        if first < len(limits):
+            high = limits[first]
+            low = limits[first - 1] if first > 0 else low
         else:
-            low = float(limits[-1])
+            low = limits[-1]
     # ... then finish exactly: the optimal bottleneck is the sum of a contiguous run, so step down
     # through the bottlenecks the greedy reaches until a limit just below one no longer fits.
-    bounds = _greedy_bounds(prefix, high)
+    bounds = _greedy_bounds(sums, high)
     while True:
         bottleneck = float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
         below = bottleneck * (1 - 3e-12)  # past the 1e-12 tolerance of the greedy checks
-        if below <= low or _groups_needed(prefix, np.array([below]), stop_after=units + 1)[0] > units:
+        if below <= low or not _fits(sums, below, units):
             break
-        bounds = _greedy_bounds(prefix, below)
+        bounds = _greedy_bounds(sums, below)
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -59,32 +61,42 @@ BRACKET_TOLERANCE = 1e-6
 SEARCH_WAYS = 16
 
 
-def _groups_needed(prefix: np.ndarray, limits: np.ndarray, stop_after: int) -> np.ndarray:
-    """Groups of the greedy segmentation under each limit (vectorised over limits); a count above
-    `stop_after` means more than `stop_after`."""
-    count = len(prefix) - 1
-    position = np.zeros(len(limits), dtype=np.int64)
-    groups = np.zeros(len(limits), dtype=np.int64)
-    reach = limits * (1 + 1e-12)
-    for _ in range(stop_after + 1):
-        active = position < count
-        if not active.any():
-            break
-        end = prefix.searchsorted(prefix[position] + reach, side="right") - 1
-        position = np.where(active, np.minimum(np.maximum(end, position + 1), count), position)
-        groups += active
-    return groups
+def _first_fitting(sums: list[float], limits: list[float], units: int) -> int:
+    """Index of the first of the increasing `limits` under which the greedy needs at most `units`
+    groups (len(limits): none)."""
+    low, high = 0, len(limits)
+    while low < high:
+        middle = (low + high) // 2
+        if _fits(sums, limits[middle], units):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
-def _greedy_bounds(prefix: np.ndarray, limit: float) -> np.ndarray:
+def _fits(sums: list[float], limit: float, units: int) -> bool:
+    """Whether the greedy segmentation under `limit` (each group takes as many positions as fit,
+    at least one) needs at most `units` groups; `sums`: the prefix sums."""
+    count = len(sums) - 1
+    reach = limit * (1 + 1e-12)
+    position = groups = 0
+    while position < count:
+        if groups == units:
+            return False
+        position = min(max(bisect.bisect_right(sums, sums[position] + reach) - 1, position + 1), count)
+        groups += 1
+    return True
+
+
+def _greedy_bounds(sums: list[float], limit: float) -> np.ndarray:
     """Cut points of the greedy segmentation: each group takes as many positions as fit `limit`
     (at least one), found by binary search on the prefix sums."""
-    count = len(prefix) - 1
+    count = len(sums) - 1
     bounds = [0]
     tolerance = limit * 1e-12
     while bounds[-1] < count:
         start = bounds[-1]
-        end = int(prefix.searchsorted(prefix[start] + limit + tolerance, side="right")) - 1
+        end = bisect.bisect_right(sums, sums[start] + limit + tolerance) - 1
         bounds.append(min(max(end, start + 1), count))
     return np.array(bounds)
 
