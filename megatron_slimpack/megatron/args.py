@@ -208,8 +208,8 @@ def _virtual_stage_problems(args, strategy: str) -> list[str]:
 def _fixed_count_problems(args, strategy: str) -> list[str]:
     """A fixed-count strategy (megatron-fixed) runs exactly global-batch-size / dp sequences per rank
     and step (the sampler fills every batch to within one sequence); Megatron's interleaved 1F1B
-    needs a multiple of pp. Said up front rather than at the first step. (The variable-count packers meet the rule every
-    step: `solver.baselines.meet_interleaved_count`.)"""
+    needs a multiple of pp. Said up front rather than at the first step. (The variable-count
+    packers meet the rule every step: `solver.baselines.meet_interleaved_count`.)"""
     dp, pp = getattr(args, "data_parallel_size", None), args.pipeline_model_parallel_size
     per_rank = args.global_batch_size // dp if dp and getattr(args, "global_batch_size", None) else None
     if per_rank is None or per_rank % pp == 0:
