@@ -393,7 +393,8 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel) -> Rejecti
 
 # The cyclic collector is paused for the whole search: it would rescan every plan the search keeps
 # (13.1 of 101.4 CPU s of a llama-70b search went to full passes). So nothing a planning or a
-# simulation makes may rely on it to be freed (a CP-SAT model once did: dp_phase._CpModel).
+# simulation makes may rely on it to be freed (CP-SAT models and kept failures once did:
+# dp_phase._CpModel, outcomes.kept).
 @cyclic_gc_paused()
 def best_layout(
     strategy: str,
