@@ -15,7 +15,7 @@ from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.plan import PlanError, Sample
 from megatron_slimpack.solver.ladder import SizeLadder
 from megatron_slimpack.solver.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
-from megatron_slimpack.solver.search import Attempt, Sizing, SlimPackSearch
+from megatron_slimpack.solver.search import Attempt, GroupSizing, Sizing, SlimPackSearch
 from megatron_slimpack.specs import ParallelConfig
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -270,3 +270,41 @@ def test_a_planning_whose_attempts_fail_leaves_nothing_for_the_cyclic_collector(
     planned = []
     left = cyclic_garbage_of(lambda: planned.append(len(ms.plan(lengths, **arguments).replicas)))
     assert planned[0] > 0 and left == [], sorted(set(left))
+
+
+def test_a_failed_replica_grows_the_groups_of_its_sliced_documents_only():
+    """Documents longer than the smallest MicroPack (sliced) get twice their replica's group; a
+    replica with nothing sliced gets nothing: its MicroPacks alone do not fit."""
+    from megatron_slimpack.solver.search import grown_groups
+
+    lengths = [30000, 9000, 4000, 20000]
+    groups = np.array([1, 1, 1, 2])
+    failure = DoesNotFit("replica [0] does not fit", sample_ids=[0, 1, 2], group_ranks=1)
+    grown = grown_groups(failure, groups, lengths, smallest_micropack=8192, largest_group=8)
+    assert grown.tolist() == [2, 2, 1, 2] and groups.tolist() == [1, 1, 1, 2]
+    whole = DoesNotFit("replica [0] does not fit", sample_ids=[1, 2], group_ranks=1)
+    assert grown_groups(whole, groups, lengths, smallest_micropack=10000, largest_group=8) is None
+    assert grown_groups(failure, groups, lengths, smallest_micropack=8192, largest_group=1) is None
+
+
+def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_planning(monkeypatch):
+    """Documents kept whole (`slice_tokens` = the context) in a layout whose MicroPacks do not fit:
+    growing the failed replica's longest document planned the batch again and again (600+
+    plannings at llama-13b 256K tp2 pp2 vpp2 dp32), as phase 1 moved other documents into its
+    place. Now the first planning's failure is the sizing's answer."""
+    context = 64 * K
+    lengths = [int(x) for x in np.random.default_rng(1).integers(1000, context, size=40)]
+    config = ms.SlimPackConfig(context_length=context, slice_tokens=context)
+    search = SlimPackSearch(lengths, ParallelConfig(dp=8, pp=2, vpp=2, tp=2, recompute="selective"),
+                            ms.CostModel.analytic("llama-13b", "h100-sxm"), config)
+    plannings = []
+
+    def failing(view, token_cap, group_ranks):
+        plannings.append(group_ranks.copy())
+        raise ReplicasDoNotFit([DoesNotFit("replica [3] does not fit", sample_ids=[5, 6, 7],
+                                           group_ranks=int(group_ranks[[5, 6, 7]].max()))])
+
+    monkeypatch.setattr(search, "plan_groups", failing)
+    with pytest.raises(DoesNotFit, match=r"replica \[3\]"):
+        search.plan_sizing(search.parallel, GroupSizing(context, np.ones(len(lengths), dtype=int)))
+    assert len(plannings) == 1

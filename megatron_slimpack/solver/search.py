@@ -166,14 +166,17 @@ class SlimPackSearch:
 
 def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
                  largest_group: int) -> np.ndarray | None:
-    """Twice the group of the failed replica's sliced documents (its longest one if none is
-    sliced); None when that group would exceed `largest_group` ranks."""
+    """Twice the group of the failed replica's sliced documents; None when that group would exceed
+    `largest_group` ranks, or when none of them is sliced: then its MicroPacks alone, at the
+    ladder's smallest size, do not fit, and taking documents away one planning at a time only
+    moved others into their place (documents kept whole, an interleaved layout: 600+ plannings
+    without an end, eighteenth session)."""
     ranks = 2 * failure.group_ranks
-    if ranks > largest_group or largest_group % ranks or not failure.sample_ids:
-        return None
     sliced = [i for i in failure.sample_ids if lengths[i] > smallest_micropack * failure.group_ranks]
+    if ranks > largest_group or largest_group % ranks or not sliced:
+        return None
     grown = group_ranks.copy()
-    for index in sliced or [max(failure.sample_ids, key=lambda i: lengths[i])]:
+    for index in sliced:
         grown[index] = max(grown[index], ranks)
     return grown
 
