@@ -69,11 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--cells", default=",".join(f"{m}/{c}K" for m, c in CELLS),
-                        help="model/contextK,... (default: 13B, 70B and 150B at 256K and 128K)")
     args = parser.parse_args()
-    cells = [(model, int(context.rstrip("K"))) for model, context in
-             (cell.split("/") for cell in args.cells.split(","))]
     bench = paper_table.load_config(HERE.parent / "configs" / "bench" / "paper.yaml")
     table = {(c["model"], c["context"] // 1024, c["gpus"], c["dataset"]): c
              for c in json.loads((HERE / "results" / "paper_table.json").read_text())}
@@ -87,7 +83,7 @@ def main() -> None:
     print("| model | context | " + " | ".join(VARIANTS) + " |")
     print("|---|---:|" + "---:|" * len(VARIANTS))
     results = {}
-    for model, context_k in cells:
+    for model, context_k in CELLS:
         recorded = table[(model, context_k, 128, "wikipedia")]["strategies"]
         context = context_k * 1024
         _, hardware = bench["cluster_gpus"][cluster]
