@@ -119,6 +119,89 @@ def test_a_long_documents_run_up_does_not_stall_the_interleaved_pipeline():
     assert times[2] <= (16 + 3 / 2) * 3.0 + 1e-9 < times[1] + 1e-9
 
 
+def _chunks_in_flight(schedule) -> int:
+    """The most chunk activations a rank holds at once (forwards run before a backward, minus the
+    backwards before it), one-MicroPack units of equal size."""
+    import numpy as np
+
+    targets = np.asarray(schedule.targets)
+    return int((targets - np.arange(targets.shape[1])[None, :]).max())
+
+
+@pytest.mark.parametrize("m,pp,vpp,megatrons,leanest", [(9, 2, 2, 6, 5), (9, 2, 4, 12, 9), (19, 4, 2, 14, 11),
+                                                         (39, 8, 6, 90, 55), (22, 4, 4, 24, 19)])
+def test_a_remainder_shorter_than_pp_is_run_as_a_short_first_group(m, pp, vpp, megatrons, leanest):
+    """Units that are no multiple of pp: Megatron's table joins the remainder to the last group, a
+    group longer than pp, whose chunk-1 forwards come later than the last rank's backwards need
+    them; every rank then holds (vpp - 1) * remainder chunks more (llama-13b 256K tp2 pp2 vpp2:
+    whole-document replicas at the cap held 50.5-55.5 GiB for 49.2 GiB). The remainder as a short
+    first group runs through and holds what a multiple of pp does (the closed form above)."""
+    from megatron_slimpack.solver.orders import interleaved_schedules
+
+    units = [[i] for i in range(m)]
+    schedules = interleaved_schedules(units, units, pp, vpp)
+    running = [s for s in schedules if s.runs_through()]
+    for schedule in schedules:  # every table runs each (unit, chunk) once
+        assert sorted(t[1:] for t in schedule.forwards) == [(u, c) for u in range(m) for c in range(vpp)]
+    megatron = [s for s in running if s.grouping == 0]
+    assert min(map(_chunks_in_flight, megatron)) == megatrons
+    assert min(map(_chunks_in_flight, running)) == leanest == 2 * (pp - 1) + (vpp - 1) * pp + 1
+    assert interleaved_orders(units, units, pp, vpp) == megatron[0].orders()  # the first that runs: Megatron's
+    multiple = interleaved_schedules(units[: m - m % pp], units[: m - m % pp], pp, vpp)
+    assert {s.grouping for s in multiple} == {0}  # a multiple of pp: Megatron's table only
+
+
+def test_the_planner_takes_the_first_schedule_within_its_budget():
+    """`InterleavedCandidate.of`: Megatron's table by default, over budget or not; asked for the
+    leaner tables, the first within the budget that runs through (the short first group here),
+    or where none is, the leanest, for the search to drop."""
+    from megatron_slimpack.solver.orders import StageWork
+    from megatron_slimpack.solver.pack_phase import InterleavedCandidate
+
+    m, pp = 9, 2
+    units = [[i] for i in range(m)]
+    ones = [[1.0] * m for _ in range(pp)]
+    work = StageWork(ones, ones, [0.0] * m, [0.0] * m, ones, ones, [1e9] * pp)
+
+    class Candidate:  # the part of a UnitCandidate that `of` reads
+        forward_units = backward_units = units
+        vpp = 2
+
+    Candidate.work = work
+    for budget in (None, 6.0, 5.0):
+        megatron = InterleavedCandidate.of(Candidate, [0], budget_bytes=budget)
+        assert megatron.schedule.grouping == 0 and megatron.peak_activation_bytes == 6.0
+    lean = InterleavedCandidate.of(Candidate, [0], budget_bytes=5.0, which="leaner")
+    assert lean.schedule.grouping > 0 and lean.peak_activation_bytes == 5.0 and lean.schedule.runs_through()
+    over = InterleavedCandidate.of(Candidate, [0], budget_bytes=4.0, which="leaner")
+    assert over.peak_activation_bytes == 5.0  # over budget: dropped by the search for memory
+
+
+def test_whole_documents_at_the_cap_fit_their_interleaved_replicas():
+    """llama-13b 256K tp2 pp2 vpp2 dp32, the paper grid's first Wikipedia batch, documents kept
+    whole (`slice_tokens` = the context): `auto_token_cap` sizes MicroPacks (20480 tokens) for the
+    chunks a multiple of pp keeps in flight. Each replica has 181-188 of them; with Megatron's
+    table only, six of the odd counts held 50.5-55.5 GiB for 49.2 GiB and the search merged
+    replicas in pairs (base merge 2, 211.7 s simulated). Now every replica fits at base merge 1."""
+    from pathlib import Path
+
+    from megatron_slimpack.simulator import simulate as simulate_plan
+    from megatron_slimpack.solver.strategies import plan_global_batch
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    context = 256 * 1024
+    wikipedia = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikipedia_lengths.txt"
+    batch = GlobalBatchSampler(load_lengths(f"file:{wikipedia}", seed=0), context, 512, seed=0).next_batch()
+    cost = CostModel.analytic("llama-13b", "h100-sxm")
+    parallel = ParallelConfig(dp=32, pp=2, vpp=2, tp=2, recompute="selective")
+    plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,
+                             config=SlimPackConfig(context_length=context, slice_tokens=context))
+    assert "base_merge" not in plan.metadata and plan.metadata["token_cap"] == 20480
+    singles = [r for r in plan.metadata["replicas"] if len(r["dp_ranks"]) == 1]
+    assert len(singles) == 32 and any(r["units"] % 2 for r in singles)
+    assert max(simulate_plan(plan, cost).peak_memory_bytes) <= cost.memory_budget_bytes()
+
+
 def test_far_apart_unit_counts_are_refused_and_skipped_by_the_planner():
     """A candidate the SlimPack planner met at llama-70b tp8 pp8 vpp2: 16 forward units, 22
     backward units, 8 two-slice documents. Neither order runs without a circular wait: a PlanError

@@ -39,10 +39,11 @@ def _config(**overrides):
 
 
 # ---- plans ------------------------------------------------------------------------------------
-def make_sliced_case(seed: int, asymmetric: bool):
+def make_sliced_case(seed: int, asymmetric: bool, micropacks: int = 8):
     """Eight MicroPacks: one document sliced over MicroPacks 0-1, another over 3-4-5 (its last
     slice reads two slices' K/V), the others whole. Units: one MicroPack each (symmetric), or
-    asymmetric ones (four forward units, six backward units, grouped differently)."""
+    asymmetric ones (four forward units, six backward units, grouped differently). With
+    `micropacks` = 7, the last (a whole document) is left out."""
     from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
     from megatron_slimpack.specs import ParallelConfig
 
@@ -56,14 +57,15 @@ def make_sliced_case(seed: int, asymmetric: bool):
 
     packs = [[Slice(0, 0, cut), whole(2)], [whole(3), Slice(0, cut, lengths[0])], [whole(4)],
              [Slice(1, 0, first)], [whole(5), Slice(1, first, second)], [Slice(1, second, lengths[1]), whole(6)],
-             [whole(7)], [whole(8)]]
+             [whole(7)], [whole(8)]][:micropacks]
+    lengths = {sid: n for sid, n in lengths.items() if sid <= micropacks}  # documents 0-8 or 0-7
     replica = ReplicaPlan([MicroPack(p) for p in packs], [], [], [], dp_ranks=[0])
-    assert replica.backward_sequence() == [1, 0, 2, 5, 4, 3, 6, 7]
+    assert replica.backward_sequence() == [1, 0, 2, 5, 4, 3, 6, 7][:micropacks]
     if asymmetric:
         replica.forward_units = [[0, 1], [2, 3, 4], [5], [6, 7]]
         replica.backward_units = [[1], [0, 2], [5], [4, 3], [6], [7]]
     else:
-        replica.forward_units = [[m] for m in range(8)]
+        replica.forward_units = [[m] for m in range(micropacks)]
         replica.backward_units = [[m] for m in replica.backward_sequence()]
     replica.stage_orders = [[] for _ in range(PP)]  # replaced by with_virtual_stages
     samples = [Sample(sid, n) for sid, n in lengths.items()]
@@ -82,9 +84,25 @@ def make_merge_case(seed: int):
     return with_virtual_stages(plan, VPP), documents
 
 
+def make_short_first_case(seed: int):
+    """The sliced case without its last MicroPack: seven one-MicroPack units, no multiple of pp,
+    run with the remainder as a short first group (`interleaved_groupings`), the table that holds
+    the fewest chunks in flight for such counts."""
+    from megatron_slimpack.solver.orders import interleaved_schedules
+
+    plan, documents = make_sliced_case(seed, asymmetric=False, micropacks=7)
+    replica = plan.replicas[0]
+    short_first = [schedule for schedule in interleaved_schedules(replica.forward_units, replica.backward_units,
+                                                                   PP, VPP) if schedule.grouping > 0]
+    replica.stage_orders = next(s for s in short_first if s.runs_through()).orders()
+    return plan.validate(), documents
+
+
 def make_case(case: str, seed: int):
     if case == "merge":
         return make_merge_case(seed)
+    if case == "short-first":
+        return make_short_first_case(seed)
     return make_sliced_case(seed, asymmetric=case == "asymmetric")
 
 
@@ -327,6 +345,16 @@ def test_pp2_vpp2_sliced_documents(tmp_path, megatron_cpu):
 
 
 @pytest.mark.slow
+def test_pp2_vpp2_remainder_as_a_short_first_group(tmp_path, megatron_cpu):
+    """Seven units over pp=2: the first group holds one unit, so rank 0 runs its chunk-1 forward
+    of unit 0 right after chunk 0's (waiting on rank 1), then groups of two."""
+    plan, _ = make_case("short-first", 1)
+    forwards = [task for task in plan.replicas[0].stage_orders[0] if task[0] == "F"]
+    assert forwards[:3] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0)]
+    _run(tmp_path, "short-first", 1)
+
+
+@pytest.mark.slow
 def test_pp2_vpp2_asymmetric_units(tmp_path, megatron_cpu):
     """Four forward units, six backward units, grouped differently; outputs deallocated once sent."""
     plan, _ = make_case("asymmetric", 2)
@@ -371,7 +399,7 @@ def test_pp2_vpp2_activation_recompute(tmp_path, megatron_cpu, granularity, case
 
 
 # ---- checks that need no processes -----------------------------------------------------------------
-@pytest.mark.parametrize("case, seed", [("symmetric", 1), ("asymmetric", 2), ("merge", 3)])
+@pytest.mark.parametrize("case, seed", [("symmetric", 1), ("asymmetric", 2), ("merge", 3), ("short-first", 1)])
 def test_interleaved_programs_are_deadlock_free_and_match_per_peer(case, seed):
     """Every transfer is posted once at each end; between two ranks both ends post them in the same
     order (gloo matches per peer in posting order, NCCL needs it), and both kinds go both ways."""

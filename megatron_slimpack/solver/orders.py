@@ -294,20 +294,44 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
 
 
 # ---- interleaved 1F1B (virtual pipeline stages) -----------------------------------------------
-def interleaved_table(num_units: int, vpp: int, group: int, min_group: int | None = None) -> list[tuple[int, int]]:
-    """(unit, chunk) in the order every rank runs its forwards under Megatron's interleaved 1F1B:
-    units in groups of `group` (Megatron's microbatch_group_size_per_vp_stage, default pp), each
-    group through chunk 0, then chunk 1, ...; the last group takes what remains. With `min_group`
-    a remainder shorter than it joins the group before (Megatron refuses such a step: a last group
-    shorter than pp makes the first rank wait on the last one's previous chunk)."""
-    starts = list(range(0, num_units, group))
-    if min_group and len(starts) > 1 and num_units - starts[-1] < min_group:
-        starts.pop()
-    table = []
-    for index, first in enumerate(starts):
-        last = starts[index + 1] if index + 1 < len(starts) else num_units
-        table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, last)]
+def interleaved_table(group_sizes: list[int], vpp: int) -> list[tuple[int, int]]:
+    """(unit, chunk) in the order every rank runs its forwards under interleaved 1F1B: units in
+    consecutive groups of `group_sizes`, each group through chunk 0, then chunk 1, ..."""
+    table, first = [], 0
+    for size in group_sizes:
+        table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, first + size)]
+        first += size
     return table
+
+
+def megatron_groups(num_units: int, group: int, pp: int) -> list[int]:
+    """Megatron's groups of `group` units (microbatch_group_size_per_vp_stage, default pp), the
+    last taking what remains; a remainder shorter than pp joins the group before (Megatron refuses
+    such a step: a last group shorter than pp makes the first rank wait on the last one's previous
+    chunk)."""
+    whole, remainder = divmod(num_units, group)
+    if whole == 0 or remainder == 0:
+        return [group] * whole or [num_units]
+    if remainder >= pp:
+        return [group] * whole + [remainder]
+    return [group] * (whole - 1) + [group + remainder]
+
+
+def interleaved_groupings(num_units: int, group: int, pp: int) -> list[list[int]]:
+    """The group sizes to try for `num_units`, Megatron's first. A group of g > pp units makes
+    the last rank run (vpp - 1) * (g - pp) more forwards before its backwards need them, and every
+    rank then holds that many more chunks in flight (pp=8, vpp=6: 90 instead of 55 for 39 units).
+    Where a remainder joined the group before, two groupings that hold fewer: the remainder spread
+    one unit over each of the last groups (at most one extra unit per group), and the remainder as
+    a short first group (Megatron's count in flight; a bubble where rank 0 waits on the last rank's
+    previous chunk, and a circular wait for some counts, which the walk finds)."""
+    groupings = [megatron_groups(num_units, group, pp)]
+    whole, remainder = divmod(num_units, group)
+    if whole >= 1 and 0 < remainder < pp:
+        if remainder > 1 and whole >= remainder:
+            groupings.append([group] * (whole - remainder) + [group + 1] * remainder)
+        groupings.append([remainder] + [group] * whole)
+    return groupings
 
 
 @dataclass
@@ -323,6 +347,7 @@ class InterleavedSchedule:
     needs: list[int]  # the last forward unit each backward unit needs (`last_forward_needed`)
     pp: int
     vpp: int
+    grouping: int = 0  # which of `interleaved_groupings` its tables follow (0: Megatron's)
 
     def orders(self) -> list[list[tuple[str, int, int]]]:
         return orders_of_targets(self.targets, self.forwards, self.backwards)
@@ -431,33 +456,55 @@ class InterleavedSchedule:
 
 
 def interleaved_schedules(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
-                          group: int | None = None) -> list[InterleavedSchedule]:
-    """The interleaved 1F1B schedules to try, least held in flight first (`interleaved_orders`):
+                          group: int | None = None, which: str = "all") -> list[InterleavedSchedule]:
+    """The interleaved 1F1B schedules to try (`interleaved_orders`), two per grouping of
+    `interleaved_groupings` (`which`: "all", Megatron's first; "megatron"; or "leaner", the
+    others), the first of the two holding less in flight:
 
     - forwards follow `interleaved_table` over the forward units; backwards follow it over the
       backward units with chunks reversed (the last chunk's backward comes first);
     - the last rank runs (vpp - 1) * group forwards before its first backward, then one more per
       backward (scaled when forward and backward unit counts differ), and never a backward before
-      the forward it needs on that chunk (a long document's later slices); rank s keeps
-      2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
+      the forward it needs on that chunk (a long document's later slices, a group longer than
+      pp); rank s keeps 2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
 
     The first adds each backward's need where it arises; the second adds the largest excess as
     one lead to every rank's warm-up (as Megatron adds one for all when it overlaps MoE traffic).
     Every target of the second is at least the first's, so it never holds less in flight."""
     group = group or pp
-    forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(len(forward_units), vpp, group, pp)]
-    backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(len(backward_units), vpp, group, pp)]
-    position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
+    forward_groupings = interleaved_groupings(len(forward_units), group, pp)
+    backward_groupings = interleaved_groupings(len(backward_units), group, pp)
+    pairs = []
+    for index in range(max(len(forward_groupings), len(backward_groupings))):
+        pair = (forward_groupings[min(index, len(forward_groupings) - 1)],
+                backward_groupings[min(index, len(backward_groupings) - 1)])
+        if pair not in pairs:
+            pairs.append(pair)
+    chosen = {"all": range(len(pairs)), "megatron": range(1), "leaner": range(1, len(pairs))}[which]
+    if not chosen:
+        return []
     needs = last_forward_needed(forward_units, backward_units).tolist() if backward_units else []
+    schedules = []
+    for index in chosen:
+        forward_groups, backward_groups = pairs[index]
+        forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(forward_groups, vpp)]
+        backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(backward_groups, vpp)]
+        for targets in _interleaved_targets(forwards, backwards, needs, pp, vpp, group):
+            schedules.append(InterleavedSchedule(targets, forwards, backwards, needs, pp, vpp, index))
+    return schedules
+
+
+def _interleaved_targets(forwards: list[tuple[str, int, int]], backwards: list[tuple[str, int, int]],
+                         needs: list[int], pp: int, vpp: int, group: int) -> list[np.ndarray]:
+    """`interleaved_schedules`' two forward targets of one grouping's tables."""
+    position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
     total_forwards, total_backwards = len(forwards), len(backwards)
     steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
     needed = [position[(needs[unit], chunk)] + 1 for _, unit, chunk in backwards]
     lift = max([n - s for n, s in zip(needed, steady)] + [0])
-    schedules = []
-    for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift):
-        targets = np.minimum(total_forwards, required[None, :] + 2 * (pp - 1 - np.arange(pp))[:, None])
-        schedules.append(InterleavedSchedule(targets, forwards, backwards, needs, pp, vpp))
-    return schedules
+    lead = 2 * (pp - 1 - np.arange(pp))[:, None]
+    return [np.minimum(total_forwards, required[None, :] + lead)
+            for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift)]
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,

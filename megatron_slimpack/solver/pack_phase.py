@@ -408,15 +408,17 @@ class UnitCandidate:
         first = self.work.forward_bytes[0]
         return float(sum(first[:len(self.work.forward_bytes)]))
 
-    def order(self, dp_ranks: list[int], budget_bytes: float | None = None) -> "OrderedCandidate":
+    def order(self, dp_ranks: list[int], budget_bytes: float | None = None, leaner_tables: bool = False
+              ) -> "OrderedCandidate":
         """Stage orders, the makespan of their replay (no DP reduction) and their peak memory.
 
         Running a chain's forwards ahead, one per backward, keeps the pipeline full but holds them
         while the previous chain drains. Where that passes `budget_bytes`, the run-up is shortened
         (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
-        before the chain's backward) are returned when none does."""
+        before the chain's backward) are returned when none does. Interleaved: Megatron's table, or
+        with `leaner_tables` the ones that hold less (`InterleavedCandidate.of`)."""
         if self.vpp > 1:
-            return InterleavedCandidate.of(self, dp_ranks, budget_bytes)
+            return InterleavedCandidate.of(self, dp_ranks, budget_bytes, "leaner" if leaner_tables else "megatron")
         warmups = warmup_counts(self.work, len(self.work.forward_time))
         pipelined = self._ordered(dp_ranks, warmups, None)
         if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
@@ -474,16 +476,30 @@ class InterleavedCandidate:
     peak_activation_bytes: float
 
     @classmethod
-    def of(cls, candidate: UnitCandidate, dp_ranks: list[int], budget_bytes: float | None = None
-           ) -> "InterleavedCandidate":
-        """The first schedule that runs through. Each is measured before it is walked: one above
-        `budget_bytes` is returned as it is (the search drops it for memory, and the next one
-        never holds less), so most candidates cost no walk."""
+    def of(cls, candidate: UnitCandidate, dp_ranks: list[int], budget_bytes: float | None = None,
+           which: str = "megatron") -> "InterleavedCandidate":
+        """The first schedule within `budget_bytes` that runs through, of Megatron's table or
+        (`which` = "leaner") of the groupings that hold fewer chunks in flight where the unit count
+        is no multiple of pp (`interleaved_schedules`). Each is measured before it is walked, so
+        most candidates cost no walk: one over budget is passed by, with the rest of its grouping
+        (they never hold less); where all are, the leanest is returned as it is (the search drops
+        it for memory)."""
         pp = len(candidate.work.forward_time)
-        for schedule in interleaved_schedules(candidate.forward_units, candidate.backward_units, pp, candidate.vpp):
+        leanest: tuple[InterleavedSchedule, float] | None = None
+        over_budget = set()  # groupings whose first schedule is over budget
+        for schedule in interleaved_schedules(candidate.forward_units, candidate.backward_units, pp, candidate.vpp,
+                                              which=which):
+            if schedule.grouping in over_budget:
+                continue
             peak = schedule.peak_bytes(candidate.work)
-            if (budget_bytes is not None and peak > budget_bytes) or schedule.runs_through():
+            if budget_bytes is not None and peak > budget_bytes:
+                over_budget.add(schedule.grouping)
+                if leanest is None or peak < leanest[1]:
+                    leanest = (schedule, peak)
+            elif schedule.runs_through():
                 return cls(candidate, list(dp_ranks), schedule, peak)
+        if leanest is not None:
+            return cls(candidate, list(dp_ranks), *leanest)
         raise no_interleaved_order(len(candidate.forward_units), len(candidate.backward_units), pp, candidate.vpp)
 
     @cached_property

@@ -130,11 +130,14 @@ class ReplicaSearch:
                            for c, _ in candidates):
                     candidates.append((candidate, units))
         candidates.sort(key=lambda entry: entry[0].estimate_s)
-        replayed = 0
+        replayed, not_fitting = 0, []
         for candidate, units in candidates:
             if replayed == self.tunables.replayed_candidates:
                 break
-            replayed += self._replay(candidate, units, costs, micropack_tokens)
+            fits = self._replay(candidate, units, costs, micropack_tokens)
+            replayed += fits
+            if not fits:
+                not_fitting.append((candidate, units))
         if not self.symmetric and self.parallel.pp > 1 and len(micropacks) > 1:
             # Forward units of two MicroPacks, backward units of one (`UnitCandidate.paired`):
             # where memory keeps one-MicroPack units from running a long document's chain ahead,
@@ -142,16 +145,28 @@ class ReplicaSearch:
             # candidates above, and only where its lower bound beats the best schedule so far.
             paired = UnitCandidate.paired(micropacks, costs, self.cost, self.parallel, self.budget)
             if self.best is None or paired.lower_bound_s < self.best_makespan_s:
-                replayed += self._replay(paired, len(paired.forward_units), costs, micropack_tokens)
+                fits = self._replay(paired, len(paired.forward_units), costs, micropack_tokens)
+                replayed += fits
+                if not fits:
+                    not_fitting.append((paired, len(paired.forward_units)))
+        if self.parallel.vpp > 1:
+            # Where the unit count is no multiple of pp, Megatron's interleaved table holds more
+            # chunks in flight than the cap was sized for; the candidates it did not fit get the
+            # leaner tables (`interleaved_groupings`). What they find is kept, but does not count
+            # as this size fitting: their bubble can make a larger size slower than the next
+            # smaller one, so the ladder walks the sizes as it would without them.
+            for candidate, units in not_fitting:
+                self._replay(candidate, units, costs, micropack_tokens, leaner_tables=True)
         return replayed > 0
 
-    def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int) -> bool:
+    def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int,
+                leaner_tables: bool = False) -> bool:
         """Order and replay one candidate, keeping it where it is the fastest that fits memory;
         True when it fits."""
         if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
             return False  # its stage 0 cannot fit even before the first backward: not worth ordering
         try:
-            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes)
+            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes, leaner_tables)
         except PlanError:  # interleaved: no order of these units runs without a circular wait
             return False
         peak = result.peak_activation_bytes + costs.largest_recompute_bytes
