@@ -104,6 +104,30 @@ def test_sliced_and_asymmetric_units_interleave_and_run_through(monkeypatch):
     assert lifted
 
 
+@pytest.mark.parametrize("seed, accumulated, full, per_rank", [(50, 14, 19, 13), (54, 16, 19, 13),
+                                                               (114, 21, 27, 21)])
+def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed, accumulated, full, per_rank):
+    """Sliced documents over pp=4 x vpp=2, one MicroPack per unit (a multiple of pp): adding each
+    backward's need on top of every rank's warm-up lead waits in a circle (where the chain's need
+    stays flat, rank 0 keeps its lead and asks for a chunk the last rank only runs after a backward
+    that needs rank 0's), so Megatron's table runs with the full lead for all. The per-rank targets
+    (the lead on the steady state only, then each rank's needs) run through, holding what the
+    need alone asks."""
+    from megatron_slimpack.solver.orders import interleaved_schedules
+
+    rng = random.Random(seed)
+    packs, _, _ = random_micropacks(rng, 0, 12 + seed % 10, 512, long_share=0.5)
+    replica = build_replica(packs, [0], 2, rng, max_unit=1)
+    units = (replica.forward_units, replica.backward_units)
+    assert len(units[0]) % 4 == 0
+    needs_first, lead_for_all = interleaved_schedules(*units, 4, 2, which="megatron")
+    assert not needs_first.runs_through() and lead_for_all.runs_through()
+    assert (_chunks_in_flight(needs_first), _chunks_in_flight(lead_for_all)) == (accumulated, full)
+    (leaner,) = interleaved_schedules(*units, 4, 2, which="leaner")
+    assert leaner.runs_through() and _chunks_in_flight(leaner) == per_rank
+    assert (leaner.targets <= needs_first.targets).all()
+
+
 def test_a_long_documents_run_up_does_not_stall_the_interleaved_pipeline():
     """A 4-slice chain among single MicroPacks: the first backward on the last chunk needs the
     chain's last forward. Interleaving still beats plain 1F1B's fill by about (pp - 1) / vpp."""
@@ -152,9 +176,9 @@ def test_a_remainder_shorter_than_pp_is_run_as_a_short_first_group(m, pp, vpp, m
 
 
 def test_the_planner_takes_the_first_schedule_within_its_budget():
-    """`InterleavedCandidate.of`: Megatron's table by default, over budget or not; asked for the
-    leaner tables, the first within the budget that runs through (the short first group here),
-    or where none is, the leanest, for the search to drop."""
+    """`InterleavedCandidate.of`: Megatron's schedules by default, over budget or not; asked for
+    the leaner ones, the first within the budget that runs through, or where none is, the
+    leanest, for the search to drop."""
     from megatron_slimpack.solver.orders import StageWork
     from megatron_slimpack.solver.pack_phase import InterleavedCandidate
 
@@ -172,22 +196,34 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
         megatron = InterleavedCandidate.of(Candidate, [0], budget_bytes=budget)
         assert megatron.schedule.grouping == 0 and megatron.peak_activation_bytes == 6.0
     lean = InterleavedCandidate.of(Candidate, [0], budget_bytes=5.0, which="leaner")
-    assert lean.schedule.grouping > 0 and lean.peak_activation_bytes == 5.0 and lean.schedule.runs_through()
+    assert lean.peak_activation_bytes == 5.0 and lean.schedule.runs_through()
     over = InterleavedCandidate.of(Candidate, [0], budget_bytes=4.0, which="leaner")
     assert over.peak_activation_bytes == 5.0  # over budget: dropped by the search for memory
 
 
-def test_whole_documents_at_the_cap_fit_their_interleaved_replicas():
+def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     """llama-13b 256K tp2 pp2 vpp2 dp32, the paper grid's first Wikipedia batch, documents kept
     whole (`slice_tokens` = the context): `auto_token_cap` sizes MicroPacks (20480 tokens) for the
     chunks a multiple of pp keeps in flight. Each replica has 181-188 of them; with Megatron's
     table only, six of the odd counts held 50.5-55.5 GiB for 49.2 GiB and the search merged
-    replicas in pairs (base merge 2, 211.7 s simulated). Now every replica fits at base merge 1."""
+    replicas in pairs (base merge 2, 211.7 s simulated). Now every replica fits at base merge 1,
+    and since some did only in leaner schedules, the sizing was planned without them too (there
+    it fails: nothing sliced to merge)."""
     from pathlib import Path
 
     from megatron_slimpack.simulator import simulate as simulate_plan
+    from megatron_slimpack.solver.search import SlimPackSearch
     from megatron_slimpack.solver.strategies import plan_global_batch
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    plannings = []
+    plan_sizing = SlimPackSearch.plan_sizing
+
+    def recorded(self, view, sizing, leaner_tables=True):
+        plannings.append((view.dp, leaner_tables))
+        return plan_sizing(self, view, sizing, leaner_tables)
+
+    monkeypatch.setattr(SlimPackSearch, "plan_sizing", recorded)
 
     context = 256 * 1024
     wikipedia = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikipedia_lengths.txt"
@@ -197,6 +233,7 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas():
     plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,
                              config=SlimPackConfig(context_length=context, slice_tokens=context))
     assert "base_merge" not in plan.metadata and plan.metadata["token_cap"] == 20480
+    assert plannings == [(32, True), (32, False)]
     singles = [r for r in plan.metadata["replicas"] if len(r["dp_ranks"]) == 1]
     assert len(singles) == 32 and any(r["units"] % 2 for r in singles)
     assert max(simulate_plan(plan, cost).peak_memory_bytes) <= cost.memory_budget_bytes()

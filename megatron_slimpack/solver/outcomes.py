@@ -69,6 +69,7 @@ class ReplicaOutcome:
     makespan_s: float
     micropack_tokens: int | None = None  # None: the rank has no documents of its own
     units: int | None = None  # the unit count its forward and backward units were segmented for
+    leaner_table: bool = False  # interleaved, in a schedule leaner than Megatron's (`ReplicaSearch.consider`)
 
     def to_dict(self) -> dict:
         """The entry of the plan metadata's "replicas" list."""

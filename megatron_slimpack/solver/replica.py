@@ -38,18 +38,21 @@ def packing_bound_s(ordered: SortedSamples, micropack_tokens: int, cost: CostMod
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, ladder: SizeLadder | None = None,
-    budget: float | None = None, first_fit: bool = False,
+    budget: float | None = None, first_fit: bool = False, leaner_tables: bool = True,
 ) -> tuple[ReplicaPlan, ReplicaOutcome]:
     """The shortest schedule of `samples` that fits the activation `budget` (default:
     `activation_budget` of `parallel`), over the MicroPack sizes of `ladder` (default: the ladder
     below `token_cap`): every size, bisecting where one does not fit above one that does, or with
     `first_fit` up to the first size that fits (the replicas after the heaviest start from its size).
+    With `leaner_tables`, interleaved candidates that Megatron's table does not fit also try the
+    leaner ones (`ReplicaSearch.consider`); the outcome says whether its schedule is one of them.
     Raises DoesNotFit with the leanest schedule seen."""
     if not samples:  # a rank whose only work is its share of a merge group
         idle = ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
         return idle, ReplicaOutcome(tuple(dp_ranks), 0.0)
     search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
-                           activation_budget(cost, parallel) if budget is None else budget, config.tunables)
+                           activation_budget(cost, parallel) if budget is None else budget, config.tunables,
+                           leaner_tables)
     ladder = ladder or SizeLadder.below_cap(token_cap, config)
     if first_fit:
         ladder.first_fit(search.try_size)
@@ -65,8 +68,10 @@ class ReplicaSearch:
     need seen (for the error)."""
 
     def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
-                 symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables()):
+                 symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables(),
+                 leaner_tables: bool = True):
         self.ordered, self.rates, self.tunables = ordered, rates, tunables
+        self.leaner_tables = leaner_tables
         self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
@@ -149,12 +154,13 @@ class ReplicaSearch:
                 replayed += fits
                 if not fits:
                     not_fitting.append((paired, len(paired.forward_units)))
-        if self.parallel.vpp > 1:
-            # Where the unit count is no multiple of pp, Megatron's interleaved table holds more
-            # chunks in flight than the cap was sized for; the candidates it did not fit get the
-            # leaner tables (`interleaved_groupings`). What they find is kept, but does not count
-            # as this size fitting: their bubble can make a larger size slower than the next
-            # smaller one, so the ladder walks the sizes as it would without them.
+        if self.parallel.vpp > 1 and self.leaner_tables:
+            # Megatron's interleaved table holds more chunks in flight than the cap was sized for
+            # where the unit count is no multiple of pp, and stacks a long document's chain on
+            # every rank's warm-up lead; the candidates it did not fit get the leaner schedules
+            # (`interleaved_schedules`). What they find is kept, but does not count as this size
+            # fitting: their bubble can make a larger size slower than the next smaller one, so
+            # the ladder walks the sizes as it would without them.
             for candidate, units in not_fitting:
                 self._replay(candidate, units, costs, micropack_tokens, leaner_tables=True)
         return replayed > 0
@@ -175,7 +181,8 @@ class ReplicaSearch:
         if peak > self.budget:
             return False
         if self.best is None or result.makespan_s < self.best_makespan_s:
-            outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
+            outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units,
+                                     leaner_tables)
             self.best = (result.replica, outcome)
         return True
 
