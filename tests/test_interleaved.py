@@ -123,7 +123,7 @@ def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed,
     needs_first, lead_for_all = interleaved_schedules(*units, 4, 2, which="megatron")
     assert not needs_first.runs_through() and lead_for_all.runs_through()
     assert (_chunks_in_flight(needs_first), _chunks_in_flight(lead_for_all)) == (accumulated, full)
-    (leaner,) = interleaved_schedules(*units, 4, 2, which="leaner")
+    (leaner,) = interleaved_schedules(*units, 4, 2, which="per-rank")
     assert leaner.runs_through() and _chunks_in_flight(leaner) == per_rank
     assert (leaner.targets <= needs_first.targets).all()
 
@@ -195,9 +195,9 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
     for budget in (None, 6.0, 5.0):
         megatron = InterleavedCandidate.of(Candidate, [0], budget_bytes=budget)
         assert megatron.schedule.grouping == 0 and megatron.peak_activation_bytes == 6.0
-    lean = InterleavedCandidate.of(Candidate, [0], budget_bytes=5.0, which="leaner")
+    lean = InterleavedCandidate.of(Candidate, [0], budget_bytes=5.0, which="groupings")
     assert lean.peak_activation_bytes == 5.0 and lean.schedule.runs_through()
-    over = InterleavedCandidate.of(Candidate, [0], budget_bytes=4.0, which="leaner")
+    over = InterleavedCandidate.of(Candidate, [0], budget_bytes=4.0, which="groupings")
     assert over.peak_activation_bytes == 5.0  # over budget: dropped by the search for memory
 
 
@@ -219,9 +219,9 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     plannings = []
     plan_sizing = SlimPackSearch.plan_sizing
 
-    def recorded(self, view, sizing, leaner_tables=True):
-        plannings.append((view.dp, leaner_tables))
-        return plan_sizing(self, view, sizing, leaner_tables)
+    def recorded(self, view, sizing, leaner_level=2):
+        plannings.append((view.dp, leaner_level))
+        return plan_sizing(self, view, sizing, leaner_level)
 
     monkeypatch.setattr(SlimPackSearch, "plan_sizing", recorded)
 
@@ -233,7 +233,7 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,
                              config=SlimPackConfig(context_length=context, slice_tokens=context))
     assert "base_merge" not in plan.metadata and plan.metadata["token_cap"] == 20480
-    assert plannings == [(32, True), (32, False)]
+    assert plannings[:2] == [(32, 2), (32, 1)] and plannings[-1] == (32, 0)
     singles = [r for r in plan.metadata["replicas"] if len(r["dp_ranks"]) == 1]
     assert len(singles) == 32 and any(r["units"] % 2 for r in singles)
     assert max(simulate_plan(plan, cost).peak_memory_bytes) <= cost.memory_budget_bytes()

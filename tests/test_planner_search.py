@@ -299,7 +299,7 @@ def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_
                             ms.CostModel.analytic("llama-13b", "h100-sxm"), config)
     plannings = []
 
-    def failing(view, token_cap, group_ranks, leaner_tables=True):
+    def failing(view, token_cap, group_ranks, leaner_level=2):
         plannings.append(1)
         raise ReplicasDoNotFit([DoesNotFit("replica [3] does not fit", sample_ids=[5, 6, 7],
                                            group_ranks=int(group_ranks[[5, 6, 7]].max()))])

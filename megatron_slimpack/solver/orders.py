@@ -455,13 +455,18 @@ class InterleavedSchedule:
         return max(free) if work is not None else 0.0
 
 
+# What the replica search tries, in this order, for candidates that Megatron's interleaved
+# schedules do not fit (`interleaved_schedules`' `which`); a schedule's level is its index + 1.
+LEANER_SCHEDULES = ("groupings", "per-rank")
+
+
 def interleaved_schedules(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
                           group: int | None = None, which: str = "all") -> list[InterleavedSchedule]:
     """The interleaved 1F1B schedules to try (`interleaved_orders`), over the groupings of
-    `interleaved_groupings` (`which`: "all", two per grouping, Megatron's first; "megatron", its
-    two; "leaner", what holds less than those: Megatron's table with the per-rank targets of
-    `_interleaved_targets`, and the other groupings with all three), least in flight first
-    within a grouping:
+    `interleaved_groupings`, least in flight first within a grouping. `which`: "all", two per
+    grouping, Megatron's first; "megatron", its two; or one of `LEANER_SCHEDULES`, which hold
+    less: "groupings", the other groupings' two, and "per-rank", every grouping's per-rank
+    targets (`_interleaved_targets`). Megatron's two:
 
     - forwards follow `interleaved_table` over the forward units; backwards follow it over the
       backward units with chunks reversed (the last chunk's backward comes first);
@@ -470,10 +475,9 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
       the forward it needs on that chunk (a long document's later slices, a group longer than
       pp); rank s keeps 2 * (pp - 1 - s) forwards more than the last rank, as Megatron's warm-up does.
 
-    Megatron's two: the first adds each backward's need where it arises; the second adds the
-    largest excess as one lead to every rank's warm-up (as Megatron adds one for all when it
-    overlaps MoE traffic). Every target of the second is at least the first's, so it never holds
-    less in flight."""
+    The first adds each backward's need where it arises; the second adds the largest excess as
+    one lead to every rank's warm-up (as Megatron adds one for all when it overlaps MoE traffic).
+    Every target of the second is at least the first's, so it never holds less in flight."""
     group = group or pp
     forward_groupings = interleaved_groupings(len(forward_units), group, pp)
     backward_groupings = interleaved_groupings(len(backward_units), group, pp)
@@ -483,10 +487,9 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
                 backward_groupings[min(index, len(backward_groupings) - 1)])
         if pair not in pairs:
             pairs.append(pair)
-    # (grouping, which targets): Megatron's table with its two schedules; the leaner ones are
-    # its chain-aware schedule and the other groupings with all three (`_interleaved_targets`).
     jobs = {"all": [(index, "ends") for index in range(len(pairs))], "megatron": [(0, "ends")],
-            "leaner": [(0, "per-rank")] + [(index, "all") for index in range(1, len(pairs))]}[which]
+            "groupings": [(index, "ends") for index in range(1, len(pairs))],
+            "per-rank": [(index, "per-rank") for index in range(len(pairs))]}[which]
     needs = last_forward_needed(forward_units, backward_units).tolist() if backward_units else []
     schedules = []
     for index, kinds in jobs:
@@ -500,12 +503,11 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
 
 def _interleaved_targets(forwards: list[tuple[str, int, int]], backwards: list[tuple[str, int, int]],
                          needs: list[int], pp: int, vpp: int, group: int, kinds: str = "ends") -> list[np.ndarray]:
-    """`interleaved_schedules`' forward targets of one grouping's tables, least in flight first
-    within each kind: "ends", each backward's need added where it arises (then kept: targets never
-    fall), and the largest excess as one lead for all; "per-rank", each rank's warm-up lead added to
-    the steady state only, its needs as they are (a long document's chain is not held on top of the
-    lead: at most what either asks, and the lead stays consistent across ranks where the first
-    waits in a circle); "all", the three."""
+    """`interleaved_schedules`' forward targets of one grouping's tables: "ends", each backward's
+    need added where it arises (then kept: targets never fall), and the largest excess as one lead
+    for all; "per-rank", each rank's warm-up lead added to the steady state only, then its needs (a
+    long document's chain is not held on top of the lead: at most what either asks, and the ranks
+    stay consistent where the first of "ends" waits in a circle)."""
     position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
     total_forwards, total_backwards = len(forwards), len(backwards)
     steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
@@ -516,7 +518,7 @@ def _interleaved_targets(forwards: list[tuple[str, int, int]], backwards: list[t
             for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift)]
     per_rank = np.minimum(total_forwards, np.maximum.accumulate(
         np.maximum(np.asarray(steady)[None, :] + lead, np.asarray(needed)[None, :]), axis=1))
-    return {"ends": ends, "per-rank": [per_rank], "all": [per_rank, *ends]}[kinds]
+    return {"ends": ends, "per-rank": [per_rank]}[kinds]
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,

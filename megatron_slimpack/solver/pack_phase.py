@@ -408,17 +408,17 @@ class UnitCandidate:
         first = self.work.forward_bytes[0]
         return float(sum(first[:len(self.work.forward_bytes)]))
 
-    def order(self, dp_ranks: list[int], budget_bytes: float | None = None, leaner_tables: bool = False
+    def order(self, dp_ranks: list[int], budget_bytes: float | None = None, schedules: str = "megatron"
               ) -> "OrderedCandidate":
         """Stage orders, the makespan of their replay (no DP reduction) and their peak memory.
 
         Running a chain's forwards ahead, one per backward, keeps the pipeline full but holds them
         while the previous chain drains. Where that passes `budget_bytes`, the run-up is shortened
         (pp units, then pp / 2) and the first orders that fit are kept; the leanest (a burst right
-        before the chain's backward) are returned when none does. Interleaved: Megatron's table, or
-        with `leaner_tables` the ones that hold less (`InterleavedCandidate.of`)."""
+        before the chain's backward) are returned when none does. Interleaved: Megatron's
+        schedules, or `schedules` of `LEANER_SCHEDULES` (`InterleavedCandidate.of`)."""
         if self.vpp > 1:
-            return InterleavedCandidate.of(self, dp_ranks, budget_bytes, "leaner" if leaner_tables else "megatron")
+            return InterleavedCandidate.of(self, dp_ranks, budget_bytes, schedules)
         warmups = warmup_counts(self.work, len(self.work.forward_time))
         pipelined = self._ordered(dp_ranks, warmups, None)
         if budget_bytes is None or pipelined.peak_activation_bytes <= budget_bytes:
@@ -478,12 +478,11 @@ class InterleavedCandidate:
     @classmethod
     def of(cls, candidate: UnitCandidate, dp_ranks: list[int], budget_bytes: float | None = None,
            which: str = "megatron") -> "InterleavedCandidate":
-        """The first schedule within `budget_bytes` that runs through, of Megatron's table or
-        (`which` = "leaner") of the groupings that hold fewer chunks in flight where the unit count
-        is no multiple of pp (`interleaved_schedules`). Each is measured before it is walked, so
-        most candidates cost no walk: one over budget is passed by, with the rest of its grouping
-        (they never hold less); where all are, the leanest is returned as it is (the search drops
-        it for memory)."""
+        """The first schedule within `budget_bytes` that runs through, of Megatron's or (`which`)
+        of one of `LEANER_SCHEDULES` (`interleaved_schedules`). Each is measured before it is
+        walked, so most candidates cost no walk: one over budget is passed by, with the rest of its
+        grouping (they never hold less); where all are, the leanest is returned as it is (the
+        search drops it for memory)."""
         pp = len(candidate.work.forward_time)
         leanest: tuple[InterleavedSchedule, float] | None = None
         over_budget = set()  # groupings whose first schedule is over budget

@@ -11,6 +11,7 @@ from ..plan import MicroPack, PlanError, ReplicaPlan, Sample
 from ..specs import ParallelConfig
 from .ladder import SizeLadder
 from .memory import activation_budget
+from .orders import LEANER_SCHEDULES
 from .outcomes import DoesNotFit, ReplicaOutcome
 from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
 from .work import WorkRates
@@ -38,21 +39,21 @@ def packing_bound_s(ordered: SortedSamples, micropack_tokens: int, cost: CostMod
 def plan_replica(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, ladder: SizeLadder | None = None,
-    budget: float | None = None, first_fit: bool = False, leaner_tables: bool = True,
+    budget: float | None = None, first_fit: bool = False, leaner_level: int = len(LEANER_SCHEDULES),
 ) -> tuple[ReplicaPlan, ReplicaOutcome]:
     """The shortest schedule of `samples` that fits the activation `budget` (default:
     `activation_budget` of `parallel`), over the MicroPack sizes of `ladder` (default: the ladder
     below `token_cap`): every size, bisecting where one does not fit above one that does, or with
     `first_fit` up to the first size that fits (the replicas after the heaviest start from its size).
-    With `leaner_tables`, interleaved candidates that Megatron's table does not fit also try the
-    leaner ones (`ReplicaSearch.consider`); the outcome says whether its schedule is one of them.
+    Interleaved candidates that Megatron's schedules do not fit also try the first `leaner_level`
+    of `LEANER_SCHEDULES` (`ReplicaSearch.consider`); the outcome says which level its schedule is.
     Raises DoesNotFit with the leanest schedule seen."""
     if not samples:  # a rank whose only work is its share of a merge group
         idle = ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
         return idle, ReplicaOutcome(tuple(dp_ranks), 0.0)
     search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
                            activation_budget(cost, parallel) if budget is None else budget, config.tunables,
-                           leaner_tables)
+                           leaner_level)
     ladder = ladder or SizeLadder.below_cap(token_cap, config)
     if first_fit:
         ladder.first_fit(search.try_size)
@@ -69,9 +70,9 @@ class ReplicaSearch:
 
     def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
                  symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables(),
-                 leaner_tables: bool = True):
+                 leaner_level: int = len(LEANER_SCHEDULES)):
         self.ordered, self.rates, self.tunables = ordered, rates, tunables
-        self.leaner_tables = leaner_tables
+        self.leaner_level = leaner_level
         self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
@@ -154,25 +155,28 @@ class ReplicaSearch:
                 replayed += fits
                 if not fits:
                     not_fitting.append((paired, len(paired.forward_units)))
-        if self.parallel.vpp > 1 and self.leaner_tables:
-            # Megatron's interleaved table holds more chunks in flight than the cap was sized for
-            # where the unit count is no multiple of pp, and stacks a long document's chain on
-            # every rank's warm-up lead; the candidates it did not fit get the leaner schedules
-            # (`interleaved_schedules`). What they find is kept, but does not count as this size
-            # fitting: their bubble can make a larger size slower than the next smaller one, so
-            # the ladder walks the sizes as it would without them.
-            for candidate, units in not_fitting:
-                self._replay(candidate, units, costs, micropack_tokens, leaner_tables=True)
+        if self.parallel.vpp > 1:
+            # Megatron's interleaved schedules hold more chunks in flight than the cap was sized
+            # for where the unit count is no multiple of pp, and stack a long document's chain on
+            # every rank's warm-up lead; the candidates they do not fit get the leaner schedules,
+            # level by level (`LEANER_SCHEDULES`). What these find is kept, but does not count as
+            # this size fitting: their bubble can make a larger size slower than the next smaller
+            # one, so the ladder walks the sizes as it would without them.
+            for level in range(1, self.leaner_level + 1):
+                not_fitting = [(candidate, units) for candidate, units in not_fitting
+                               if not self._replay(candidate, units, costs, micropack_tokens, level)]
         return replayed > 0
 
     def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int,
-                leaner_tables: bool = False) -> bool:
-        """Order and replay one candidate, keeping it where it is the fastest that fits memory;
+                leaner_level: int = 0) -> bool:
+        """Order and replay one candidate (interleaved: in Megatron's schedules, or at
+        `leaner_level` > 0 in that level's), keeping it where it is the fastest that fits memory;
         True when it fits."""
         if candidate.warmup_bytes + costs.largest_recompute_bytes > self.budget and self.leanest is not None:
             return False  # its stage 0 cannot fit even before the first backward: not worth ordering
         try:
-            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes, leaner_tables)
+            schedules = LEANER_SCHEDULES[leaner_level - 1] if leaner_level else "megatron"
+            result = candidate.order(self.dp_ranks, self.budget - costs.largest_recompute_bytes, schedules)
         except PlanError:  # interleaved: no order of these units runs without a circular wait
             return False
         peak = result.peak_activation_bytes + costs.largest_recompute_bytes
@@ -182,7 +186,7 @@ class ReplicaSearch:
             return False
         if self.best is None or result.makespan_s < self.best_makespan_s:
             outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units,
-                                     leaner_tables)
+                                     leaner_level)
             self.best = (result.replica, outcome)
         return True
 

@@ -21,6 +21,7 @@ from ..specs import ParallelConfig
 from .dp_phase import Assignment, MergeGroup, assign_to_replicas
 from .ladder import SizeLadder
 from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
+from .orders import LEANER_SCHEDULES
 from .outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit, kept
 from .replica import plan_replica
 from .work import WorkRates
@@ -63,7 +64,7 @@ class SlimPackSearch:
     def __init__(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                  symmetric: bool = False, dp_merge: bool | None = None):
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
-        self.used_leaner_tables = False  # set by a planning (`plan_groups`)
+        self.leaner_level_used = 0  # the leanest schedule level a planning used (`plan_groups`)
         self.symmetric = symmetric
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
@@ -116,10 +117,12 @@ class SlimPackSearch:
         planned again); the fastest prediction wins, the first on a tie. A sizing that fails is
         dropped; where all fail, the first failure is raised.
 
-        A sizing whose planning put a replica in a schedule leaner than Megatron's interleaved one
-        is planned again without them: there a replica that holds a long document slowly fits,
-        where without them it fails and the document's merge group grows, which can be faster
-        (llama-150b 256K tp4 pp8 vpp6: 2898.3 s with them alone, 2852.6 s without, first batch)."""
+        A sizing whose planning put a replica in a schedule leaner than Megatron's interleaved ones
+        (`LEANER_SCHEDULES`) is planned again with the levels below the one it used: with them a
+        replica that holds a long document slowly fits, where without it fails and the document's
+        merge group grows, which can be faster (first batches: llama-150b 256K tp4 pp8 vpp6 2898.3
+        s with per-rank targets, 2852.6 s without; llama-70b 128K tp4 pp8 vpp5 1134.1 s with no
+        leaner schedule, 1110.7 s with the groupings)."""
         view = self.view(base_merge)
         token_cap = auto_token_cap(self.cost, view, self.config)
         planned: list[PlannedBatch] = []
@@ -134,14 +137,16 @@ class SlimPackSearch:
             if any(groups.same_as(other) for other in seen):
                 continue
             seen.append(groups)
-            self.used_leaner_tables = False
-            for leaner_tables in (True, False):
+            level = len(LEANER_SCHEDULES)
+            while True:
+                self.leaner_level_used = 0
                 try:
-                    planned.append(self.plan_sizing(view, groups, leaner_tables))
+                    planned.append(self.plan_sizing(view, groups, level))
                 except PlanError as error:
                     first_error = first_error or kept(error)
-                if not self.used_leaner_tables:
-                    break  # planned as it would be without them
+                if not self.leaner_level_used:
+                    break  # planned as it would be without the leaner schedules
+                level = self.leaner_level_used - 1
         if not planned:
             raise first_error
         return min(planned, key=lambda batch: batch.predicted_iteration_s)
@@ -154,7 +159,8 @@ class SlimPackSearch:
             return GroupSizing(token_cap, groups)
         return GroupSizing(*largest_merged_micropack(self.lengths, self.cost, view, ladder, self.use_merge))
 
-    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing, leaner_tables: bool = True) -> PlannedBatch:
+    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing,
+                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
         """Plan with the sizing's groups. They come from a per-document estimate; where replicas'
         real schedules still do not fit, their sliced documents get twice the group and the batch
         is planned again (all the replicas that failed at once: replicas are alike, so one at a
@@ -164,7 +170,7 @@ class SlimPackSearch:
         largest_group = view.dp if self.use_merge else 1
         while True:
             try:
-                return self.plan_groups(view, sizing.token_cap, group_ranks, leaner_tables)
+                return self.plan_groups(view, sizing.token_cap, group_ranks, leaner_level)
             except ReplicasDoNotFit as error:
                 for failure in error.failures:
                     grown = grown_groups(failure, group_ranks, self.lengths, smallest, largest_group)
@@ -173,11 +179,11 @@ class SlimPackSearch:
                     group_ranks = grown
 
     def plan_groups(self, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
-                    leaner_tables: bool = True) -> PlannedBatch:
-        """One planning of the batch: phase 1, then every merge group and replica. Raises
-        ReplicasDoNotFit with every replica that did not fit. Sets `used_leaner_tables` where a
-        replica's schedule is leaner than Megatron's interleaved one."""
-        return _BatchPlanning(self, view, token_cap, group_ranks, leaner_tables).run()
+                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
+        """One planning of the batch: phase 1, then every merge group and replica, with leaner
+        interleaved schedules up to `leaner_level`. Raises ReplicasDoNotFit with every replica that
+        did not fit. Raises `leaner_level_used` to the leanest level a replica's schedule has."""
+        return _BatchPlanning(self, view, token_cap, group_ranks, leaner_level).run()
 
 
 def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
@@ -202,9 +208,9 @@ class _BatchPlanning:
     replica is planned even after one fails, so all failures are grown at once."""
 
     def __init__(self, search: SlimPackSearch, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
-                 leaner_tables: bool = True):
+                 leaner_level: int = len(LEANER_SCHEDULES)):
         self.search, self.view, self.token_cap, self.group_ranks = search, view, token_cap, group_ranks
-        self.leaner_tables = leaner_tables
+        self.leaner_level = leaner_level
         self.config, self.cost = search.config, search.cost
         self.samples = samples_of(search.lengths)
         self.rates = WorkRates.from_cost(self.cost, view, token_cap)
@@ -256,7 +262,7 @@ class _BatchPlanning:
         try:
             return self._noted(plan_replica(members, self.cost, merged, self.config, rates, token_cap,
                                             group.dp_ranks, self.search.symmetric, budget=budget,
-                                            leaner_tables=self.leaner_tables))
+                                            leaner_level=self.leaner_level))
         except DoesNotFit as failure:
             self.failures.append(kept(failure))
             return None
@@ -278,7 +284,7 @@ class _BatchPlanning:
                 own[rank] = self._noted(plan_replica(
                     members, self.cost, self.view, self.config, self.rates, self.token_cap, [rank],
                     self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
-                    leaner_tables=self.leaner_tables))
+                    leaner_level=self.leaner_level))
             except DoesNotFit as failure:
                 self.failures.append(kept(failure))
                 continue
@@ -289,8 +295,7 @@ class _BatchPlanning:
 
 
     def _noted(self, planned: tuple[ReplicaPlan, ReplicaOutcome]) -> tuple[ReplicaPlan, ReplicaOutcome]:
-        if planned[1].leaner_table:
-            self.search.used_leaner_tables = True
+        self.search.leaner_level_used = max(self.search.leaner_level_used, planned[1].leaner_level)
         return planned
 
 
