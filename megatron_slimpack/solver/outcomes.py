@@ -69,7 +69,7 @@ class ReplicaOutcome:
     makespan_s: float
     micropack_tokens: int | None = None  # None: the rank has no documents of its own
     units: int | None = None  # the unit count its forward and backward units were segmented for
-    leaner_level: int = 0  # interleaved: 0, Megatron's schedule; k, one of `LEANER_SCHEDULES`[k - 1]
+    leaner_level: int = 0  # interleaved: the lowest level at which a schedule fit (`LEANER_SCHEDULES`; 0: Megatron's)
 
     def to_dict(self) -> dict:
         """The entry of the plan metadata's "replicas" list."""

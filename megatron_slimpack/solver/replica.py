@@ -3,6 +3,7 @@ packings per size, a few unit counts per packing; the shortest replayed schedule
 memory wins."""
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 
 from ..config import PlannerTunables, SlimPackConfig
@@ -46,7 +47,8 @@ def plan_replica(
     below `token_cap`): every size, bisecting where one does not fit above one that does, or with
     `first_fit` up to the first size that fits (the replicas after the heaviest start from its size).
     Interleaved candidates that Megatron's schedules do not fit also try the first `leaner_level`
-    of `LEANER_SCHEDULES` (`ReplicaSearch.consider`); the outcome says which level its schedule is.
+    of `LEANER_SCHEDULES` (`ReplicaSearch.consider`); the outcome says the lowest level at which
+    some schedule fit (0: Megatron's), i.e. the level the replica needs.
     Raises DoesNotFit with the leanest schedule seen."""
     if not samples:  # a rank whose only work is its share of a merge group
         idle = ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
@@ -61,7 +63,8 @@ def plan_replica(
         ladder.try_all(search.try_size)
     if search.best is None:
         raise search.does_not_fit(samples)
-    return search.best
+    replica, outcome = search.best
+    return replica, replace(outcome, leaner_level=min(search.fitting_levels))
 
 
 class ReplicaSearch:
@@ -73,6 +76,7 @@ class ReplicaSearch:
                  leaner_level: int = len(LEANER_SCHEDULES)):
         self.ordered, self.rates, self.tunables = ordered, rates, tunables
         self.leaner_level = leaner_level
+        self.fitting_levels: set[int] = set()  # the leaner levels (0: Megatron's) of schedules that fit
         self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
@@ -164,8 +168,13 @@ class ReplicaSearch:
             # one, so the ladder walks the sizes as it would without them.
             for level in range(1, self.leaner_level + 1):
                 not_fitting = [(candidate, units) for candidate, units in not_fitting
-                               if not self._replay(candidate, units, costs, micropack_tokens, level)]
+                               if self._can_win(candidate)
+                               and not self._replay(candidate, units, costs, micropack_tokens, level)]
         return replayed > 0
+
+    def _can_win(self, candidate: UnitCandidate) -> bool:
+        """Whether `candidate` may beat the best schedule so far (its pipeline's lower bound)."""
+        return self.best is None or candidate.lower_bound_s < self.best_makespan_s
 
     def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int,
                 leaner_level: int = 0) -> bool:
@@ -184,9 +193,9 @@ class ReplicaSearch:
             self.leanest = (peak, micropack_tokens)
         if peak > self.budget:
             return False
+        self.fitting_levels.add(leaner_level)
         if self.best is None or result.makespan_s < self.best_makespan_s:
-            outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units,
-                                     leaner_level)
+            outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
             self.best = (result.replica, outcome)
         return True
 

@@ -64,7 +64,7 @@ class SlimPackSearch:
     def __init__(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                  symmetric: bool = False, dp_merge: bool | None = None):
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
-        self.leaner_level_used = 0  # the leanest schedule level a planning used (`plan_groups`)
+        self.leaner_level_used = 0  # the highest level a planning's replicas needed (`plan_groups`)
         self.symmetric = symmetric
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
@@ -117,10 +117,10 @@ class SlimPackSearch:
         planned again); the fastest prediction wins, the first on a tie. A sizing that fails is
         dropped; where all fail, the first failure is raised.
 
-        A sizing whose planning put a replica in a schedule leaner than Megatron's interleaved ones
-        (`LEANER_SCHEDULES`) is planned again with the levels below the one it used: with them a
-        replica that holds a long document slowly fits, where without it fails and the document's
-        merge group grows, which can be faster (first batches: llama-150b 256K tp4 pp8 vpp6 2898.3
+        A sizing in which a replica fit only with a schedule leaner than Megatron's interleaved
+        ones (`LEANER_SCHEDULES`) is planned again with the levels below the one it needed: with it
+        the replica holds its long documents slowly, where without it fails and their merge groups
+        grow, which can be faster (first batches: llama-150b 256K tp4 pp8 vpp6 2898.3
         s with per-rank targets, 2852.6 s without; llama-70b 128K tp4 pp8 vpp5 1134.1 s with no
         leaner schedule, 1110.7 s with the groupings)."""
         view = self.view(base_merge)
@@ -145,7 +145,7 @@ class SlimPackSearch:
                 except PlanError as error:
                     first_error = first_error or kept(error)
                 if not self.leaner_level_used:
-                    break  # planned as it would be without the leaner schedules
+                    break  # no replica needed a leaner schedule: planned as without them
                 level = self.leaner_level_used - 1
         if not planned:
             raise first_error
@@ -182,7 +182,7 @@ class SlimPackSearch:
                     leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
         """One planning of the batch: phase 1, then every merge group and replica, with leaner
         interleaved schedules up to `leaner_level`. Raises ReplicasDoNotFit with every replica that
-        did not fit. Raises `leaner_level_used` to the leanest level a replica's schedule has."""
+        did not fit. Raises `leaner_level_used` to the highest level a replica needed."""
         return _BatchPlanning(self, view, token_cap, group_ranks, leaner_level).run()
 
 
