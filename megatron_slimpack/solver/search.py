@@ -120,9 +120,9 @@ class SlimPackSearch:
         A sizing in which a replica fit only with a schedule leaner than Megatron's interleaved
         ones (`LEANER_SCHEDULES`) is planned again with the levels below the one it needed: with it
         the replica holds its long documents slowly, where without it fails and their merge groups
-        grow, which can be faster (first batches: llama-150b 256K tp4 pp8 vpp6 2898.3
-        s with per-rank targets, 2852.6 s without; llama-70b 128K tp4 pp8 vpp5 1134.1 s with no
-        leaner schedule, 1110.7 s with the groupings)."""
+        grow, which can be faster (first batches: llama-150b 256K tp4 pp8 vpp6 2898.3 s with
+        per-rank targets, 2852.6 s without; llama-70b 128K tp4 pp8 vpp5 1134.1 s with no leaner
+        schedule, 1110.7 s with the groupings)."""
         view = self.view(base_merge)
         token_cap = auto_token_cap(self.cost, view, self.config)
         planned: list[PlannedBatch] = []
