@@ -512,13 +512,13 @@ def _interleaved_targets(forwards: list[tuple[str, int, int]], backwards: list[t
     total_forwards, total_backwards = len(forwards), len(backwards)
     steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
     needed = [position[(needs[unit], chunk)] + 1 for _, unit, chunk in backwards]
-    lift = max([n - s for n, s in zip(needed, steady)] + [0])
     lead = 2 * (pp - 1 - np.arange(pp))[:, None]
-    ends = [np.minimum(total_forwards, required[None, :] + lead)
+    if kinds == "per-rank":
+        return [np.minimum(total_forwards, np.maximum.accumulate(
+            np.maximum(np.asarray(steady)[None, :] + lead, np.asarray(needed)[None, :]), axis=1))]
+    lift = max([n - s for n, s in zip(needed, steady)] + [0])
+    return [np.minimum(total_forwards, required[None, :] + lead)
             for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift)]
-    per_rank = np.minimum(total_forwards, np.maximum.accumulate(
-        np.maximum(np.asarray(steady)[None, :] + lead, np.asarray(needed)[None, :]), axis=1))
-    return {"ends": ends, "per-rank": [per_rank]}[kinds]
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,

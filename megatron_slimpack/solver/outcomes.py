@@ -92,6 +92,11 @@ class PlannedBatch:
     outcomes: list[ReplicaOutcome]
 
     @property
+    def leaner_level_needed(self) -> int:
+        """The highest `LEANER_SCHEDULES` level a replica needed (0: Megatron's schedules fit all)."""
+        return max((outcome.leaner_level for outcome in self.outcomes), default=0)
+
+    @property
     def predicted_iteration_s(self) -> float:
         """The search's own estimate of the plan's time: the busiest rank's replica makespans
         (its merge groups', then its own)."""

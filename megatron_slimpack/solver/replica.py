@@ -154,7 +154,7 @@ class ReplicaSearch:
             # the pairs' extra lead can (benchmarks/results/asymmetric.md). Tried on top of the
             # candidates above, and only where its lower bound beats the best schedule so far.
             paired = UnitCandidate.paired(micropacks, costs, self.cost, self.parallel, self.budget)
-            if self.best is None or paired.lower_bound_s < self.best_makespan_s:
+            if self._can_win(paired):
                 fits = self._replay(paired, len(paired.forward_units), costs, micropack_tokens)
                 replayed += fits
                 if not fits:

@@ -64,7 +64,6 @@ class SlimPackSearch:
     def __init__(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                  symmetric: bool = False, dp_merge: bool | None = None):
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
-        self.leaner_level_used = 0  # the highest level a planning's replicas needed (`plan_groups`)
         self.symmetric = symmetric
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
@@ -138,15 +137,14 @@ class SlimPackSearch:
                 continue
             seen.append(groups)
             level = len(LEANER_SCHEDULES)
-            while True:
-                self.leaner_level_used = 0
+            while level >= 0:
                 try:
-                    planned.append(self.plan_sizing(view, groups, level))
-                except PlanError as error:
+                    batch = self.plan_sizing(view, groups, level)
+                except PlanError as error:  # a replica that fails at a level fails at the ones below
                     first_error = first_error or kept(error)
-                if not self.leaner_level_used:
-                    break  # no replica needed a leaner schedule: planned as without them
-                level = self.leaner_level_used - 1
+                    break
+                planned.append(batch)
+                level = batch.leaner_level_needed - 1  # -1: no replica needed one, planned as without them
         if not planned:
             raise first_error
         return min(planned, key=lambda batch: batch.predicted_iteration_s)
@@ -182,7 +180,7 @@ class SlimPackSearch:
                     leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
         """One planning of the batch: phase 1, then every merge group and replica, with leaner
         interleaved schedules up to `leaner_level`. Raises ReplicasDoNotFit with every replica that
-        did not fit. Raises `leaner_level_used` to the highest level a replica needed."""
+        did not fit."""
         return _BatchPlanning(self, view, token_cap, group_ranks, leaner_level).run()
 
 
@@ -260,9 +258,8 @@ class _BatchPlanning:
         rates = WorkRates.from_cost(self.cost, merged, token_cap)
         budget = activation_budget(self.cost, self.view)  # a member's static memory is its own, not the merged view's
         try:
-            return self._noted(plan_replica(members, self.cost, merged, self.config, rates, token_cap,
-                                            group.dp_ranks, self.search.symmetric, budget=budget,
-                                            leaner_level=self.leaner_level))
+            return plan_replica(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
+                                self.search.symmetric, budget=budget, leaner_level=self.leaner_level)
         except DoesNotFit as failure:
             self.failures.append(kept(failure))
             return None
@@ -281,10 +278,9 @@ class _BatchPlanning:
         for rank in order:
             members = [self.samples[i] for i in assignment.replica_samples[rank]]
             try:
-                own[rank] = self._noted(plan_replica(
-                    members, self.cost, self.view, self.config, self.rates, self.token_cap, [rank],
-                    self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
-                    leaner_level=self.leaner_level))
+                own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
+                                         [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
+                                         leaner_level=self.leaner_level)
             except DoesNotFit as failure:
                 self.failures.append(kept(failure))
                 continue
@@ -293,10 +289,6 @@ class _BatchPlanning:
                 ladder = SizeLadder.below_cap(self.token_cap, self.config).starting_at(chosen)
         return own
 
-
-    def _noted(self, planned: tuple[ReplicaPlan, ReplicaOutcome]) -> tuple[ReplicaPlan, ReplicaOutcome]:
-        self.search.leaner_level_used = max(self.search.leaner_level_used, planned[1].leaner_level)
-        return planned
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
