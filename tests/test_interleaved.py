@@ -128,6 +128,34 @@ def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed,
     assert (leaner.targets <= needs_first.targets).all()
 
 
+def test_a_timed_walk_runs_through_exactly_where_the_untimed_one_does():
+    """`InterleavedCandidate.of` walks a schedule within budget once, with its times, instead of
+    checking it runs through and then timing it: the walk's progress must not depend on the
+    times. Every schedule of random sliced, asymmetric units (some wait in a circle), with random
+    per-unit times and transfers."""
+    from megatron_slimpack.solver.orders import StageWork, interleaved_schedules
+
+    circular = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        packs, _, _ = random_micropacks(rng, 0, 9 + seed, 512, long_share=0.5)
+        replica = build_replica(packs, [0], 2, rng, max_unit=1 + seed % 3)
+        for pp, vpp in ((2, 2), (4, 2), (3, 3)):
+            forwards, backwards = len(replica.forward_units), len(replica.backward_units)
+            work = StageWork([[rng.random() for _ in range(forwards)] for _ in range(pp)],
+                             [[rng.random() for _ in range(backwards)] for _ in range(pp)],
+                             [rng.random() / 10 for _ in range(forwards)],
+                             [rng.random() / 10 for _ in range(backwards)],
+                             [[1.0] * forwards] * pp, [[1.0] * backwards] * pp, [float("inf")] * pp)
+            for schedule in interleaved_schedules(replica.forward_units, replica.backward_units, pp, vpp):
+                walked = schedule.walked_s(work)
+                assert (walked is not None) == schedule.runs_through()
+                circular += walked is None
+                if walked is not None:
+                    assert walked == schedule.makespan_s(work) > 0
+    assert circular  # the cases include circular waits
+
+
 def test_a_long_documents_run_up_does_not_stall_the_interleaved_pipeline():
     """A 4-slice chain among single MicroPacks: the first backward on the last chunk needs the
     chain's last forward. Interleaving still beats plain 1F1B's fill by about (pp - 1) / vpp."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -304,6 +305,37 @@ def interleaved_table(group_sizes: list[int], vpp: int) -> list[tuple[int, int]]
     return table
 
 
+@dataclass(frozen=True, eq=False)
+class TaskTable:
+    """One direction of an interleaved schedule, the same on every rank: its tasks ("F" or "B",
+    unit, chunk) in order (`interleaved_table`; backwards with chunks reversed) and their units and
+    chunks as arrays. Built once per groups and vpp (`task_table`) and shared: the planner orders
+    many candidates with the same unit counts, several schedules each."""
+
+    tasks: list[tuple[str, int, int]]
+    units: np.ndarray
+    chunks: np.ndarray
+
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """[chunk, unit]: where that task is in the table."""
+        index = np.zeros((int(self.chunks.max(initial=-1)) + 1, int(self.units.max(initial=-1)) + 1), dtype=np.int64)
+        index[self.chunks, self.units] = np.arange(len(self.tasks))
+        return index
+
+
+@lru_cache(maxsize=64)
+def task_table(kind: str, group_sizes: tuple[int, ...], vpp: int) -> TaskTable:
+    """The forward ("F") or backward ("B") table of `interleaved_table` over `group_sizes`."""
+    pairs = interleaved_table(list(group_sizes), vpp)
+    if kind == "B":
+        pairs = [(unit, vpp - 1 - chunk) for unit, chunk in pairs]
+    tasks = [(kind, unit, chunk) for unit, chunk in pairs]
+    units = np.fromiter((unit for unit, _ in pairs), dtype=np.int64, count=len(pairs))
+    chunks = np.fromiter((chunk for _, chunk in pairs), dtype=np.int64, count=len(pairs))
+    return TaskTable(tasks, units, chunks)
+
+
 def megatron_groups(num_units: int, group: int, pp: int) -> list[int]:
     """Megatron's groups of `group` units (microbatch_group_size_per_vp_stage, default pp), the
     last taking what remains; a remainder shorter than pp joins the group before (Megatron refuses
@@ -342,12 +374,20 @@ class InterleavedSchedule:
     orders (`orders` builds them): the planner judges many and keeps one."""
 
     targets: np.ndarray
-    forwards: list[tuple[str, int, int]]
-    backwards: list[tuple[str, int, int]]
+    forward_table: TaskTable
+    backward_table: TaskTable
     needs: list[int]  # the last forward unit each backward unit needs (`last_forward_needed`)
     pp: int
     vpp: int
     grouping: int = 0  # which of `interleaved_groupings` its tables follow (0: Megatron's)
+
+    @property
+    def forwards(self) -> list[tuple[str, int, int]]:
+        return self.forward_table.tasks
+
+    @property
+    def backwards(self) -> list[tuple[str, int, int]]:
+        return self.backward_table.tasks
 
     def orders(self) -> list[list[tuple[str, int, int]]]:
         return orders_of_targets(self.targets, self.forwards, self.backwards)
@@ -355,6 +395,11 @@ class InterleavedSchedule:
     def runs_through(self) -> bool:
         """Whether every rank can run its order to the end (no circular wait)."""
         return self._walk(None) is not None
+
+    def walked_s(self, work: StageWork) -> float | None:
+        """`makespan_s`, or None where the ranks would wait in a circle (the walk does not depend
+        on the times: it runs through with them exactly where it does without)."""
+        return self._walk(work)
 
     def makespan_s(self, work: StageWork) -> float:
         """`replay` for interleaved orders: `work`'s times are per chunk. A PlanError where the
@@ -368,10 +413,8 @@ class InterleavedSchedule:
         """`peak_in_flight` over ranks: a rank holds every chunk's in-flight units, and holds the
         most right before some backward, after the forwards run ahead of it (or at its end)."""
         pp, vpp = self.pp, self.vpp
-        forward_units = np.array([unit for _, unit, _ in self.forwards], dtype=np.int64)
-        backward_units = np.array([unit for _, unit, _ in self.backwards], dtype=np.int64)
-        last_forward = np.array([chunk == vpp - 1 for *_, chunk in self.forwards], dtype=bool)
-        last_backward = np.array([chunk == vpp - 1 for *_, chunk in self.backwards], dtype=bool)
+        forward_units, backward_units = self.forward_table.units, self.backward_table.units
+        last_forward, last_backward = self.forward_table.chunks == vpp - 1, self.backward_table.chunks == vpp - 1
         peak = 0.0
         for stage, row in enumerate(np.asarray(self.targets)):
             allocated = np.asarray(work.forward_bytes[0], dtype=float)[forward_units]
@@ -490,35 +533,34 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
     jobs = {"all": [(index, "ends") for index in range(len(pairs))], "megatron": [(0, "ends")],
             "groupings": [(index, "ends") for index in range(1, len(pairs))],
             "per-rank": [(index, "per-rank") for index in range(len(pairs))]}[which]
-    needs = last_forward_needed(forward_units, backward_units).tolist() if backward_units else []
+    needs = last_forward_needed(forward_units, backward_units) if backward_units else np.zeros(0, dtype=np.int64)
+    needs_list = needs.tolist()
     schedules = []
     for index, kinds in jobs:
         forward_groups, backward_groups = pairs[index]
-        forwards = [("F", unit, chunk) for unit, chunk in interleaved_table(forward_groups, vpp)]
-        backwards = [("B", unit, vpp - 1 - chunk) for unit, chunk in interleaved_table(backward_groups, vpp)]
+        forwards, backwards = task_table("F", tuple(forward_groups), vpp), task_table("B", tuple(backward_groups), vpp)
         for targets in _interleaved_targets(forwards, backwards, needs, pp, vpp, group, kinds):
-            schedules.append(InterleavedSchedule(targets, forwards, backwards, needs, pp, vpp, index))
+            schedules.append(InterleavedSchedule(targets, forwards, backwards, needs_list, pp, vpp, index))
     return schedules
 
 
-def _interleaved_targets(forwards: list[tuple[str, int, int]], backwards: list[tuple[str, int, int]],
-                         needs: list[int], pp: int, vpp: int, group: int, kinds: str = "ends") -> list[np.ndarray]:
+def _interleaved_targets(forwards: TaskTable, backwards: TaskTable, needs: np.ndarray, pp: int, vpp: int,
+                         group: int, kinds: str = "ends") -> list[np.ndarray]:
     """`interleaved_schedules`' forward targets of one grouping's tables: "ends", each backward's
     need added where it arises (then kept: targets never fall), and the largest excess as one lead
     for all; "per-rank", each rank's warm-up lead added to the steady state only, then its needs (a
     long document's chain is not held on top of the lead: at most what either asks, and the ranks
     stay consistent where the first of "ends" waits in a circle)."""
-    position = {(unit, chunk): index for index, (_, unit, chunk) in enumerate(forwards)}
-    total_forwards, total_backwards = len(forwards), len(backwards)
-    steady = [(vpp - 1) * group + k * total_forwards // total_backwards + 1 for k in range(total_backwards)]
-    needed = [position[(needs[unit], chunk)] + 1 for _, unit, chunk in backwards]
+    total_forwards, total_backwards = len(forwards.tasks), len(backwards.tasks)
+    steady = (vpp - 1) * group + np.arange(total_backwards) * total_forwards // max(total_backwards, 1) + 1
+    needed = forwards.positions[backwards.chunks, needs[backwards.units]] + 1
     lead = 2 * (pp - 1 - np.arange(pp))[:, None]
     if kinds == "per-rank":
         return [np.minimum(total_forwards, np.maximum.accumulate(
-            np.maximum(np.asarray(steady)[None, :] + lead, np.asarray(needed)[None, :]), axis=1))]
-    lift = max([n - s for n, s in zip(needed, steady)] + [0])
+            np.maximum(steady[None, :] + lead, needed[None, :]), axis=1))]
+    lift = int((needed - steady).max(initial=0))
     return [np.minimum(total_forwards, required[None, :] + lead)
-            for required in (np.maximum.accumulate(np.maximum(steady, needed)), np.asarray(steady) + lift)]
+            for required in (np.maximum.accumulate(np.maximum(steady, needed)), steady + lift)]
 
 
 def interleaved_orders(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,

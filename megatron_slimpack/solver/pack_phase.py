@@ -474,6 +474,7 @@ class InterleavedCandidate:
     dp_ranks: list[int]
     schedule: InterleavedSchedule
     peak_activation_bytes: float
+    walked_s: float | None = None  # its makespan, where `of` walked it with its times already
 
     @classmethod
     def of(cls, candidate: UnitCandidate, dp_ranks: list[int], budget_bytes: float | None = None,
@@ -482,7 +483,8 @@ class InterleavedCandidate:
         of one of `LEANER_SCHEDULES` (`interleaved_schedules`). Each is measured before it is
         walked, so most candidates cost no walk: one over budget is passed by, with the rest of its
         grouping (they never hold less); where all are, the leanest is returned as it is (the
-        search drops it for memory)."""
+        search drops it for memory). One within budget is walked with its times: the search then
+        needs its makespan, and the walk runs through with times exactly where it does without."""
         pp = len(candidate.work.forward_time)
         leanest: tuple[InterleavedSchedule, float] | None = None
         over_budget = set()  # groupings whose first schedule is over budget
@@ -495,8 +497,10 @@ class InterleavedCandidate:
                 over_budget.add(schedule.grouping)
                 if leanest is None or peak < leanest[1]:
                     leanest = (schedule, peak)
-            elif schedule.runs_through():
-                return cls(candidate, list(dp_ranks), schedule, peak)
+            else:
+                walked = schedule.walked_s(candidate.work)
+                if walked is not None:
+                    return cls(candidate, list(dp_ranks), schedule, peak, walked)
         if leanest is not None:
             return cls(candidate, list(dp_ranks), *leanest)
         raise no_interleaved_order(len(candidate.forward_units), len(candidate.backward_units), pp, candidate.vpp)
@@ -509,7 +513,7 @@ class InterleavedCandidate:
 
     @cached_property
     def makespan_s(self) -> float:
-        return self.schedule.makespan_s(self.candidate.work)
+        return self.walked_s if self.walked_s is not None else self.schedule.makespan_s(self.candidate.work)
 
 
 def pipeline_estimate(work: StageWork) -> float:
