@@ -128,6 +128,19 @@ def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed,
     assert (leaner.targets <= needs_first.targets).all()
 
 
+@pytest.mark.parametrize("groups, vpp", [((4, 4, 5), 2), ((3, 4, 4), 3), ((2,), 5), ((8, 9, 9, 9), 1)])
+def test_task_tables_follow_the_interleaved_table(groups, vpp):
+    """The cached, vectorised tables are `interleaved_table`'s order (backwards with chunks
+    reversed), and `positions` finds every task."""
+    from megatron_slimpack.solver.orders import interleaved_table, task_table
+
+    for kind in "FB":
+        table = task_table(kind, groups, vpp)
+        assert table.tasks == [(kind, unit, chunk if kind == "F" else vpp - 1 - chunk)
+                               for unit, chunk in interleaved_table(list(groups), vpp)]
+        assert table.positions[table.chunks, table.units].tolist() == list(range(len(table.tasks)))
+
+
 def test_a_timed_walk_runs_through_exactly_where_the_untimed_one_does():
     """`InterleavedCandidate.of` walks a schedule within budget once, with its times, instead of
     checking it runs through and then timing it: the walk's progress must not depend on the

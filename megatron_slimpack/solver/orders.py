@@ -327,13 +327,15 @@ class TaskTable:
 @lru_cache(maxsize=64)
 def task_table(kind: str, group_sizes: tuple[int, ...], vpp: int) -> TaskTable:
     """The forward ("F") or backward ("B") table of `interleaved_table` over `group_sizes`."""
-    pairs = interleaved_table(list(group_sizes), vpp)
+    sizes = np.asarray(group_sizes, dtype=np.int64)
+    group_of = np.repeat(np.arange(len(sizes)), sizes * vpp)  # each task's group
+    group_first = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # its first unit
+    offset = np.arange(len(group_of)) - np.repeat(group_first * vpp, sizes * vpp)  # within the group's block
+    units = group_first[group_of] + offset % sizes[group_of]
+    chunks = offset // sizes[group_of]
     if kind == "B":
-        pairs = [(unit, vpp - 1 - chunk) for unit, chunk in pairs]
-    tasks = [(kind, unit, chunk) for unit, chunk in pairs]
-    units = np.fromiter((unit for unit, _ in pairs), dtype=np.int64, count=len(pairs))
-    chunks = np.fromiter((chunk for _, chunk in pairs), dtype=np.int64, count=len(pairs))
-    return TaskTable(tasks, units, chunks)
+        chunks = vpp - 1 - chunks
+    return TaskTable(list(zip([kind] * len(units), units.tolist(), chunks.tolist())), units, chunks)
 
 
 def megatron_groups(num_units: int, group: int, pp: int) -> list[int]:
