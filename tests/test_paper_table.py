@@ -49,6 +49,26 @@ def test_rerun_strategy_replaces_only_its_row_and_speedups_follow(paper_table):
     assert cell["strategies"]["megatron-fixed"]["speedup"] == pytest.approx(1.0)
 
 
+def test_rows_run_in_a_whole_copy_of_the_table_merge_by_their_commit(paper_table):
+    """Re-runs made in a copy of the whole table (benchmarks/interleaved_rows.py --only-commit):
+    only the rows that ran at the commit are merged, so two copies that each re-ran other rows do
+    not undo each other."""
+    spec = importlib.util.spec_from_file_location("interleaved_rows", ROOT / "benchmarks" / "interleaved_rows.py")
+    rows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows)
+    table = [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(120.0), "wlb-llm": _figures(110.0),
+                                             "slimpack": _figures(100.0)})]
+    copy_a = [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(120.0), "wlb-llm": _figures(108.0, "new"),
+                                              "slimpack": _figures(100.0)}),
+              _cell("llama-7b", "github", {"slimpack": _figures(90.0)})]
+    copy_b = [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(120.0), "wlb-llm": _figures(110.0),
+                                              "slimpack": _figures(97.0, "new")})]
+    picked = rows.rows_at(copy_a, "new") + rows.rows_at(copy_b, "new")
+    assert [list(cell["strategies"]) for cell in picked] == [["wlb-llm"], ["slimpack"]]
+    [cell] = paper_table.merge_cells(table, picked, ORDER)
+    assert (cell["strategies"]["wlb-llm"]["mean_s"], cell["strategies"]["slimpack"]["mean_s"]) == (108.0, 97.0)
+
+
 def test_cells_are_kept_in_grid_order(paper_table):
     later = _cell("llama-13b", "github", {"megatron-fixed": _figures(1.0)})
     earlier = _cell("llama-7b", "github", {"megatron-fixed": _figures(1.0)})
