@@ -51,11 +51,11 @@ def moved_rows(old: list[dict], new_cells: list[dict], merged: list[dict]) -> st
     return "\n".join(lines) + "\n"
 
 
-def rows_at(cells: list[dict], commit: str) -> list[dict]:
-    """The cells with only their rows that ran at `commit` (cells with none left out)."""
+def rows_at(cells: list[dict], commits: set[str]) -> list[dict]:
+    """The cells with only their rows that ran at one of `commits` (cells with none left out)."""
     kept = []
     for cell in cells:
-        mine = {name: figures for name, figures in cell["strategies"].items() if figures.get("commit") == commit}
+        mine = {name: figures for name, figures in cell["strategies"].items() if figures.get("commit") in commits}
         if mine:
             kept.append({**cell, "strategies": mine, "failures": {}})
     return kept
@@ -70,15 +70,15 @@ def main() -> None:
     parser.add_argument("--report", help="write the moved rows to this file of benchmarks/results/ with --intro "
                                          "as its text (default: interleaved.md, the fourteenth session's re-run)")
     parser.add_argument("--intro", default="", help="the report's title and text, Markdown")
-    parser.add_argument("--only-commit", help="take only the rows that ran at this commit (runs made in a whole "
-                                              "copy of the table, which holds every other row too)")
+    parser.add_argument("--only-commit", help="take only the rows that ran at these commits, comma-separated (runs "
+                                              "made in a whole copy of the table, which holds every other row too)")
     args = parser.parse_args()
     order = grid_order(load_config(Path(args.config)))
     table = RESULTS / "paper_table.json"
     old = json.loads(Path(args.before).read_text() if args.before else table.read_text())
     new_cells = [cell for path in args.runs for cell in json.loads(Path(path).read_text())]
     if args.only_commit:
-        new_cells = rows_at(new_cells, args.only_commit)
+        new_cells = rows_at(new_cells, set(args.only_commit.split(",")))
     merged = merge_cells(json.loads(table.read_text()), json.loads(json.dumps(new_cells)), order)
     table.write_text(json.dumps(merged, indent=1))
     (RESULTS / "paper_table.md").write_text(render(merged, order))

@@ -63,7 +63,7 @@ def test_rows_run_in_a_whole_copy_of_the_table_merge_by_their_commit(paper_table
               _cell("llama-7b", "github", {"slimpack": _figures(90.0)})]
     copy_b = [_cell("llama-7b", "wikipedia", {"megatron-fixed": _figures(120.0), "wlb-llm": _figures(110.0),
                                               "slimpack": _figures(97.0, "new")})]
-    picked = rows.rows_at(copy_a, "new") + rows.rows_at(copy_b, "new")
+    picked = rows.rows_at(copy_a, {"new"}) + rows.rows_at(copy_b, {"new", "other"})
     assert [list(cell["strategies"]) for cell in picked] == [["wlb-llm"], ["slimpack"]]
     [cell] = paper_table.merge_cells(table, picked, ORDER)
     assert (cell["strategies"]["wlb-llm"]["mean_s"], cell["strategies"]["slimpack"]["mean_s"]) == (108.0, 97.0)
