@@ -239,6 +239,21 @@ def test_interleaved_layouts_are_screened_after_their_plain_twin():
     assert sorted(p.vpp for p, _ in result.screened) == [1, 2, 4], [str(r) for r in result.rejected]
 
 
+def test_a_lighter_recompute_mode_is_screened_before_a_heavier_one_with_a_lower_bound():
+    """No recompute leaves room for smaller packs, so its bound can be above selective recompute's
+    on the same shape; screened in bound order alone, selective fit first and the recompute cascade
+    turned the faster layout without recompute away as "a lighter recompute mode fits"."""
+    context = 32768
+    lengths = batch(5, 120, context)
+    plain = ParallelConfig(tp=2, cp=4, dp=1)
+    modes = [plain.with_(recompute=mode) for mode in ("none", "selective")]
+    bounds = [iteration_lower_bound("megatron-fixed", lengths, COST_7B, p) for p in modes]
+    assert bounds[0] > bounds[1]  # the premise
+    result = best_layout("megatron-fixed", [lengths], COST_7B, 8, context, FAST, layouts=modes, finalists=1)
+    assert result.parallel == modes[0]
+    assert [r.kind for r in result.rejected] == ["recompute-cascade"]
+
+
 def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):
     """The screened layouts' plans, but the `finalists` fastest so far, are kept pickled; the search
     picks the same, and a shelved layout that becomes a finalist (the fastest failed a later batch)
@@ -260,7 +275,8 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     assert [e.parallel for e in kept.finalists] == [e.parallel for e in result.finalists]
     assert [p.fingerprint() for p in kept.plans] == [p.fingerprint() for p in result.plans]
 
-    # The fastest screened layout fails its second batch: the runner-up, shelved, is finished.
+    # The fastest screened layout fails its second batch: the runner-up, shelved, is finished, and
+    # the layouts left unevaluated below the failed one's first-batch time are screened again.
     monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or shelve(run))
     shelved.clear()
     planned.clear()
@@ -274,5 +290,11 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
 
     monkeypatch.setattr(layouts, "_finish_run", failing)
     fallback = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1)
-    assert fallback.parallel != fastest and fallback.parallel in shelved
+    assert fallback.parallel != fastest and any(e.parallel in shelved for e in fallback.finalists)
     assert len(fallback.plans) == len(batches) and len(planned) == len(set(planned))
+    # Here the winner is one the failed layout had left unevaluated (its heavier recompute mode).
+    left_out = {r.parallel: r.kind for r in result.rejected if not r.infeasible}
+    assert left_out.get(fallback.parallel) == "recompute-cascade"
+    assert fallback.parallel == fastest.with_(recompute="selective")
+    assert fallback.parallel not in {r.parallel for r in fallback.rejected}
+    assert fallback.mean_iteration_time_s == min(e.mean_iteration_time_s for e in fallback.finalists)

@@ -388,6 +388,29 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel) -> Rejecti
     return None
 
 
+def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel, rejected: list[Rejection],
+                    finalists: int, evaluations: dict[int, "LayoutEvaluation"], failed: set[int]) -> bool:
+    """Every batch on the `finalists` runs fastest on the first (those not yet finished), skipping
+    runs that failed a later batch; True when one failed now."""
+    finished, failed_now = 0, False
+    for run in sorted(runs, key=lambda run: run.reports[0].iteration_time_s):
+        if finished == finalists:
+            break
+        if id(run) in failed:
+            continue
+        if id(run) not in evaluations:
+            run.unshelve()
+            rejection = _finish_run(run, batches, cost)
+            if rejection:
+                rejected.append(rejection)
+                failed.add(id(run))
+                failed_now = True
+                continue
+            evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
+        finished += 1
+    return failed_now
+
+
 # ==== the search ================================================================================
 
 
@@ -430,18 +453,20 @@ def best_layout(
             rejected.append(rejection)
             continue
         screened.append(_Run(parallel, config))
-    runs = _screen(strategy, screened, first, cost, rejected, recompute_cascade, finalists)
+    runs, deferred = _screen(strategy, screened, first, cost, rejected, recompute_cascade, finalists)
+    evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
+    failed: set[int] = set()
+    while _finish_fastest(runs, batches, cost, rejected, finalists, evaluations, failed) and deferred:
+        # A layout that fit the first batch failed a later one. What was left unevaluated because of
+        # it (below its first-batch time, its lighter recompute mode, its plain twin) is screened again.
+        for _, rejection in deferred:
+            rejected.remove(rejection)
+        survivors = [run for run in runs if id(run) not in failed]
+        more, deferred = _screen(strategy, [run for run, _ in deferred], first, cost, rejected, recompute_cascade,
+                                 finalists, screened=survivors)
+        runs = survivors + more + [run for run in runs if id(run) in failed]
     runs.sort(key=lambda run: run.reports[0].iteration_time_s)
-    done: list[LayoutEvaluation] = []
-    for run in runs:
-        if len(done) == finalists:
-            break
-        run.unshelve()
-        rejection = _finish_run(run, batches, cost)
-        if rejection:
-            rejected.append(rejection)
-            continue
-        done.append(LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches)))
+    done = list(evaluations.values())
     if not done:
         raise NoFeasibleLayout(_no_layout_message(strategy, gpus, rejected), rejected)
     done.sort(key=lambda evaluation: evaluation.mean_iteration_time_s)
@@ -483,9 +508,11 @@ def _shape(parallel: ParallelConfig) -> tuple[int, ...]:
 
 
 def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
-            recompute_cascade: bool, keep: int) -> list[_Run]:
+            recompute_cascade: bool, keep: int, screened: list[_Run] = ()) -> tuple[list[_Run], list[tuple]]:
     """Plan and simulate the first batch on each layout, most promising (lowest bound) first. The
-    plans of all but the `keep` fastest so far are shelved (`_Run.shelve`)."""
+    plans of all but the `keep` fastest so far are shelved (`_Run.shelve`). `screened`: runs
+    screened before, which the cascades and the bound count. Returns the runs that fit and the
+    (run, rejection) of those not evaluated because they could not win."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
     # documents or bring back earlier ones, so it is screened without the bound.
     spec: StrategySpec = strategy_spec(strategy)
@@ -493,36 +520,40 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
-    # Bound order; recompute only adds time, so within a shape the lighter modes come first. An
-    # interleaved layout goes right after its plain 1F1B twin, which the cascade needs evaluated
-    # first, although its bound is lower (a chunk's activations leave room for larger packs).
-    twin_bound = {run.parallel: bounds[id(run)] for run in runs if run.parallel.vpp == 1}
+    # Bound order, a plain 1F1B shape (tp, pp, cp, dp) at a time, at the lowest bound of its
+    # layouts. Within it the lighter recompute modes come first, as the recompute cascade needs
+    # (a lighter mode's bound can be the higher one: more activations per token leave room for
+    # smaller packs only; ordered by bound alone, a heavier mode that fit turned the lighter one
+    # away), and an interleaved layout right after its plain twin, which the interleave cascade
+    # needs evaluated first, although its bound is lower (a chunk's activations leave room for
+    # larger packs).
+    def plain_shape(parallel: ParallelConfig) -> tuple[int, ...]:
+        return _shape(parallel.with_(vpp=1))
+
+    shape_bound: dict[tuple[int, ...], float] = {}
+    for run in runs:
+        key = plain_shape(run.parallel)
+        shape_bound[key] = min(shape_bound.get(key, math.inf), bounds[id(run)])
 
     def order(run: _Run) -> tuple:
-        key_bound = twin_bound.get(run.parallel.with_(vpp=1), bounds[id(run)])
-        return key_bound, mode_rank[run.parallel.recompute], run.parallel.with_(vpp=1).describe(), run.parallel.vpp
+        key = plain_shape(run.parallel)
+        return shape_bound[key], key, mode_rank[run.parallel.recompute], run.parallel.vpp
 
     ordered = sorted(runs, key=order)
-    fitted: set[tuple[int, ...]] = set()  # shapes where a lighter recompute mode fits
-    plain: dict[ParallelConfig, float] = {}  # vpp = 1 layouts that fit -> their simulated busy time
-    best = math.inf
+    fitted = {_shape(run.parallel) for run in screened}  # shapes where a lighter recompute mode fits
+    # vpp = 1 layouts that fit -> their simulated busy time
+    plain = {run.parallel: run.reports[0].work_bound_s for run in screened if run.parallel.vpp == 1}
+    best = min((run.reports[0].iteration_time_s for run in screened), default=math.inf)
+    deferred: list[tuple[_Run, Rejection]] = []
     feasible: list[_Run] = []
     fastest: list[tuple[float, int]] = []  # (first-batch time, index in feasible) of the `keep` fastest
     for run in ordered:
         shape = _shape(run.parallel)
-        if recompute_cascade and not spec.sizes_to_memory and shape in fitted:
-            rejected.append(Rejection(run.parallel, "recompute-cascade",
-                                      "not evaluated: a lighter recompute mode fits this layout, and recompute "
-                                      "only adds time"))
-            continue
-        why_not = _interleave_cascade(run.parallel, plain, best)
-        if why_not:
-            rejected.append(Rejection(run.parallel, "interleave-cascade", why_not))
-            continue
-        if bounded and bounds[id(run)] >= best:
-            rejected.append(Rejection(run.parallel, "bound",
-                                      f"not evaluated: its lower bound {bounds[id(run)]:.3f} s is above the best "
-                                      f"first-batch time {best:.3f} s"))
+        cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
+        not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)] if bounded else None)
+        if not_worth:
+            deferred.append((run, not_worth))
+            rejected.append(not_worth)
             continue
         run.planner = new_planner(strategy)
         rejection = _plan_and_simulate(run, lengths, cost, 0)
@@ -537,7 +568,23 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
             feasible[fastest.pop()[1]].shelve()
         if run.parallel.vpp == 1:
             plain[run.parallel] = run.reports[0].work_bound_s
-    return feasible
+    return feasible, deferred
+
+
+def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool, plain: dict[ParallelConfig, float],
+                          best: float, bound: float | None) -> Rejection | None:
+    """Why a layout cannot beat the best screened one (None: evaluate it): a lighter recompute mode
+    fits its shape, the interleave cascade, or its lower bound (None: the strategy is not bounded)."""
+    if lighter_recompute_fits:
+        return Rejection(parallel, "recompute-cascade",
+                         "not evaluated: a lighter recompute mode fits this layout, and recompute only adds time")
+    why_not = _interleave_cascade(parallel, plain, best)
+    if why_not:
+        return Rejection(parallel, "interleave-cascade", why_not)
+    if bound is not None and bound >= best:
+        return Rejection(parallel, "bound", f"not evaluated: its lower bound {bound:.3f} s is above the best "
+                                            f"first-batch time {best:.3f} s")
+    return None
 
 
 def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, float], best: float) -> str | None:
