@@ -26,11 +26,15 @@ Search, cheapest checks first:
    more memory can buy larger MicroPacks). Virtual stages cascade too: vpp > 1 is tried only where
    the same layout with vpp = 1 fits and its simulated busy time per device (`work_bound_s`) is
    below the best screened time, since interleaving removes only pipeline idle time (and adds p2p
-   and in-flight memory).
+   and in-flight memory). So a shape's layouts are screened together, lightest recompute mode and
+   plain 1F1B first, in the order of the lowest bound among them.
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
    plans (flush included) divided by the number of batches, so it is per global batch trained.
+   A finalist that fits the first batch but fails a later one (a stateful strategy's queue grows,
+   a later batch's longest document) is replaced by the next, and the layouts it left unevaluated
+   (the bound, the cascades) are screened again without it.
 """
 from __future__ import annotations
 
