@@ -462,7 +462,8 @@ def best_layout(
     failed: set[int] = set()
     while _finish_fastest(runs, batches, cost, rejected, finalists, evaluations, failed) and deferred:
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
-        # it (below its first-batch time, its lighter recompute mode, its plain twin) is screened again.
+        # it (bounded out by its first-batch time, its heavier recompute modes, its interleaved
+        # twins) is screened again, without it.
         for _, rejection in deferred:
             rejected.remove(rejection)
         survivors = [run for run in runs if id(run) not in failed]
@@ -512,7 +513,8 @@ def _shape(parallel: ParallelConfig) -> tuple[int, ...]:
 
 
 def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
-            recompute_cascade: bool, keep: int, screened: list[_Run] = ()) -> tuple[list[_Run], list[tuple]]:
+            recompute_cascade: bool, keep: int, screened: tuple[_Run, ...] | list[_Run] = ()
+            ) -> tuple[list[_Run], list[tuple[_Run, Rejection]]]:
     """Plan and simulate the first batch on each layout, most promising (lowest bound) first. The
     plans of all but the `keep` fastest so far are shelved (`_Run.shelve`). `screened`: runs
     screened before, which the cascades and the bound count. Returns the runs that fit and the
