@@ -130,9 +130,17 @@ def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed,
 
 @pytest.mark.parametrize("groups, vpp", [((4, 4, 5), 2), ((3, 4, 4), 3), ((2,), 5), ((8, 9, 9, 9), 1)])
 def test_task_tables_follow_the_interleaved_table(groups, vpp):
-    """The cached, vectorised tables are `interleaved_table`'s order (backwards with chunks
-    reversed), and `positions` finds every task."""
-    from megatron_slimpack.solver.orders import interleaved_table, task_table
+    """The cached, vectorised tables follow the interleaved order written plainly (each group of
+    units through chunk 0, then chunk 1, ...; backwards with chunks reversed), and `positions`
+    finds every task."""
+    from megatron_slimpack.solver.orders import task_table
+
+    def interleaved_table(group_sizes: list[int], vpp: int) -> list[tuple[int, int]]:
+        table, first = [], 0
+        for size in group_sizes:
+            table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, first + size)]
+            first += size
+        return table
 
     for kind in "FB":
         table = task_table(kind, groups, vpp)

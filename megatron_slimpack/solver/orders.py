@@ -295,20 +295,10 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
 
 
 # ---- interleaved 1F1B (virtual pipeline stages) -----------------------------------------------
-def interleaved_table(group_sizes: list[int], vpp: int) -> list[tuple[int, int]]:
-    """(unit, chunk) in the order every rank runs its forwards under interleaved 1F1B: units in
-    consecutive groups of `group_sizes`, each group through chunk 0, then chunk 1, ..."""
-    table, first = [], 0
-    for size in group_sizes:
-        table += [(unit, chunk) for chunk in range(vpp) for unit in range(first, first + size)]
-        first += size
-    return table
-
-
 @dataclass(frozen=True, eq=False)
 class TaskTable:
     """One direction of an interleaved schedule, the same on every rank: its tasks ("F" or "B",
-    unit, chunk) in order (`interleaved_table`; backwards with chunks reversed) and their units and
+    unit, chunk) in order (`task_table`; backwards with chunks reversed) and their units and
     chunks as arrays. Built once per groups and vpp (`task_table`) and shared: the planner orders
     many candidates with the same unit counts, several schedules each."""
 
@@ -326,7 +316,9 @@ class TaskTable:
 
 @lru_cache(maxsize=64)
 def task_table(kind: str, group_sizes: tuple[int, ...], vpp: int) -> TaskTable:
-    """The forward ("F") or backward ("B") table of `interleaved_table` over `group_sizes`."""
+    """The forward ("F") or backward ("B") tasks every rank runs in this order under interleaved
+    1F1B: units in consecutive groups of `group_sizes`, each group through chunk 0, then chunk 1,
+    ... (backwards with chunks reversed: the last chunk's backward comes first)."""
     sizes = np.asarray(group_sizes, dtype=np.int64)
     group_of = np.repeat(np.arange(len(sizes)), sizes * vpp)  # each task's group
     group_first = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # its first unit
@@ -371,7 +363,7 @@ def interleaved_groupings(num_units: int, group: int, pp: int) -> list[list[int]
 @dataclass
 class InterleavedSchedule:
     """Every rank's interleaved order in short: the forward and backward tables all ranks share
-    (`interleaved_table`) and how many forwards each rank has run before each backward
+    (`task_table`) and how many forwards each rank has run before each backward
     ([rank][backward], as `forward_targets`). Walked, timed and measured without building the
     orders (`orders` builds them): the planner judges many and keeps one."""
 
@@ -406,7 +398,7 @@ class InterleavedSchedule:
     def makespan_s(self, work: StageWork) -> float:
         """`replay` for interleaved orders: `work`'s times are per chunk. A PlanError where the
         ranks would wait in a circle (a schedule handed out unwalked, `InterleavedCandidate`)."""
-        makespan = self._walk(work)
+        makespan = self.walked_s(work)
         if makespan is None:
             raise no_interleaved_order(len(self.forwards) // self.vpp, len(self.needs), self.pp, self.vpp)
         return makespan
@@ -513,7 +505,7 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
     less: "groupings", the other groupings' two, and "per-rank", every grouping's per-rank
     targets (`_interleaved_targets`). Megatron's two:
 
-    - forwards follow `interleaved_table` over the forward units; backwards follow it over the
+    - forwards follow `task_table` over the forward units; backwards follow it over the
       backward units with chunks reversed (the last chunk's backward comes first);
     - the last rank runs (vpp - 1) * group forwards before its first backward, then one more per
       backward (scaled when forward and backward unit counts differ), and never a backward before
