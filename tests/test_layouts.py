@@ -283,14 +283,17 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     fastest = result.screened[0][0]  # screened fastest first
     finish = layouts._finish_run
 
+    finished = []
+
     def failing(run, *args):
         if run.parallel == fastest:
             return layouts.Rejection(run.parallel, "simulated-memory", "batch 1: made to fail")
+        finished.append(run.parallel)
         return finish(run, *args)
 
     monkeypatch.setattr(layouts, "_finish_run", failing)
     fallback = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1)
-    assert fallback.parallel != fastest and any(e.parallel in shelved for e in fallback.finalists)
+    assert fallback.parallel != fastest and any(parallel in shelved for parallel in finished)
     assert len(fallback.plans) == len(batches) and len(planned) == len(set(planned))
     # Here the winner is one the failed layout had left unevaluated (its heavier recompute mode).
     left_out = {r.parallel: r.kind for r in result.rejected if not r.infeasible}
@@ -298,3 +301,30 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     assert fallback.parallel == fastest.with_(recompute="selective")
     assert fallback.parallel not in {r.parallel for r in fallback.rejected}
     assert fallback.mean_iteration_time_s == min(e.mean_iteration_time_s for e in fallback.finalists)
+
+
+def test_a_stateful_strategy_runs_every_screened_layout_on_every_batch(monkeypatch):
+    """WLB-LLM's first batch is a poor guide to its mean (its queue fills over the steps): every
+    layout that fits the first batch runs every batch, no first-batch time turns an interleaved
+    layout away, the fastest mean wins, and only the `finalists` fastest keep their plans."""
+    from megatron_slimpack.solver import layouts
+
+    context = 32768
+    batches = [batch(seed, 150, context) for seed in (2, 3, 4)]
+    means = {}  # layout -> mean over every batch, of those that fit every batch
+    finish = layouts._finish_run
+
+    def finished(run, *args):
+        rejection = finish(run, *args)
+        means[run.parallel] = None if rejection else sum(r.iteration_time_s for r in run.reports) / len(batches)
+        return rejection
+
+    monkeypatch.setattr(layouts, "_finish_run", finished)
+    result = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2)
+    assert set(means) == {parallel for parallel, _ in result.screened} and len(means) > 4
+    assert result.mean_iteration_time_s == min(mean for mean in means.values() if mean is not None)
+    assert [e.parallel for e in result.finalists] == sorted((p for p in means if means[p] is not None),
+                                                            key=means.get)[:2]
+    assert all(len(e.plans) >= len(batches) for e in result.finalists)
+    assert not any(r.kind in ("bound", "interleave-cascade") and "first-batch time" in r.reason
+                   for r in result.rejected)

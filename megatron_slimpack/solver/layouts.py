@@ -30,8 +30,12 @@ Search, cheapest checks first:
    plain 1F1B first, in the order of the lowest bound among them.
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
-   step); the lowest mean iteration time wins. Mean iteration time is the simulated time of all
-   plans (flush included) divided by the number of batches, so it is per global batch trained.
+   step); the lowest mean iteration time wins. A stateful strategy runs every screened layout on
+   every batch, and its interleave cascade does not compare with first-batch times: its first
+   batch is a poor guide to its mean (WLB-LLM's queue fills over the steps; at llama-70b 128K
+   GitHub on 256 H100s its fastest layout over 10 batches is the 18th fastest on the first); the
+   result keeps the plans of the `finalists` fastest. Mean iteration time is the simulated time of
+   all plans (flush included) divided by the number of batches, so it is per global batch trained.
    A finalist that fits the first batch but fails a later one (a stateful strategy's queue grows,
    a later batch's longest document) is replaced by the next, and the layouts it left unevaluated
    (the bound, the cascades) are screened again without it.
@@ -393,12 +397,14 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel) -> Rejecti
 
 
 def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel, rejected: list[Rejection],
-                    finalists: int, evaluations: dict[int, "LayoutEvaluation"], failed: set[int]) -> bool:
-    """Every batch on the `finalists` runs fastest on the first (those not yet finished), skipping
-    runs that failed a later batch; True when one failed now."""
+                    finishing: float, finalists: int, evaluations: dict[int, "LayoutEvaluation"],
+                    failed: set[int]) -> bool:
+    """Every batch on the `finishing` runs fastest on the first (those not yet finished), skipping
+    runs that failed a later batch; only the `finalists` fastest evaluations keep their plans.
+    True when one failed now."""
     finished, failed_now = 0, False
     for run in sorted(runs, key=lambda run: run.reports[0].iteration_time_s):
-        if finished == finalists:
+        if finished == finishing:
             break
         if id(run) in failed:
             continue
@@ -411,8 +417,17 @@ def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel,
                 failed_now = True
                 continue
             evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
+            _drop_plans_of_slower(evaluations, finalists)
         finished += 1
     return failed_now
+
+
+def _drop_plans_of_slower(evaluations: dict[int, "LayoutEvaluation"], finalists: int) -> None:
+    """Plans only of the `finalists` fastest evaluations: a stateful strategy finishes every
+    screened layout, tens of them. An evaluation out of the running stays out (means are final)."""
+    ranked = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)
+    for evaluation in ranked[finalists:]:
+        evaluation.plans.clear()  # the run's list too
 
 
 # ==== the search ================================================================================
@@ -460,7 +475,8 @@ def best_layout(
     runs, deferred = _screen(strategy, screened, first, cost, rejected, recompute_cascade, finalists)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
-    while _finish_fastest(runs, batches, cost, rejected, finalists, evaluations, failed) and deferred:
+    finishing = math.inf if strategy_spec(strategy).stateful else finalists
+    while _finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed) and deferred:
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
         # it (bounded out by its first-batch time, its heavier recompute modes, its interleaved
         # twins) is screened again, without it.
@@ -471,10 +487,9 @@ def best_layout(
                                  finalists, screened=survivors)
         runs = survivors + more + [run for run in runs if id(run) in failed]
     runs.sort(key=lambda run: run.reports[0].iteration_time_s)
-    done = list(evaluations.values())
+    done = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)[:finalists]
     if not done:
         raise NoFeasibleLayout(_no_layout_message(strategy, gpus, rejected), rejected)
-    done.sort(key=lambda evaluation: evaluation.mean_iteration_time_s)
     return LayoutResult(
         strategy=strategy, gpus=gpus, best=done[0], finalists=done,
         screened=[(run.parallel, run.reports[0].iteration_time_s) for run in runs],
@@ -520,7 +535,8 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     screened before, which the cascades and the bound count. Returns the runs that fit and the
     (run, rejection) of those not evaluated because they could not win."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
-    # documents or bring back earlier ones, so it is screened without the bound.
+    # documents or bring back earlier ones, so it is screened without the bound, and its first-batch
+    # times turn no interleaved layout away.
     spec: StrategySpec = strategy_spec(strategy)
     bounded = not spec.stateful
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
@@ -556,7 +572,10 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     for run in ordered:
         shape = _shape(run.parallel)
         cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
-        not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)] if bounded else None)
+        if bounded:
+            not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)])
+        else:
+            not_worth = _not_worth_evaluating(run.parallel, cascade, plain, math.inf, None)
         if not_worth:
             deferred.append((run, not_worth))
             rejected.append(not_worth)
