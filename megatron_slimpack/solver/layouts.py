@@ -31,11 +31,12 @@ Search, cheapest checks first:
 5. The best `finalists` screened layouts run every batch (stateful strategies continue the
    planner of their screening run; one with a `flush` plans what it still delays as one more
    step); the lowest mean iteration time wins. A stateful strategy runs every screened layout on
-   every batch, and its interleave cascade does not compare with first-batch times: its first
-   batch is a poor guide to its mean (WLB-LLM's queue fills over the steps; at llama-70b 128K
-   GitHub on 256 H100s its fastest layout over 10 batches is the 18th fastest on the first); the
-   result keeps the plans of the `finalists` fastest. Mean iteration time is the simulated time of
-   all plans (flush included) divided by the number of batches, so it is per global batch trained.
+   every batch: its first batch is a poor guide to its mean (WLB-LLM's queue fills over the steps;
+   at llama-70b 128K GitHub on 256 H100s its fastest layout over 10 batches is the 18th fastest on
+   the first); the result keeps the plans of the `finalists` fastest. Its interleave cascade
+   still compares with the first batch (without it, a llama-70b 64K search of about 3 minutes had
+   not finished in 12). Mean iteration time is the simulated time of all plans (flush included)
+   divided by the number of batches, so it is per global batch trained.
    A finalist that fits the first batch but fails a later one (a stateful strategy's queue grows,
    a later batch's longest document) is replaced by the next, and the layouts it left unevaluated
    (the bound, the cascades) are screened again without it.
@@ -535,8 +536,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     screened before, which the cascades and the bound count. Returns the runs that fit and the
     (run, rejection) of those not evaluated because they could not win."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
-    # documents or bring back earlier ones, so it is screened without the bound, and its first-batch
-    # times turn no interleaved layout away.
+    # documents or bring back earlier ones, so it is screened without the bound.
     spec: StrategySpec = strategy_spec(strategy)
     bounded = not spec.stateful
     pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
@@ -572,10 +572,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     for run in ordered:
         shape = _shape(run.parallel)
         cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
-        if bounded:
-            not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)])
-        else:
-            not_worth = _not_worth_evaluating(run.parallel, cascade, plain, math.inf, None)
+        not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)] if bounded else None)
         if not_worth:
             deferred.append((run, not_worth))
             rejected.append(not_worth)
