@@ -15,7 +15,7 @@ from megatron_slimpack.solver.layouts import (
     iteration_lower_bound,
     minimum_memory_bytes,
 )
-from megatron_slimpack.solver.strategies import get_strategy, strategy_spec, strategy_specs
+from megatron_slimpack.solver.strategies import get_strategy, new_planner, strategy_spec, strategy_specs
 from megatron_slimpack.specs import ParallelConfig
 
 COST_7B = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -303,15 +303,34 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     assert fallback.mean_iteration_time_s == min(e.mean_iteration_time_s for e in fallback.finalists)
 
 
-def test_a_stateful_strategy_runs_every_screened_layout_on_every_batch(monkeypatch):
+def _mean_over_every_batch(strategy: str, batches: list[list[int]], parallel: ParallelConfig, cost, context: int,
+                           config) -> float | None:
+    """A stateful strategy's mean on a layout, run on its own over every batch and the flush
+    (None: a batch does not fit)."""
+    planner = new_planner(strategy)
+    config = config.with_(strategy=strategy, context_length=context)
+    total = 0.0
+    plans = [planner.plan(lengths, parallel, cost, config) for lengths in batches]
+    plans.append(planner.flush(parallel, cost, config))
+    for plan in filter(None, plans):
+        report = simulate(plan, cost, detail=False)
+        if max(report.peak_memory_bytes) > cost.memory_budget_bytes():
+            return None
+        total += report.iteration_time_s
+    return total / len(batches)
+
+
+def test_a_stateful_strategy_runs_every_screened_layout_that_could_still_win_on_every_batch(monkeypatch):
     """WLB-LLM's first batch is a poor guide to its mean (its queue fills over the steps): every
-    layout that fits the first batch runs every batch, the fastest mean wins, and only the
-    `finalists` fastest keep their plans."""
+    layout that fits the first batch runs the batches until its plans so far and a lower bound
+    on the rest rule it out of the `finalists` fastest; the fastest mean wins, and only the
+    finalists keep their plans. Each layout that stopped, run on its own over every batch, is
+    indeed slower than every finalist."""
     from megatron_slimpack.solver import layouts
 
     context = 32768
     batches = [batch(seed, 150, context) for seed in (2, 3, 4)]
-    means = {}  # layout -> mean over every batch, of those that fit every batch
+    means = {}  # layout -> mean over every batch (None: it failed one or stopped)
     finish = layouts._finish_run
 
     def finished(run, *args):
@@ -322,8 +341,31 @@ def test_a_stateful_strategy_runs_every_screened_layout_on_every_batch(monkeypat
     monkeypatch.setattr(layouts, "_finish_run", finished)
     result = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2)
     assert set(means) == {parallel for parallel, _ in result.screened} and len(means) > 4
+    stopped = [r for r in result.rejected if r.kind == "finish-bound"]
+    assert stopped and not any(r.kind == "bound" for r in result.rejected)
+    assert all(not r.infeasible for r in stopped)
+    for rejection in stopped:
+        alone = _mean_over_every_batch("wlb-llm", batches, rejection.parallel, COST_7B, context, FAST)
+        assert alone is None or alone > max(e.mean_iteration_time_s for e in result.finalists), rejection
+        assert means[rejection.parallel] is None
     assert result.mean_iteration_time_s == min(mean for mean in means.values() if mean is not None)
     assert [e.parallel for e in result.finalists] == sorted((p for p in means if means[p] is not None),
                                                             key=means.get)[:2]
     assert all(len(e.plans) >= len(batches) for e in result.finalists)
-    assert not any(r.kind == "bound" for r in result.rejected)
+
+
+def test_the_work_bound_is_superadditive():
+    """The bounds of any split of the documents sum to at least the bound of all of them, which
+    lets a stateful strategy's remaining steps be bounded by what they still have to train."""
+    rng = np.random.default_rng(5)
+    lengths = batch(7, 300, 32768)
+    for strategy, parallel in (("wlb-llm", ParallelConfig(dp=2, pp=2, tp=2)),
+                               ("wlb-llm", ParallelConfig(dp=1, pp=4, tp=2, recompute="full")),
+                               ("slimpack", ParallelConfig(dp=4, pp=1, tp=2, cp=1))):
+        whole = iteration_lower_bound(strategy, lengths, COST_7B, parallel)
+        for parts in (2, 7, 40):
+            cuts = np.sort(rng.choice(np.arange(1, len(lengths)), parts - 1, replace=False))
+            pieces = np.split(np.array(lengths), cuts)
+            split = sum(iteration_lower_bound(strategy, [int(n) for n in piece], COST_7B, parallel) for piece in pieces)
+            assert split >= whole * (1 - 1e-12), (strategy, parallel, parts)
+        assert iteration_lower_bound(strategy, [], COST_7B, parallel) == 0.0

@@ -524,6 +524,9 @@ class WlbLlmPlanner(StepPlanner):
         """Documents delayed so far and not yet scheduled."""
         return [d for queue in self.queues for d in queue] + list(self.carried)
 
+    def untrained_lengths(self) -> list[int]:
+        return [document.length for document in self.pending]
+
     def state_dict(self) -> dict:
         """Step counter, documents seen, delay queues and carried documents (with their sources)."""
         return {

@@ -33,7 +33,11 @@ Search, cheapest checks first:
    step); the lowest mean iteration time wins. A stateful strategy runs every screened layout on
    every batch: its first batch is a poor guide to its mean (WLB-LLM's queue fills over the steps;
    at llama-70b 128K GitHub on 256 H100s its fastest layout over 10 batches is the 18th fastest on
-   the first); the result keeps the plans of the `finalists` fastest. Its interleave cascade
+   the first); the result keeps the plans of the `finalists` fastest. A layout stops early, though,
+   once it cannot be among them: its plans so far plus a lower bound on the rest (what is not yet
+   trained, as `work_lower_bound`; a planner that flushes trains every document) put its mean above
+   the `finalists`-th fastest finished (`_RemainingWork`; a layout that stops is not run far
+   enough to see whether it fails a later batch, as below). Its interleave cascade
    still compares with the first batch (without it, a llama-70b 64K search of about 3 minutes had
    not finished in 12). Mean iteration time is the simulated time of all plans (flush included)
    divided by the number of batches, so it is per global batch trained.
@@ -67,7 +71,8 @@ from .work import causal_pairs
 class Rejection:
     """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner (the
     strategy raised DoesNotFit), simulated-memory, simulation, invalid (infeasible) or bound,
-    recompute-cascade, interleave-cascade (not evaluated, because they could not win)."""
+    recompute-cascade, interleave-cascade (not evaluated, because they could not win),
+    finish-bound (a stateful strategy's layout not run on every batch: it could not win)."""
 
     parallel: ParallelConfig
     kind: str
@@ -163,8 +168,8 @@ class LayoutResult:
         }
 
 
-# Rejections of layouts that were not evaluated because they could not win (not infeasible).
-NOT_EVALUATED = ("bound", "recompute-cascade", "interleave-cascade")
+# Rejections of layouts that were not evaluated (or not finished) because they could not win (not infeasible).
+NOT_EVALUATED = ("bound", "recompute-cascade", "interleave-cascade", "finish-bound")
 
 
 class NoFeasibleLayout(PlanError):
@@ -297,8 +302,19 @@ def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, pa
     planner's (its MicroPack cap)."""
     if pairs is None:
         pairs = attention_pairs_bound(strategy, lengths)
+    return work_lower_bound(strategy, float(sum(lengths)), pairs, cost, parallel, config)
+
+
+def work_lower_bound(strategy: str, tokens: float, pairs: float, cost: CostModel, parallel: ParallelConfig,
+                     config: SlimPackConfig | None = None) -> float:
+    """`iteration_lower_bound` of documents given by their totals (`pairs`: their
+    `attention_pairs_bound`). Superadditive: the bounds of any split of the documents sum to at
+    least the bound of all of them (once packs are full-size it is linear in tokens and pairs, and
+    fewer tokens than a full pack only cost more per token)."""
+    if tokens <= 0:
+        return 0.0
     largest = max(largest_pack_tokens(strategy, cost, parallel, config), 1.0)
-    return cost.pass_time_bound(float(sum(lengths)), pairs, parallel, largest) / parallel.dp
+    return cost.pass_time_bound(tokens, pairs, parallel, largest) / parallel.dp
 
 
 def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
@@ -386,32 +402,89 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
     return None
 
 
-def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel) -> Rejection | None:
-    """The batches after the first, then the planner's flush if it has one."""
-    for step in range(len(run.plans), len(batches)):
-        rejection = _plan_and_simulate(run, batches[step], cost, step)
+def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining: "_RemainingWork | None" = None,
+                beat_s: float = math.inf) -> Rejection | None:
+    """The batches after the first, then the planner's flush if it has one. Given the `remaining`
+    work, a run whose mean can no longer be below `beat_s` stops (a "finish-bound" rejection)."""
+    for step in range(len(run.plans), len(batches) + 1):
+        if remaining is not None and (stop := remaining.stop(run, beat_s)):
+            return stop
+        if step < len(batches):
+            rejection = _plan_and_simulate(run, batches[step], cost, step)
+        elif callable(getattr(run.planner, "flush", None)):
+            rejection = _plan_and_simulate(run, [], cost, None)
+        else:
+            return None
         if rejection:
             return rejection
-    if callable(getattr(run.planner, "flush", None)):
-        return _plan_and_simulate(run, [], cost, None)
     return None
+
+
+@dataclass
+class _RemainingWork:
+    """A lower bound on the mean a stateful strategy's layout can still reach. Every document of
+    the batches is trained once, in some step or in the final flush, and a step takes at least the
+    lower bound of the documents it trains; the bound is superadditive (`work_lower_bound`), so the
+    steps still to come take at least the bound of the documents not trained yet: the batches not
+    planned and what the planner still delays (`StepPlanner.untrained_lengths`)."""
+
+    strategy: str
+    cost: CostModel
+    tokens_from: list[float]  # tokens of batches[k:], k = 0 .. len(batches)
+    pairs_from: list[float]  # their `attention_pairs_bound`
+
+    @classmethod
+    def of(cls, strategy: str, batches: list[list[int]], cost: CostModel) -> "_RemainingWork":
+        tokens, pairs = [0.0], [0.0]
+        for lengths in reversed(batches):
+            tokens.insert(0, tokens[0] + sum(lengths))
+            pairs.insert(0, pairs[0] + attention_pairs_bound(strategy, lengths))
+        return cls(strategy, cost, tokens, pairs)
+
+    def mean_at_least(self, run: _Run) -> float:
+        """Seconds per batch the run's plans so far and the rest take at least."""
+        planned = len(run.reports)
+        delayed = run.planner.untrained_lengths()
+        tokens = self.tokens_from[planned] + sum(delayed)
+        pairs = self.pairs_from[planned] + attention_pairs_bound(self.strategy, delayed)
+        rest = work_lower_bound(self.strategy, tokens, pairs, self.cost, run.parallel, run.config)
+        return (sum(report.iteration_time_s for report in run.reports) + rest) / (len(self.tokens_from) - 1)
+
+    def stop(self, run: _Run, beat_s: float) -> Rejection | None:
+        """Why the run is not worth finishing (None: go on): its mean cannot be below `beat_s`."""
+        least = self.mean_at_least(run)
+        if least <= beat_s:
+            return None
+        batches = len(self.tokens_from) - 1
+        return Rejection(run.parallel, "finish-bound",
+                         f"not finished: after {len(run.reports)} of {batches} batches its mean is at least "
+                         f"{least:.3f} s (its plans so far and a lower bound on the rest), above the mean "
+                         f"{beat_s:.3f} s it would have to beat")
 
 
 def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel, rejected: list[Rejection],
                     finishing: float, finalists: int, evaluations: dict[int, "LayoutEvaluation"],
-                    failed: set[int]) -> bool:
+                    failed: set[int], stopped: set[int], remaining: _RemainingWork | None) -> bool:
     """Every batch on the `finishing` runs fastest on the first (those not yet finished), skipping
-    runs that failed a later batch; only the `finalists` fastest evaluations keep their plans.
-    True when one failed now."""
+    runs that failed a later batch or stopped; only the `finalists` fastest evaluations keep their
+    plans. Given the `remaining` work, a run stops once it cannot be among the `finalists` fastest
+    finished. True when one failed now."""
     finished, failed_now = 0, False
     for run in sorted(runs, key=lambda run: run.reports[0].iteration_time_s):
         if finished == finishing:
             break
-        if id(run) in failed:
+        if id(run) in failed or id(run) in stopped:
             continue
         if id(run) not in evaluations:
             run.unshelve()
-            rejection = _finish_run(run, batches, cost)
+            means = sorted(evaluation.mean_iteration_time_s for evaluation in evaluations.values())
+            beat_s = means[finalists - 1] if len(means) >= finalists else math.inf
+            rejection = _finish_run(run, batches, cost, remaining, beat_s)
+            if rejection and rejection.kind == "finish-bound":
+                rejected.append(rejection)
+                stopped.add(id(run))
+                run.plans.clear()
+                continue
             if rejection:
                 rejected.append(rejection)
                 failed.add(id(run))
@@ -476,8 +549,14 @@ def best_layout(
     runs, deferred = _screen(strategy, screened, first, cost, rejected, recompute_cascade, finalists)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
-    finishing = math.inf if strategy_spec(strategy).stateful else finalists
-    while _finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed) and deferred:
+    stopped: set[int] = set()  # stateful runs that could no longer be among the finalists
+    spec = strategy_spec(strategy)
+    finishing = math.inf if spec.stateful else finalists
+    # A stateful planner that flushes trains every document: what is left bounds its mean.
+    flushes = spec.stateful and callable(getattr(new_planner(strategy), "flush", None))
+    remaining = _RemainingWork.of(strategy, batches, cost) if flushes else None
+    while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining)
+           and deferred):
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
         # it (bounded out by its first-batch time, its heavier recompute modes, its interleaved
         # twins) is screened again, without it.

@@ -62,6 +62,11 @@ class StepPlanner:
         """Update the state exactly as `plan` on this batch would, without building the plan
         (stateless strategies: nothing to do)."""
 
+    def untrained_lengths(self) -> list[int]:
+        """Lengths of the documents given so far that no plan holds yet (a stateful planner's
+        delayed ones; stateless strategies plan every batch whole: none)."""
+        return []
+
     def state_dict(self) -> dict:
         """The planner's state between batches, JSON-able (stateless strategies: empty)."""
         return {}
