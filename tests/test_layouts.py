@@ -310,8 +310,11 @@ def _mean_over_every_batch(strategy: str, batches: list[list[int]], parallel: Pa
     planner = new_planner(strategy)
     config = config.with_(strategy=strategy, context_length=context)
     total = 0.0
-    plans = [planner.plan(lengths, parallel, cost, config) for lengths in batches]
-    plans.append(planner.flush(parallel, cost, config))
+    try:
+        plans = [planner.plan(lengths, parallel, cost, config) for lengths in batches]
+        plans.append(planner.flush(parallel, cost, config))
+    except PlanError:
+        return None
     for plan in filter(None, plans):
         report = simulate(plan, cost, detail=False)
         if max(report.peak_memory_bytes) > cost.memory_budget_bytes():

@@ -411,13 +411,18 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining:
             return stop
         if step < len(batches):
             rejection = _plan_and_simulate(run, batches[step], cost, step)
-        elif callable(getattr(run.planner, "flush", None)):
+        elif _flushes(run.planner):
             rejection = _plan_and_simulate(run, [], cost, None)
         else:
             return None
         if rejection:
             return rejection
     return None
+
+
+def _flushes(planner: StepPlanner) -> bool:
+    """Whether the planner plans what it still delays as one last step (so trains every document)."""
+    return callable(getattr(planner, "flush", None))
 
 
 @dataclass
@@ -441,6 +446,10 @@ class _RemainingWork:
             pairs.insert(0, pairs[0] + attention_pairs_bound(strategy, lengths))
         return cls(strategy, cost, tokens, pairs)
 
+    @property
+    def batches(self) -> int:
+        return len(self.tokens_from) - 1
+
     def mean_at_least(self, run: _Run) -> float:
         """Seconds per batch the run's plans so far and the rest take at least."""
         planned = len(run.reports)
@@ -448,16 +457,15 @@ class _RemainingWork:
         tokens = self.tokens_from[planned] + sum(delayed)
         pairs = self.pairs_from[planned] + attention_pairs_bound(self.strategy, delayed)
         rest = work_lower_bound(self.strategy, tokens, pairs, self.cost, run.parallel, run.config)
-        return (sum(report.iteration_time_s for report in run.reports) + rest) / (len(self.tokens_from) - 1)
+        return (sum(report.iteration_time_s for report in run.reports) + rest) / self.batches
 
     def stop(self, run: _Run, beat_s: float) -> Rejection | None:
         """Why the run is not worth finishing (None: go on): its mean cannot be below `beat_s`."""
         least = self.mean_at_least(run)
         if least <= beat_s:
             return None
-        batches = len(self.tokens_from) - 1
         return Rejection(run.parallel, "finish-bound",
-                         f"not finished: after {len(run.reports)} of {batches} batches its mean is at least "
+                         f"not finished: after {len(run.reports)} of {self.batches} batches its mean is at least "
                          f"{least:.3f} s (its plans so far and a lower bound on the rest), above the mean "
                          f"{beat_s:.3f} s it would have to beat")
 
@@ -553,8 +561,8 @@ def best_layout(
     spec = strategy_spec(strategy)
     finishing = math.inf if spec.stateful else finalists
     # A stateful planner that flushes trains every document: what is left bounds its mean.
-    flushes = spec.stateful and callable(getattr(new_planner(strategy), "flush", None))
-    remaining = _RemainingWork.of(strategy, batches, cost) if flushes else None
+    bounded = spec.stateful and _flushes(new_planner(strategy))
+    remaining = _RemainingWork.of(strategy, batches, cost) if bounded else None
     while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining)
            and deferred):
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
