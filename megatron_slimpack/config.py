@@ -394,6 +394,11 @@ class MegatronIntegrationConfig:
     dump_plans: str | None = field(default=None, metadata=option(
         "Write each step's plan JSON to DIR (rank 0).", metavar="DIR", none_means="no plans written",
         cli="`slimpack plan --out` writes the plans"))
+    allow_untested_megatron: bool = field(default=False, metadata=option(
+        "Train with a megatron-core newer than the newest release SlimPack is tested with (see patches/README.md). "
+        "Without it such a release is refused: a release that builds its model another way could leave the sliced "
+        "attention out (the run still stops before its first step if the built model lacks it).",
+        cli="the CLI does not train"))
 
     def __post_init__(self) -> None:
         _validate(self, self.find_problems)
@@ -402,9 +407,9 @@ class MegatronIntegrationConfig:
     def find_problems(values: dict, n: Namer = str) -> Problems:
         problems: Problems = []
         _integer(problems, values, n, "plan_ahead", 0)
-        if not isinstance(values["planner_process"], bool):
-            problems.append(("planner_process",
-                             f"{n('planner_process')} must be True or False, got {values['planner_process']!r}"))
+        for name in ("planner_process", "allow_untested_megatron"):
+            if not isinstance(values[name], bool):
+                problems.append((name, f"{n(name)} must be True or False, got {values[name]!r}"))
         cost = values["cost_model"]
         if not isinstance(cost, str) or (cost != "analytic" and not Path(cost).is_file()):
             problems.append(("cost_model", f"{n('cost_model')} {cost!r} is neither 'analytic' nor an existing "

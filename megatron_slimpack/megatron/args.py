@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -37,8 +38,10 @@ from ..config import (
     option_name,
 )
 
-# megatron-core versions whose trainer seams (design.md section 7) hooks.py knows.
+# megatron-core versions whose trainer seams (design.md section 7) hooks.py knows, and the newest
+# release trained through its real trainer by the tests (tests/test_megatron_releases.py).
 SUPPORTED_MCORE = ((0, 16), (0, 17), (0, 18), (0, 19))
+NEWEST_TESTED_MCORE = (0, 19, 2)
 # The dataclasses whose fields are the --slimpack-* flags (`config.add_options`).
 FLAG_CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
 
@@ -90,29 +93,44 @@ def with_slimpack_args(other: Optional[Callable] = None) -> Callable:
 
 
 def mcore_version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the installed megatron-core."""
     try:
         from megatron.core.package_info import __version__ as text
     except ImportError:  # pragma: no cover - very old megatron-core
         import megatron.core
 
         text = getattr(megatron.core, "__version__", "0.0.0")
+    return parse_version(text)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """'0.19.2' -> (0, 19, 2); the leading digits of each part count, so a pre-release or the
+    '+<git hash>' megatron-core appends inside a git work tree ('0.19.2+a7fe95f') is ignored."""
     parts = []
-    for piece in str(text).split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+    for piece in re.split(r"[.+]", str(text))[:3]:
+        digits = re.match(r"\d*", piece).group()
         parts.append(int(digits) if digits else 0)
     while len(parts) < 3:
         parts.append(0)
     return tuple(parts)  # type: ignore[return-value]
 
 
-def check_mcore_version(version: Optional[tuple] = None) -> tuple:
+def check_mcore_version(version: Optional[tuple] = None, *, allow_untested: bool = False) -> tuple:
+    """The version, or SlimPackArgumentError: older than the oldest supported release, or newer
+    than the newest tested one without --slimpack-allow-untested-megatron."""
     version = tuple(version or mcore_version())
-    if tuple(version[:2]) not in SUPPORTED_MCORE:
-        known = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_MCORE)
+    text = ".".join(map(str, version))
+    known = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_MCORE)
+    newest = ".".join(map(str, NEWEST_TESTED_MCORE))
+    if tuple(version[:2]) < SUPPORTED_MCORE[0]:
         raise SlimPackArgumentError(
-            f"--slimpack: megatron-core {'.'.join(map(str, version))} is not supported (supported: {known}); "
-            "install a supported megatron-core or run without --slimpack"
-        )
+            f"--slimpack: megatron-core {text} is not supported (supported: {known}); install a supported "
+            "megatron-core or run without --slimpack")
+    if tuple(version[:3]) > NEWEST_TESTED_MCORE and not allow_untested:
+        raise SlimPackArgumentError(
+            f"--slimpack: megatron-core {text} is newer than {newest}, the newest release SlimPack is tested with "
+            f"(supported: {known}); install megatron-core<={newest}, or add --slimpack-allow-untested-megatron to "
+            "try it (the run stops before its first step if the model lacks SlimPack's sliced attention)")
     return version
 
 
@@ -125,7 +143,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
             warnings.warn(f"{', '.join(given)} given without --slimpack: ignored (add --slimpack to train with "
                           "SlimPack)", stacklevel=2)
         return
-    check_mcore_version(version)
+    check_mcore_version(version, allow_untested=bool(getattr(args, "slimpack_allow_untested_megatron", False)))
     problems = []
     if not getattr(args, "calculate_per_token_loss", False):
         problems.append("--slimpack needs --calculate-per-token-loss (the loss is divided once by the global "
@@ -146,6 +164,9 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         if getattr(args, flag, None):
             problems.append(f"--slimpack does not support --{flag}-format yet (Transformer Engine's low-precision "
                             "GEMMs need token counts divisible by 16 and MicroPacks are not padded): remove it")
+    if getattr(args, "mtp_num_layers", None):
+        problems.append("--slimpack does not support --mtp-num-layers: multi-token prediction layers would run "
+                        "Megatron's attention on packed slices without their KV prefix; remove the flag")
     for flag in ("qk_clip", "log_max_attention_logit"):
         if getattr(args, flag, False):
             problems.append(f"--slimpack does not support --{flag.replace('_', '-')}: the sliced core attention "

@@ -14,8 +14,17 @@
          gets the same planner iterator (the schedule reads each step's plan once);
   megatron.training.training.get_model_config
       -> sets `variable_seq_lengths=True` and `calculate_per_token_loss=True` on the model config;
-  gpt_builders.GPTModel (Megatron-LM's top-level builder module, when imported)
-      -> builds a `SlimPackGPTModel` whose layer spec has the SlimPack core attention.
+  <the release's model builder module>.GPTModel
+      -> builds a `SlimPackGPTModel` whose layer spec has the SlimPack core attention. The module
+         is the one the release's `pretrain_gpt.py` builds its model through: `gpt_builders`
+         (0.16-0.18, the model provider's builder) or `megatron.training.models.gpt` (0.19+, where
+         `GPTModelBuilder` builds the model from `GPTModelConfig` and no provider is called).
+
+`installed_seams()` lists what install() replaced; `used_seams()` what has run with --slimpack on.
+Before the first SlimPack step the schedule checks the model it was handed
+(`check_sliced_model`): every chunk a `SlimPackGPTModel`, every layer's core attention the
+sliced one. A release that built its model some other way stops there with a named error rather
+than train without the KV prefix of earlier slices.
 
 With virtual pipeline stages (--num-virtual-stages-per-pipeline-rank) the trainer's list of model
 chunks goes to the SlimPack schedule as it is, and the planner plans with `ParallelConfig.vpp`.
@@ -28,10 +37,8 @@ Every replacement reads the arguments when it is *called* (`args` given to `inst
 * 0.18+ (`args = parse_and_validate_args(extra_args_provider=...)` before `pretrain`): call
   `install(args)`; arguments are validated at once.
 
-`megatron.training` is not part of the megatron-core wheel (it lives in a Megatron-LM checkout).
-tests/test_real_megatron.py trains through the real one (core_v0.16.1, `../shared/megatron-lm`)
-on CPU with a test-only shim; only the 0.18+ calling convention (`install(args)`), whose trainer
-needs Python >= 3.12, is tested without it.
+The real trainers of 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (`../shared/megatron-lm`) train through
+these seams on CPU in tests/test_real_megatron.py and tests/test_megatron_releases.py.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ from typing import Any, Optional
 from .args import SlimPackArgumentError, mcore_version, validate_slimpack_args
 
 TRAINING_MODULE = "megatron.training.training"
-BUILDER_MODULE = "gpt_builders"
+# The module whose `GPTModel` the release's trainer constructs its model with (seam 4).
+PROVIDER_BUILDER_MODULE = "gpt_builders"  # 0.16-0.18: model_provider -> gpt_builder
+CONFIG_BUILDER_MODULE = "megatron.training.models.gpt"  # 0.19+: GPTModelConfig -> GPTModelBuilder
 TRAINING_SEAMS = ("get_forward_backward_func", "build_train_valid_test_data_iterators", "get_model_config")
 
 
@@ -58,6 +67,8 @@ class _Installation:
     convention: str
     version: tuple
     swapped: list = field(default_factory=list)  # (module, attribute, original)
+    used: set = field(default_factory=set)  # seams that have run with --slimpack on
+    checked_models: set = field(default_factory=set)  # ids of the model lists check_sliced_model passed
     validated: bool = False
     planner_iterator: Any = None  # the train iterator of this setup, shared by every model chunk
 
@@ -76,6 +87,18 @@ def is_installed() -> bool:
 
 def installed_seams() -> list[str]:
     return [f"{module.__name__}.{name}" for module, name, _ in (_state.swapped if _state else [])]
+
+
+def used_seams() -> list[str]:
+    """The installed seams that have run with --slimpack on, in install order."""
+    if _state is None:
+        return []
+    return [f"{module.__name__}.{name}" for module, name, _ in _state.swapped if name in _state.used]
+
+
+def _mark_used(name: str) -> None:
+    if _state is not None:
+        _state.used.add(name)
 
 
 def _swap(module, name: str, replacement) -> None:
@@ -130,13 +153,27 @@ def install(args=None, *, version: Optional[tuple] = None) -> _Installation:
         _swap(training, "get_forward_backward_func", _get_forward_backward_func)
         _swap(training, "build_train_valid_test_data_iterators", _build_train_valid_test_data_iterators)
         _swap(training, "get_model_config", _get_model_config)
-        builders = sys.modules.get(BUILDER_MODULE)
-        if builders is not None and hasattr(builders, "GPTModel"):
+        builders = _model_builder_module(version)
+        if builders is not None:
             _swap(builders, "GPTModel", slimpack_gpt_model)
     except BaseException:
         uninstall()
         raise
     return _state
+
+
+def _model_builder_module(version: tuple):
+    """The module whose `GPTModel` this release's trainer builds the model with, or None where the
+    script builds it without one (a custom script: `check_sliced_model` then decides)."""
+    if tuple(version[:2]) >= (0, 19):
+        try:
+            return importlib.import_module(CONFIG_BUILDER_MODULE)
+        except ImportError as error:
+            raise SlimPackInstallError(
+                f"megatron-core {'.'.join(map(str, version))} builds GPT models in {CONFIG_BUILDER_MODULE}, which "
+                f"cannot be imported ({error}): use the Megatron-LM checkout of the same release") from error
+    builders = sys.modules.get(PROVIDER_BUILDER_MODULE)
+    return builders if builders is not None and hasattr(builders, "GPTModel") else None
 
 
 def uninstall() -> None:
@@ -179,8 +216,10 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     from ..runtime.schedule import ScheduleGroups, slimpack_forward_backward
 
     iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
-    planned = next(iterator)
     chunks = model if isinstance(model, (list, tuple)) else [model]  # every virtual stage's chunk
+    check_sliced_model(chunks)
+    _mark_used("get_forward_backward_func")
+    planned = next(iterator)
     # The schedule owns the gradient reduction (Megatron's no_sync / grad_sync /
     # finalize_model_grads protocol, once per step): nothing is added here.
     result = slimpack_forward_backward(
@@ -216,11 +255,57 @@ def _merge_process_groups(plan) -> Optional[dict]:
     return _merge_groups_by_dp[plan.parallel.dp]
 
 
+def check_sliced_model(chunks) -> None:
+    """Raise SlimPackInstallError unless every model chunk (DDP / Float16Module wrappers unwrapped)
+    is a SlimPackGPTModel whose every transformer layer has SlimPack's sliced core attention:
+    without it a document's later slices would train blind to its earlier ones, silently. Checked
+    once per model list, before its first step."""
+    if _state is not None and id(chunks) in _state.checked_models:
+        return
+    problems = sliced_model_problems(chunks)
+    if problems:
+        from .args import mcore_version
+
+        version = ".".join(map(str, _state.version if _state else mcore_version()))
+        raise SlimPackInstallError(
+            f"--slimpack: the model megatron-core {version}'s trainer built does not run SlimPack's sliced attention "
+            f"({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}). Seams installed: "
+            f"{', '.join(installed_seams()) or 'none'}; used: {', '.join(used_seams()) or 'none'}. SlimPack stops "
+            "here rather than train later slices without their documents' earlier K/V: use a release and "
+            "pretrain_gpt.py listed in patches/README.md, with the matching patch applied")
+    if _state is not None:
+        _state.checked_models.add(id(chunks))
+
+
+def sliced_model_problems(chunks) -> list[str]:
+    """What in `chunks` is not SlimPack's model: one line per chunk or layer (empty: all sliced)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from ..runtime.attention import SlicedAttentionMixin
+    from ..runtime.model import SlimPackGPTModel
+
+    problems = []
+    for index, chunk in enumerate(chunks):
+        inner = chunk
+        while hasattr(inner, "module"):
+            inner = inner.module
+        if not isinstance(inner, SlimPackGPTModel):
+            problems.append(f"model chunk {index} is a {type(inner).__name__}, not a SlimPackGPTModel")
+        for name, layer in inner.named_modules():
+            if not isinstance(layer, TransformerLayer):
+                continue
+            core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+            if not isinstance(core, SlicedAttentionMixin):
+                problems.append(f"chunk {index} {name}.self_attention.core_attention is {type(core).__name__}")
+    return problems
+
+
 # ---- seam 2: the train data iterator -------------------------------------------------------
 def _build_train_valid_test_data_iterators(*args, **kwargs):
     train, valid, test = _original("build_train_valid_test_data_iterators")(*args, **kwargs)
     if not _enabled():
         return train, valid, test
+    _mark_used("build_train_valid_test_data_iterators")
     # With virtual stages Megatron builds iterators per model chunk (its dataset provider bound to
     # vp_stage=c): chunks after the first share chunk 0's planner iterator rather than plan again.
     provider = args[0] if args else kwargs.get("build_train_valid_test_datasets_provider")
@@ -385,26 +470,34 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
 def _get_model_config(*args, **kwargs):
     config = _original("get_model_config")(*args, **kwargs)
     if _enabled():
+        _mark_used("get_model_config")
         config.variable_seq_lengths = True
         config.calculate_per_token_loss = True
     return config
 
 
 # ---- seam 4: the layer spec ------------------------------------------------------------------
-def slimpack_gpt_model(config, transformer_layer_spec, *args, **kwargs):
-    """Stands in for `gpt_builders.GPTModel`: the same constructor, a SlimPackGPTModel with the
-    sliced core attention (Megatron's GPTModel when --slimpack is off)."""
+def slimpack_gpt_model(*args, **kwargs):
+    """Stands in for `GPTModel` in the release's builder module: the same constructor (called
+    positionally by 0.16-0.18's `gpt_builder`, by keyword by 0.19's `GPTModelBuilder`), a
+    SlimPackGPTModel whose layer spec has the sliced core attention (Megatron's GPTModel when
+    --slimpack is off)."""
     if not _enabled():
-        return _original("GPTModel")(config, transformer_layer_spec, *args, **kwargs)
+        return _original("GPTModel")(*args, **kwargs)
+    from ..runtime.attention import with_sliced_core_attention
     from ..runtime.model import SlimPackGPTModel
 
+    config = args[0] if args else kwargs.pop("config")
+    spec = args[1] if len(args) > 1 else kwargs.pop("transformer_layer_spec")
     if getattr(config, "apply_rope_fusion", False):
         raise SlimPackArgumentError("--slimpack needs --no-rope-fusion")
-    from ..runtime.attention import with_sliced_core_attention
+    if kwargs.get("mtp_block_spec") is not None:
+        raise SlimPackArgumentError("--slimpack does not support --mtp-num-layers: remove the flag")
+    _mark_used("GPTModel")
+    return SlimPackGPTModel(config, with_sliced_core_attention(spec, config=config), *args[2:], **kwargs)
 
-    return SlimPackGPTModel(config, with_sliced_core_attention(transformer_layer_spec, config=config), *args, **kwargs)
 
-
-__all__ = ["install", "uninstall", "is_installed", "installed_seams", "convention_for", "SlimPackInstallError",
+__all__ = ["install", "uninstall", "is_installed", "installed_seams", "used_seams", "check_sliced_model",
+           "sliced_model_problems", "convention_for", "SlimPackInstallError",
            "slimpack_forward_backward_func", "build_planner_iterator", "MegatronPlannerIterator",
            "slimpack_gpt_model", "TRAINING_SEAMS"]

@@ -51,6 +51,7 @@ through megatron's `custom_backward`).
 from __future__ import annotations
 
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -264,8 +265,10 @@ class StageExecutor:
         """Run `replica.stage_orders[pp_rank]` on `batches` (one per MicroPack: whole, or this
         member's share in a merge group). `replica_index`: the replica plan's position in the plan
         (timeline records); `detail`: carried by its reports and records. `grad_sync` (DDP's
-        gradient sync, the schedule's `_GradientSync`): its `before_last_backward(chunk)` and
-        `after_last_backward(chunk)` are called around each chunk's last backward in the order;
+        gradient sync, the schedule's `_GradientSync`): its `before_last_backward(chunk)` is called
+        right before the last MicroPack's backward of each chunk's last backward unit (the step's
+        only backward call that may run outside DDP's no_sync) and `after_last_backward(chunk)`
+        after that unit;
         `param_sync` (the overlapped parameter all-gather, the schedule's `_ParamSync`): its
         `before_forward(chunk)` before every forward."""
         stage_tasks = [[task for task in order if not (self.forward_only and task[0] == "B")]
@@ -302,9 +305,9 @@ class StageExecutor:
                     loss_sum, sent = self._forward_unit(unit, chunk, members, sizes, batches, held[chunk], detail,
                                                         received)
                 else:
-                    if is_last_backward:
-                        grad_sync.before_last_backward(chunk)
-                    sent = self._backward_unit(unit, chunk, members, sizes, held[chunk], detail, received)
+                    before_last_micropack = partial(grad_sync.before_last_backward, chunk) if is_last_backward else None
+                    sent = self._backward_unit(unit, chunk, members, sizes, held[chunk], detail, received,
+                                               before_last_micropack)
                     if is_last_backward:
                         grad_sync.after_last_backward(chunk)
                 outgoing = p2p.outgoing(task, self.pp_rank, self.pp_size, self.vpp)
@@ -420,15 +423,19 @@ class StageExecutor:
         return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor
 
     def _backward_unit(self, unit, chunk, members, sizes, held: _HeldTensors, detail,
-                       buffer: Optional[Tensor]) -> Optional[Tensor]:
+                       buffer: Optional[Tensor], before_last_micropack=None) -> Optional[Tensor]:
         """Backward of one unit on `chunk`, on its received output gradient `buffer` (None on the
-        last virtual stage); returns the input gradient to send upstream (None on the first)."""
+        last virtual stage); returns the input gradient to send upstream (None on the first).
+        `before_last_micropack` (if given) is called right before the unit's last MicroPack's
+        backward."""
         grads: list = [None] * len(members)
         if not self.is_loss_chunk(chunk):
             grads = list(buffer.split(sizes, dim=0))
         task_start = self.timeline.now() if self.timeline else 0.0
         upstream = []
-        for mp, grad, size in zip(members, grads, sizes):
+        for position, (mp, grad, size) in enumerate(zip(members, grads, sizes)):
+            if before_last_micropack is not None and position == len(members) - 1:
+                before_last_micropack()
             leaf = held.inputs.pop(mp, None)
             output = held.outputs.pop(mp)
             if grad is None:

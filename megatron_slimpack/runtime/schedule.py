@@ -295,6 +295,11 @@ def _is_megatron_ddp(model) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def _overlaps_grad_reduce(model) -> bool:
+    """A Megatron DDP chunk whose hooks launch the reduce during backward (overlap_grad_reduce)."""
+    return _is_megatron_ddp(model) and bool(getattr(model.ddp_config, "overlap_grad_reduce", False))
+
+
 def _all_reduce_sum(grads: list[Tensor], group) -> None:
     """Sum tensors over `group` in place, one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -387,8 +392,12 @@ class _GradientSync:
             self.no_sync_context = None
 
     def before_last_backward(self, chunk: int) -> None:
-        """Before chunk's last backward: let DDP's hooks launch its reduction during it (both of
-        Megatron's schedules without grad_sync_func; the plain one also on the first stage)."""
+        """Before the backward call of chunk's last MicroPack (the last of its last backward
+        unit): let DDP's hooks launch its reduction during it (both of Megatron's schedules
+        without grad_sync_func; the plain one also on the first stage). Only this one call runs
+        outside no_sync, so every parameter's hook fires there exactly once per step: the count
+        that overlapped DDP learns in its first step and waits for in every later one, whatever
+        the number of MicroPacks in the last unit."""
         if self.grad_sync_funcs is None or (self.first_stage and not self.interleaved):
             self.enable()
             self.synchronized.add(chunk)
@@ -408,8 +417,14 @@ class _GradientSync:
         """After the step's last backward; returns whether gradients were reduced."""
         self.enable()
         for chunk, model in enumerate(self.chunks):
-            if self.grad_sync_funcs is not None and chunk not in self.synchronized:
+            if chunk in self.synchronized:
+                continue
+            if self.grad_sync_funcs is not None:
                 self.grad_sync_funcs[chunk](model.parameters())
+            elif _overlaps_grad_reduce(model):
+                # No backward ran on this chunk outside no_sync (its own replica plan is empty
+                # here): its hooks launched nothing, so launch the reduce as grad_sync_func would.
+                model.start_grad_sync()
         if self.finalize_func is not None:
             # The loss was divided by the global loss-token count already: no num_tokens scaling.
             self.finalize_func(self.chunks, None, **self.finalize_kwargs)

@@ -1,5 +1,5 @@
 """Test-only: let Megatron-LM's real trainer (`pretrain_gpt.py` -> `pretrain()` -> `train()`,
-core_v0.16.1) run on a CPU machine with gloo.
+core_v0.16.1 to core_v0.19.x) run on a CPU machine with gloo.
 
 This is *not* part of the plugin and never runs on a GPU cluster. It changes nothing numeric:
 every patch replaces a CUDA-only call that would raise on CPU with its CPU meaning (the device is
@@ -16,7 +16,8 @@ found by running `pretrain()` until it trained (facts in ../shared/megatron-lm/R
      recompute), plus megatron_slimpack's CPU RNG tracker (`runtime.compat`);
   4. `initialize_megatron(..., allow_no_cuda=True)`;
   5. `compile_helpers` -> no-op (the megatron-core wheel ships the compiled dataset helpers) and
-     `megatron.legacy.fused_kernels.load` -> no-op;
+     `megatron.legacy.fused_kernels.load` -> no-op (0.16/0.17: later releases have no legacy
+     package);
   6. a `TorchFunctionMode` that maps `device='cuda'` / `'cuda:N'` / an int device to the CPU,
      keeps `Tensor.cuda()` / `.to('cuda')` on the CPU, makes `record_stream` a no-op and lets
      `Tensor.type()` report `torch.cuda.*Tensor` (the optimizer and grad-clip asserts check it).
@@ -135,9 +136,12 @@ def apply() -> None:
     from megatron.core.datasets import utils as dataset_utils
 
     dataset_utils.compile_helpers = lambda: None
-    from megatron.legacy import fused_kernels
-
-    fused_kernels.load = lambda args: None
+    try:
+        from megatron.legacy import fused_kernels  # up to 0.17
+    except ImportError:
+        fused_kernels = None
+    if fused_kernels is not None:
+        fused_kernels.load = lambda args: None
 
     from megatron.training import arguments, initialize, training
 

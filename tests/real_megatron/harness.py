@@ -1,12 +1,17 @@
 """Run Megatron-LM's real trainer on CPU from a test (see README.md beside this file).
 
-    checkout = patched_checkout(tmp)                 # scratch pretrain_gpt.py + SlimPack's patch
+    release = RELEASES["0.19"]                       # megatron-core wheel + the tag's trainer extract
+    checkout = patched_checkout(tmp, release)        # scratch pretrain_gpt.py + SlimPack's patch
     prefix = build_dataset(tmp / "data", documents)  # a Megatron indexed dataset (megatron-core's writer)
-    run = train(checkout, prefix, tmp / "run", nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    run = train(checkout, prefix, tmp / "run", nproc=2, release=release,
+                extra=["--tensor-model-parallel-size", "2"])
     run.losses, run.grad_norms                       # per iteration, full precision
 
-Megatron-LM's trainer is read from `../shared/megatron-lm/core_v0.16.1` next to the checkout
-(`SLIMPACK_MEGATRON_LM` overrides the path); it is never copied into the project.
+Each supported release is a megatron-core wheel and the trainer (`pretrain_gpt.py` and the
+`megatron/` packages the wheel lacks) of the matching Megatron-LM tag in `../shared/megatron-lm/`,
+never copied into the project. 0.16 is the venv's own megatron-core; the later wheels are
+installed by `make test` into `.venv/megatron-core/<version>/` and put first on the trainer's
+`PYTHONPATH`. `SLIMPACK_MEGATRON_LM` overrides the folder holding the tags' extracts.
 """
 from __future__ import annotations
 
@@ -25,7 +30,60 @@ from megatron_slimpack.runtime.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-MEGATRON_LM = Path(os.environ.get("SLIMPACK_MEGATRON_LM", ROOT.parent / "shared" / "megatron-lm" / "core_v0.16.1"))
+TRAINERS = Path(os.environ.get("SLIMPACK_MEGATRON_LM", ROOT.parent / "shared" / "megatron-lm"))
+WHEELS = ROOT / ".venv" / "megatron-core"
+
+
+@dataclass(frozen=True)
+class Release:
+    """One supported Megatron-LM release: the megatron-core wheel and the tag whose trainer runs it."""
+
+    core: str  # megatron-core version, e.g. "0.19.2"
+    tag: str  # the Megatron-LM tag whose trainer extract is in TRAINERS
+    venv: bool = False  # the venv's own megatron-core (no separate install)
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.core.split(".")[:2])
+
+    def trainer(self) -> Path:
+        path = TRAINERS / self.tag
+        if not (path / "pretrain_gpt.py").is_file():
+            raise HarnessError(
+                f"Megatron-LM's trainer is not at {path}: the real-trainer tests need ../shared/megatron-lm/{self.tag} "
+                "beside the checkout (or SLIMPACK_MEGATRON_LM naming the folder that holds it)")
+        return path
+
+    def site(self) -> Optional[Path]:
+        """The folder holding this release's `megatron/core` (None: the venv's own)."""
+        if self.venv:
+            import megatron.core.package_info as info
+
+            if info.__version__ != self.core:
+                raise HarnessError(f"the venv has megatron-core {info.__version__}, the tests expect {self.core}")
+            return None
+        path = WHEELS / self.core
+        if not (path / "megatron" / "core" / "package_info.py").is_file():
+            raise HarnessError(
+                f"megatron-core {self.core} is not installed at {path}: `make test` installs it (pip install --no-deps "
+                f"--ignore-requires-python megatron-core=={self.core} --target {path})")
+        return path
+
+    def package_info(self) -> Path:
+        site = self.site()
+        if site is None:
+            import megatron.core.package_info as info
+
+            return Path(info.__file__)
+        return site / "megatron" / "core" / "package_info.py"
+
+
+# The releases the plugin supports, each trained through its own trainer. 0.19.2's trainer is the
+# core_v0.19.0 extract: the 0.19.2 wheel's megatron/training is the same code.
+RELEASES = {release.name: release for release in (
+    Release("0.16.1", "core_v0.16.1", venv=True), Release("0.17.1", "core_v0.17.1"),
+    Release("0.18.2", "core_v0.18.2"), Release("0.19.2", "core_v0.19.0"))}
+DEFAULT = RELEASES["0.16"]
 # NullTokenizer adds one id (end of document): 511 + 1 = 512 is a multiple of Megatron's vocabulary
 # padding (128 x tp) at tp 1 and 2, so every layout has the same output layer.
 VOCAB_SIZE = 511
@@ -45,7 +103,7 @@ MODEL_FLAGS = [
     "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000",
     "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--no-persist-layer-norm", "--distributed-backend", "gloo", "--no-async-tensor-model-parallel-allreduce",
+    "--no-persist-layer-norm", "--distributed-backend", "gloo",
 ]
 SLIMPACK_FLAGS = ["--calculate-per-token-loss", "--slimpack", "--slimpack-plan-ahead", "0",
                   "--slimpack-solver-deterministic-limit", "0.5", "--slimpack-solver-time-limit", "30"]
@@ -55,30 +113,36 @@ class HarnessError(RuntimeError):
     pass
 
 
-def megatron_lm() -> Path:
-    if not (MEGATRON_LM / "pretrain_gpt.py").is_file():
-        raise HarnessError(
-            f"Megatron-LM's trainer is not at {MEGATRON_LM}: the real-trainer tests need ../shared/megatron-lm/"
-            "core_v0.16.1 beside the checkout (or SLIMPACK_MEGATRON_LM pointing at a core_v0.16.1 checkout)")
-    return MEGATRON_LM
+def megatron_lm(release: Release = DEFAULT) -> Path:
+    """The trainer extract of `release` (a clear error when ../shared/megatron-lm lacks it)."""
+    return release.trainer()
 
 
-def patched_checkout(directory: Path) -> Path:
-    """A scratch copy of pretrain_gpt.py with SlimPack's patch applied by scripts/apply_patches.sh
-    (which reads the version from megatron/core/package_info.py: the installed wheel's)."""
-    import megatron.core.package_info as package_info
-
+def patched_checkout(directory: Path, release: Release = DEFAULT) -> Path:
+    """A scratch copy of the release's pretrain_gpt.py with SlimPack's patch applied by
+    scripts/apply_patches.sh (which reads the version from megatron/core/package_info.py: the
+    release's wheel's)."""
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(megatron_lm() / "pretrain_gpt.py", directory / "pretrain_gpt.py")
+    shutil.copyfile(release.trainer() / "pretrain_gpt.py", directory / "pretrain_gpt.py")
     info = directory / "megatron" / "core" / "package_info.py"
     info.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(package_info.__file__, info)
+    shutil.copyfile(release.package_info(), info)
     result = subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), str(directory)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise HarnessError(f"apply_patches.sh failed:\n{result.stdout}{result.stderr}")
     shutil.rmtree(directory / "megatron")  # only the patched script stays: megatron comes from the wheel + shared/
     return directory / "pretrain_gpt.py"
+
+
+def python_path(release: Release) -> str:
+    """The trainer's import path: the release's wheel first (its megatron/core and, from 0.17,
+    megatron/training), the 3.11 shim for 0.19's `typing.override`, the tag's extract (the
+    script and the megatron packages no wheel ships), the project."""
+    site = release.site()
+    paths = [*([str(site)] if site else []), str(HERE / "site"), str(release.trainer()), str(ROOT),
+             os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(paths)
 
 
 def build_dataset(prefix: Path, documents: Sequence[Sequence[int]]) -> Path:
@@ -146,7 +210,7 @@ class TrainRun:
 
 def train(script: Path, data_prefix: Path, directory: Path, *, nproc: int = 1, extra: Sequence[str] = (),
           train_iters: int = 4, split: str = "90,10,0", slimpack: bool = True,
-          timeout_s: float = 600.0, env: Optional[dict] = None) -> TrainRun:
+          timeout_s: float = 600.0, env: Optional[dict] = None, release: Release = DEFAULT) -> TrainRun:
     """Run pretrain_gpt.py under torch.distributed.run with `nproc` gloo ranks; raise with the log
     on failure."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -160,7 +224,7 @@ def train(script: Path, data_prefix: Path, directory: Path, *, nproc: int = 1, e
     flags += list(extra)
     environment = {**os.environ, "SLIMPACK_TEST_RECORD": str(record), "OMP_NUM_THREADS": "1",
                    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(megatron_lm()), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   "PYTHONPATH": python_path(release),
                    **(env or {})}
     for _attempt in range(3):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
