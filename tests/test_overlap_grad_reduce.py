@@ -17,7 +17,9 @@ import torch
 from conftest import init_megatron, random_plan, random_segmentation, random_slicing, run_multiprocess
 from test_schedule import VOCAB, _config, _global_name, _stage_orders, reference
 
-LAST_UNIT_SIZES = (3, 3, 5, 2)
+# Per step: (MicroPacks in every replica's last backward unit, DP ranks whose own replica plan is empty).
+CHANGING_LAST_UNIT = ((3, ()), (3, ()), (5, ()), (2, ()))
+A_RANK_IDLE = ((3, ()), (3, (1,)), (2, ()))
 BUCKET_PARAMS = 2500  # a few parameters per bucket: several buckets on the first stage
 
 # Megatron DDP set-ups, as the trainer makes them from its flags.
@@ -28,15 +30,19 @@ VARIANTS = {
 }
 
 
-def plan_with_last_unit(seed: int, size: int, pp: int, dp: int):
+def plan_with_last_unit(seed: int, size: int, pp: int, dp: int, idle_ranks=()):
     """A validated plan whose replicas' last backward unit holds `size` MicroPacks (random
-    slicings, asymmetric units, 1F1B stage orders) + its documents."""
-    from megatron_slimpack.plan import Plan
+    slicings, asymmetric units, 1F1B stage orders) + its documents; the replicas of `idle_ranks`
+    are empty."""
+    from megatron_slimpack.plan import Plan, ReplicaPlan
     from megatron_slimpack.specs import ParallelConfig
 
     rng = random.Random(seed)
     replicas, samples, documents = [], [], {}
     for rank in range(dp):
+        if rank in idle_ranks:
+            replicas.append(ReplicaPlan([], [], [], [[] for _ in range(pp)], dp_ranks=[rank]))
+            continue
         ids = range(rank * 100, rank * 100 + size + 2)
         while True:
             lengths = {sid: rng.randint(2, 14) for sid in ids}
@@ -54,7 +60,7 @@ def plan_with_last_unit(seed: int, size: int, pp: int, dp: int):
         documents.update({sid: torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed * 1000 + sid))
                           for sid, n in lengths.items()})
     plan = Plan(replicas, samples, ParallelConfig(dp=dp, pp=pp), 16, "test").validate()
-    assert [len(r.backward_units[-1]) for r in plan.replicas] == [size] * dp
+    assert [len(r.backward_units[-1]) for r in plan.replicas if r.micropacks] == [size] * (dp - len(idle_ranks))
     return plan, documents
 
 
@@ -106,7 +112,7 @@ def _assert_replicas_identical(grads: dict, dp_group, where: str) -> None:
     assert all(torch.equal(flat, other) for other in everyone), f"{where}: DP replicas' gradients differ"
 
 
-def overlap_worker(rank, world_size, port, pp, seeds, paths, variant_names):
+def overlap_worker(rank, world_size, port, pp, steps, seeds, paths, variant_names):
     from megatron.core import parallel_state
 
     from megatron_slimpack.runtime import InMemoryTokenSource
@@ -120,9 +126,9 @@ def overlap_worker(rank, world_size, port, pp, seeds, paths, variant_names):
     for name in variant_names:
         variant = VARIANTS[name]
         model, chunk = _wrapped_stage(references[0]["state"], pp, stage, variant)
-        for step, (seed, size, saved) in enumerate(zip(seeds, LAST_UNIT_SIZES, references)):
-            where = f"{name}, step {step} (last unit {size}), rank {rank} (stage {stage})"
-            plan, documents = plan_with_last_unit(seed, size, pp, dp)
+        for step, ((size, idle), seed, saved) in enumerate(zip(steps, seeds, references)):
+            where = f"{name}, step {step} (last unit {size}, idle ranks {idle}), rank {rank} (stage {stage})"
+            plan, documents = plan_with_last_unit(seed, size, pp, dp, idle)
             model.zero_grad_buffer()
             result = slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents),
                                                num_microbatches=1, seq_length=64, micro_batch_size=1)
@@ -138,17 +144,18 @@ def overlap_worker(rank, world_size, port, pp, seeds, paths, variant_names):
             _assert_replicas_identical(grads, dp_group, where)
 
 
-def _run(tmp_path, megatron_cpu, *, pp: int, dp: int, variant_names, timeout_s: float = 240):
-    seeds = [40 + step for step in range(len(LAST_UNIT_SIZES))]
+def _run(tmp_path, megatron_cpu, *, pp: int, dp: int, variant_names, steps=CHANGING_LAST_UNIT,
+         timeout_s: float = 240):
+    seeds = [40 + step for step in range(len(steps))]
     paths = []
-    for step, (seed, size) in enumerate(zip(seeds, LAST_UNIT_SIZES)):
-        plan, documents = plan_with_last_unit(seed, size, pp, dp)
+    for step, ((size, idle), seed) in enumerate(zip(steps, seeds)):
+        plan, documents = plan_with_last_unit(seed, size, pp, dp, idle)
         paths.append(str(tmp_path / f"reference{step}.pt"))
         reference(plan, documents, paths[-1])
     states = [torch.load(path)["state"] for path in paths]
     assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in s  # one model, several steps
                if isinstance(s[k], torch.Tensor))
-    run_multiprocess(overlap_worker, pp * dp, pp, seeds, paths, variant_names, timeout_s=timeout_s)
+    run_multiprocess(overlap_worker, pp * dp, pp, steps, seeds, paths, variant_names, timeout_s=timeout_s)
 
 
 @pytest.mark.slow
@@ -159,3 +166,10 @@ def test_data_parallel_overlapped_reduce_over_changing_units(tmp_path, megatron_
 @pytest.mark.slow
 def test_pipeline_and_data_parallel_overlapped_reduce_over_changing_units(tmp_path, megatron_cpu):
     _run(tmp_path, megatron_cpu, pp=2, dp=2, variant_names=["overlap", "aligned", "distributed-optimizer"])
+
+
+@pytest.mark.slow
+def test_a_rank_without_backward_launches_its_reduce(tmp_path, megatron_cpu):
+    """A step in which one replica plan is empty: that rank's hooks fire nothing outside no_sync,
+    so the schedule launches its (zero) gradients' reduce, in bucket order as the hooks would."""
+    _run(tmp_path, megatron_cpu, pp=1, dp=2, variant_names=["overlap", "distributed-optimizer"], steps=A_RANK_IDLE)

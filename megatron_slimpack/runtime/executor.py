@@ -51,8 +51,8 @@ through megatron's `custom_backward`).
 from __future__ import annotations
 
 import time
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import torch

@@ -36,7 +36,11 @@ the merge group's replica index, as the simulator's records do.
 
 Gradient synchronisation is owned here and only here (Megatron's DDP protocol, as
 `forward_backward_pipelining_without_interleaving`): when the model config has `no_sync_func`
-(Megatron `DistributedDataParallel.no_sync`), it wraps every backward but this stage's last one;
+(Megatron `DistributedDataParallel.no_sync`), it wraps every backward call but this stage's last
+one, the backward of the last MicroPack of its last backward unit (a unit runs one backward call
+per MicroPack; with overlap_grad_reduce DDP learns in its first step how often each parameter's
+hook fires outside no_sync and launches a bucket's reduce once that count is reached, so it must
+be the same every step, whatever the units' sizes: once per parameter);
 after the last backward `grad_sync_func` (if set) is called with the parameters and
 `finalize_model_grads_func([model], None)` once per step (num_tokens is None: the loss is already
 divided by the global batch's loss-token count, so DDP must *sum*: build the config with
@@ -46,8 +50,11 @@ chunks the protocol is `forward_backward_pipelining_with_interleaving`'s: `no_sy
 one (re-entered after it), `grad_sync_func[c]` runs right after chunk c's last backward, and
 `finalize_model_grads_func(chunks, None)` once with all chunks; `param_sync_func` (the
 distributed optimizer's overlapped parameter all-gather) is launched per chunk as there
-(`_ParamSync`). Megatron DDP
-(0.16.1) runs on CPU with gloo under `compat.apply()` (overlap_grad_reduce=False tested).
+(`_ParamSync`). A chunk that runs no backward in a step (its replica plan is empty on this rank)
+has its overlapped reduce launched by `start_grad_sync()` after the step's backwards, in bucket
+order, the order the other ranks' hooks launch theirs. Megatron DDP (0.16.1) runs on CPU with
+gloo under `compat.apply()` (overlap_grad_reduce off and on, with and without the distributed
+optimizer and grad_sync_func, over several steps: tests/test_overlap_grad_reduce.py).
 Fallback without a finalize function: a Megatron DDP chunk gets `finish_grad_sync()`, a plain
 module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group, and the
 gradients that are partial per TP rank (sequence-parallel norms, q/k norms) are summed over the
