@@ -16,6 +16,18 @@ $(STAMP): setup.py
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The other supported megatron-core releases, for the real-trainer tests (tests/test_megatron_releases.py):
+# each wheel in its own folder, put first on the trainer's PYTHONPATH (the venv keeps 0.16.1). Their
+# metadata says Python >= 3.12; the wheels are pure Python and run on 3.11 (a typing.override shim in
+# tests/real_megatron/site), and their dependencies are the venv's.
+MEGATRON_RELEASES := 0.17.1 0.18.2 0.19.2
+RELEASE_DIRS := $(addprefix $(VENV)/megatron-core/,$(MEGATRON_RELEASES))
+
+$(VENV)/megatron-core/%: $(STAMP)
+	rm -rf $@.partial
+	$(BIN)/pip install --quiet --no-deps --ignore-requires-python --target $@.partial megatron-core==$*
+	mv $@.partial $@
+
 demo: $(STAMP)
 	$(BIN)/slimpack demo
 
@@ -27,8 +39,9 @@ lint: $(STAMP)
 # single-threaded imports and process start-up, so a 2-core machine runs two of them at once.
 TEST_WORKERS ?= 2
 
-test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+# --dist loadgroup: tests of one release's trainer share a workspace, kept in one worker.
+test: lint $(RELEASE_DIRS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/planner.py

@@ -196,6 +196,10 @@ class TrainRun:
     def grad_norms(self) -> list[float]:
         return [v["grad norm"] for _, v in sorted(self.iterations().items())]
 
+    def release(self) -> set[str]:
+        """The megatron-core versions the run's processes imported."""
+        return {r["megatron_core"] for r in self.records if r["kind"] == "release"}
+
     def token_reads(self) -> list[dict]:
         return [r for r in self.records if r["kind"] == "tokens"]
 
@@ -258,3 +262,32 @@ def _lost_its_port(returncode: int, log: str) -> bool:
     """The launcher's rendezvous found its port taken between our choice and its bind (another test
     process took it): nothing ran yet, so a new port is a fair retry."""
     return returncode != 0 and "EADDRINUSE" in log and "rendezvous" in log
+
+
+# ---- comparing runs ---------------------------------------------------------------------------
+RELATIVE = 1e-5  # fp32 runs of the same training: loss and grad norm per iteration
+
+
+def relative_difference(a, b) -> float:
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12)))
+
+
+def assert_same_training(run: TrainRun, reference: TrainRun, tolerance: float = RELATIVE) -> None:
+    """Both runs' lm loss and grad norm agree at every iteration (three or more)."""
+    assert len(run.losses) == len(reference.losses) >= 3
+    assert len(run.grad_norms) == len(reference.grad_norms)
+    loss, norm = (relative_difference(run.losses, reference.losses),
+                  relative_difference(run.grad_norms, reference.grad_norms))
+    assert loss <= tolerance and norm <= tolerance, (
+        f"lm loss {run.losses} vs {reference.losses} (rel {loss:.2e}); grad norm {run.grad_norms} vs "
+        f"{reference.grad_norms} (rel {norm:.2e})")
+
+
+def plans_of(run: TrainRun) -> list[dict]:
+    return [json.loads(path.read_text()) for path in run.plans()]
+
+
+def has_sliced_document(plan: dict) -> bool:
+    slices = [s for replica in plan["replicas"] for micropack in replica["micropacks"] for s in micropack]
+    return any(s[1] > 0 for s in slices)

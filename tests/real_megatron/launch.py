@@ -9,8 +9,13 @@ The recorder (directory `$SLIMPACK_TEST_RECORD`, one JSON-lines file per rank) w
 trainer's own log rounds off or never shows:
   * `train_step`: each iteration's reduced losses and grad norm at full precision;
   * `PlannedBatch.token_source`: every token range the runtime read for a sample, with the ids;
-  * the first SlimPack step: this rank's model weights before any update (`weights.rank<R>.pt`).
+  * the first SlimPack step: this rank's model weights before any update (`weights.rank<R>.pt`);
+  * at start: the megatron-core version and the `megatron.training` file the process imported.
 All three wrap the real functions and return what they return.
+
+`SLIMPACK_TEST_WITHOUT_MODEL_SEAM=1` leaves the model builder alone (install() finds no builder
+module), as on a release whose way of building the model the plugin does not know: the run must
+stop before its first step (hooks.check_sliced_model).
 """
 from __future__ import annotations
 
@@ -44,7 +49,11 @@ class _Recorder:
 
 
 def _install_recorder(recorder: _Recorder) -> None:
+    import megatron.core.package_info
     from megatron.training import training
+
+    recorder.write(kind="release", megatron_core=megatron.core.package_info.__version__,
+                   training=training.__file__)
 
     from megatron_slimpack.megatron import data, hooks
 
@@ -98,6 +107,10 @@ def main() -> None:
     script = Path(sys.argv[1]).resolve()
     torch.set_num_threads(1)
     cpu_shim.apply()
+    if os.environ.get("SLIMPACK_TEST_WITHOUT_MODEL_SEAM"):
+        from megatron_slimpack.megatron import hooks
+
+        hooks._model_builder_module = lambda version: None
     if os.environ.get("SLIMPACK_TEST_RECORD"):
         _install_recorder(_Recorder(Path(os.environ["SLIMPACK_TEST_RECORD"])))
     sys.argv = [str(script)] + sys.argv[2:]
