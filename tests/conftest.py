@@ -154,15 +154,18 @@ def SavedTensorMeter(model) -> SavedBytesMeter:
     return SavedBytesMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
 
 
-def save_whole_document_reference(config, vocab_size: int, documents, num_loss_tokens: int, path) -> float:
+def save_whole_document_reference(config, vocab_size: int, documents, num_loss_tokens: int, path,
+                                  share_embeddings_and_output_weights: bool = False) -> float:
     """One whole-document step on a stock megatron-core GPTModel (single process): saves its weights,
-    gradients and loss to `path` for spawned ranks to compare against; returns the loss."""
+    gradients and loss to `path` for spawned ranks to compare against; returns the loss. With tied
+    embeddings the output layer has no weight of its own: its gradient is in the embedding's."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(0)
     stock = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), vocab_size=vocab_size,
-                     max_sequence_length=64, position_embedding_type="rope")
+                     max_sequence_length=64, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=share_embeddings_and_output_weights)
     loss = whole_document_step(stock, documents, num_loss_tokens)
     torch.save({"state": stock.state_dict(), "loss": loss,
                 "grads": {k: p.grad.detach().clone() for k, p in stock.named_parameters()}}, path)

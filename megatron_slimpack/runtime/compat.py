@@ -9,14 +9,16 @@ Found by running a GPTModel (local spec, RoPE, GQA) forward and backward on CPU:
   1. the CUDA RNG tracker (`tensor_parallel.get_cuda_rng_tracker().fork()` in attention dropout
      and `model_parallel_cuda_manual_seed`) reads and writes CUDA generator states;
   2. `torch.cuda.current_device()` is used as a device for RoPE's `inv_freq` (and in p2p/DDP);
-  3. `get_default_causal_mask` builds the causal mask with `device="cuda"`.
+  3. `get_default_causal_mask` builds the causal mask with `device="cuda"`;
+  4. `LanguageModule.setup_embeddings_and_output_layer` moves the last pipeline stage's copy of
+     tied word embeddings with `.cuda()` before summing it with the first stage's.
 The pipeline schedule (a later issue) will add its own entries here (hard-coded
 `device="cuda"` in schedules, `torch.cuda.synchronize()` in p2p) when it needs them.
 """
 from __future__ import annotations
 
 import contextlib
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import torch
 
@@ -89,6 +91,25 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu():
+    """`Tensor.cuda()` returns the tensor itself while inside (it would raise on CPU torch)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _on_cpu(method):
+    @wraps(method)
+    def run(*args, **kwargs):
+        with _tensor_cuda_stays_on_cpu():
+            return method(*args, **kwargs)
+    return run
+
+
 def apply(force: bool = False) -> bool:
     """Install the CPU replacements if no GPU is present (or `force`). Idempotent.
 
@@ -99,6 +120,7 @@ def apply(force: bool = False) -> bool:
     if not (force or needed()):
         return False
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
 
@@ -116,6 +138,10 @@ def apply(force: bool = False) -> bool:
     _originals["causal_mask"] = (transformer_utils.get_default_causal_mask, fused_softmax.get_default_causal_mask)
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    # 4. Tied embeddings with PP > 1: the last stage's copy is moved with `weight.data.cuda()`
+    #    before the all-reduce that gives it the first stage's values; on CPU it stays put.
+    _originals["setup_embeddings"] = LanguageModule.setup_embeddings_and_output_layer
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
     return True
 
 
@@ -124,10 +150,12 @@ def undo() -> None:
     if not is_applied():
         return
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
 
     mp_random._CUDA_RNG_STATE_TRACKER, mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _originals["rng_tracker"]
     torch.cuda.current_device = _originals["current_device"]
     transformer_utils.get_default_causal_mask, fused_softmax.get_default_causal_mask = _originals["causal_mask"]
+    LanguageModule.setup_embeddings_and_output_layer = _originals["setup_embeddings"]
     _originals.clear()

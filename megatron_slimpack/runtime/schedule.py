@@ -55,10 +55,26 @@ has its overlapped reduce launched by `start_grad_sync()` after the step's backw
 order, the order the other ranks' hooks launch theirs. Megatron DDP (0.16.1) runs on CPU with
 gloo under `compat.apply()` (overlap_grad_reduce off and on, with and without the distributed
 optimizer and grad_sync_func, over several steps: tests/test_overlap_grad_reduce.py).
-Fallback without a finalize function: a Megatron DDP chunk gets `finish_grad_sync()`, a plain
-module a coalesced `all_reduce(SUM)` of every parameter's `.grad` over the DP group, and the
-gradients that are partial per TP rank (sequence-parallel norms, q/k norms) are summed over the
-TP group, as `finalize_model_grads` does (`reduce_grads=False` skips both); every chunk alike.
+Fallback without a finalize function (`_reduce_like_finalize`): the reductions of megatron-core's
+`finalize_model_grads`, with the step's groups, every chunk alike (`reduce_grads=False` skips
+them all):
+  1. the data-parallel sum: a Megatron DDP chunk's own `finish_grad_sync()`; for a plain module
+     ours, a coalesced `all_reduce(SUM)` of every parameter's `.grad` over `groups.dp_group`
+     (Megatron's lives in DDP's buffers, which a plain module has not);
+  2. the gradients that are partial per TP rank (sequence-parallel norms, q/k norms), summed over
+     `groups.tp_group`: megatron-core's `_allreduce_non_tensor_model_parallel_grads`;
+  3. a word embedding tied to the output layer (`share_embeddings_and_output_weights`), summed
+     over the first and last stage (`groups.embedding_group`, virtual stages too: the first
+     stage's first chunk and the last stage's last chunk): `_allreduce_word_embedding_grads`;
+  4. the position embedding over `groups.position_embedding_group` (Megatron's is the first stage
+     alone, so it is a no-op there): `_allreduce_position_embedding_grads`.
+Megatron's helpers read a DDP chunk's `ddp_config`; a plain module is handed to them in a thin
+adapter (`_AsDDPChunk`) and its `.grad` is what they reduce. What they cannot serve is refused
+before anything runs with `FallbackReductionError`, which says to pass `finalize_model_grads_func`:
+mixture-of-experts models (expert-parallel and router gradients, router expert bias), multi-token
+prediction, conditional embedders across stages, weight-rematerialisation groups, a tied
+embedding without an embedding group, and any reduction the installed release's
+`finalize_model_grads` calls that is not listed here.
 
 Tensor parallelism runs with or without sequence parallelism. Without it each TP rank exchanges
 the full activation with its peer in the pipeline group; with it (`config.sequence_parallel`)
@@ -113,7 +129,9 @@ class ScheduleGroups:
     is no finalize function) and rank (timeline records). `check_group`: the ranks the plan's
     fingerprint is compared over and the timeline is gathered over (None: the world).
     `merge_groups`: {dp_ranks: process group} from `runtime.merge.merge_groups`, needed when the
-    plan has DP-Merge groups.
+    plan has DP-Merge groups. `embedding_group` / `position_embedding_group`: Megatron's groups of
+    the stages holding a copy of the word / position embedding (the tied word embedding is summed
+    over the first and last stage when there is no finalize function).
     """
 
     pp_group: Any = None
@@ -124,6 +142,8 @@ class ScheduleGroups:
     tp_group: Any = None
     check_group: Any = None
     merge_groups: Optional[dict] = None
+    embedding_group: Any = None
+    position_embedding_group: Any = None
 
     @property
     def pp_size(self) -> int:
@@ -146,7 +166,9 @@ class ScheduleGroups:
         return cls(pp_group=pp_group, pp_rank=dist.get_rank(pp_group) if _group_size(pp_group) > 1 else 0,
                    dp_group=dp_group, dp_rank=dist.get_rank(dp_group),
                    tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                   tp_group=parallel_state.get_tensor_model_parallel_group(), merge_groups=merge_groups)
+                   tp_group=parallel_state.get_tensor_model_parallel_group(), merge_groups=merge_groups,
+                   embedding_group=parallel_state.get_embedding_group(check_initialized=False),
+                   position_embedding_group=parallel_state.get_position_embedding_group(check_initialized=False))
 
 
 class ScheduleResult(list):
@@ -241,7 +263,15 @@ def _model_chunks(model, vpp: int) -> list:
     return chunks
 
 
-def _check_model(chunks: list, config, groups: ScheduleGroups, forward_only: bool) -> None:
+def _check_model(chunks: list, config, groups: ScheduleGroups, forward_only: bool, reduce_grads: bool) -> None:
+    if not forward_only and reduce_grads and getattr(config, "finalize_model_grads_func", None) is None:
+        reasons = _fallback_refusals(chunks, config, groups)
+        if reasons:
+            raise FallbackReductionError(
+                "without config.finalize_model_grads_func the schedule reduces gradients itself and cannot "
+                f"reduce these exactly: {'; '.join(reasons)}. Pass finalize_model_grads_func="
+                "megatron.core.distributed.finalize_model_grads (with the model wrapped in Megatron's "
+                "DistributedDataParallel, as Megatron's trainer does)")
     if (any(_is_megatron_ddp(chunk) for chunk in chunks) and groups.dp_size > 1
             and not getattr(config, "calculate_per_token_loss", False) and not forward_only):
         raise ScheduleError(
@@ -330,24 +360,95 @@ def _reduce_grads(chunks: list, group) -> None:
     _all_reduce_sum([p.grad for p in params], group)
 
 
-def _tp_partial_grads(model, config) -> list[Tensor]:
-    """Gradients that are partial sums per TP rank (Megatron's rule in finalize_model_grads):
-    weights marked `sequence_parallel` under sequence parallelism (norms that saw only this
-    rank's rows), and q/k norm weights (only this rank's heads)."""
-    sequence_parallel, qk_norm = getattr(config, "sequence_parallel", False), getattr(config, "qk_layernorm", False)
-    grads = []
-    for name, p in model.named_parameters():
-        partial = ((sequence_parallel and getattr(p, "sequence_parallel", False))
-                   or (qk_norm and ("q_layernorm" in name or "k_layernorm" in name)))
-        grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
-        if p.requires_grad and partial and grad is not None:
-            grads.append(grad)
-    return grads
+# ---- the fallback reduction without a finalize function --------------------------------------
+class FallbackReductionError(ScheduleError):
+    """The model holds gradients that the schedule's own reduction (no finalize function) cannot
+    reduce exactly: pass `config.finalize_model_grads_func`."""
 
 
-def _reduce_tp_partial_grads(chunks: list, config, tp_group) -> None:
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        _all_reduce_sum([grad for chunk in chunks for grad in _tp_partial_grads(chunk, config)], tp_group)
+# finalize_model_grads' steps (0.16-0.19) that the fallback takes, or that the models it accepts
+# make no-ops (MoE routers, multi-token prediction, weight-rematerialisation groups are refused).
+_FINALIZE_STEPS_TAKEN = {"_allreduce_non_tensor_model_parallel_grads", "_allreduce_word_embedding_grads",
+                         "_allreduce_position_embedding_grads"}
+_FINALIZE_STEPS_REFUSED = {"_allreduce_conditional_embedding_grads", "_allreduce_router_grads",
+                           "_update_router_expert_bias", "_update_router_qb_beta",
+                           "_allreduce_replicated_grads_over_gtp_remat_group"}
+
+
+def _finalize_module():
+    """megatron.core.distributed.finalize_model_grads, the module (the package exports the function
+    under the same name)."""
+    import importlib
+
+    return importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+
+def _finalize_steps() -> set[str]:
+    """The gradient reductions the installed megatron-core's finalize_model_grads calls."""
+    names = _finalize_module().finalize_model_grads.__code__.co_names
+    return {name for name in names if name.startswith(("_allreduce", "_update"))}
+
+
+def _fallback_refusals(chunks: list, config, groups: ScheduleGroups) -> list[str]:
+    """What the model needs reduced that the fallback does not reduce exactly (empty: nothing)."""
+    reasons = []
+    if getattr(config, "num_moe_experts", None):
+        reasons.append("a mixture-of-experts model (num_moe_experts): expert-parallel and router gradients, "
+                       "router expert bias")
+    if getattr(config, "mtp_num_layers", None):
+        reasons.append("multi-token prediction (mtp_num_layers): its embedding copy")
+    if getattr(config, "has_cond_embedder", False) and groups.pp_size > 1:
+        reasons.append("conditional embedders replicated across pipeline stages (has_cond_embedder)")
+    if any((getattr(config, name, None) or 1) > 1 for name in ("gtp_weight_remat_size",
+                                                                "expert_gtp_weight_remat_size")):
+        reasons.append("weight rematerialisation groups (gtp_weight_remat_size)")
+    unknown = sorted(_finalize_steps() - _FINALIZE_STEPS_TAKEN - _FINALIZE_STEPS_REFUSED)
+    if unknown:
+        reasons.append(f"megatron-core's finalize_model_grads also calls {', '.join(unknown)}")
+    if _tied_across_stages(chunks, groups) and groups.embedding_group is None:
+        reasons.append("word embeddings tied to the output layer across pipeline stages, without "
+                       "groups.embedding_group (Megatron's embedding group) to sum them over")
+    return reasons
+
+
+def _tied_across_stages(chunks: list, groups: ScheduleGroups) -> bool:
+    """Whether this rank holds a copy of a word embedding tied to an output layer on another stage."""
+    inners = [inner_module(chunk) for chunk in chunks]
+    return groups.pp_size > 1 and any(getattr(inner, "share_embeddings_and_output_weights", False)
+                                      and (inner.pre_process or inner.post_process) for inner in inners)
+
+
+class _AsDDPChunk:
+    """A plain model chunk as megatron-core's finalize helpers read a DDP chunk: its module under
+    `module` and a default `ddp_config` (no FSDP); gradients are read from `.grad`."""
+
+    def __init__(self, module):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        self.module = module
+        self.ddp_config = DistributedDataParallelConfig()
+
+
+def _reduce_like_finalize(chunks: list, config, groups: ScheduleGroups) -> None:
+    """finalize_model_grads without a finalize function: the data-parallel sum (DDP's own
+    finish_grad_sync for a DDP chunk; ours for a plain module, whose `.grad` has no DDP buffer),
+    then megatron-core's own helpers, in finalize_model_grads' order and with this step's groups:
+    TP partial sums (sequence-parallel norms, q/k norms), the tied word
+    embedding across the embedding group, the position embedding across its group."""
+    helpers = _finalize_module()
+    plain = [chunk for chunk in chunks if not _is_megatron_ddp(chunk)]
+    for chunk in chunks:
+        if _is_megatron_ddp(chunk):
+            chunk.finish_grad_sync()
+    _reduce_grads(plain, groups.dp_group)
+    adapted = [chunk if _is_megatron_ddp(chunk) else _AsDDPChunk(chunk) for chunk in chunks]
+    if _group_size(groups.tp_group) > 1:
+        helpers._allreduce_non_tensor_model_parallel_grads(adapted, config, groups.tp_group)
+    if _group_size(groups.embedding_group) > 1:
+        helpers._allreduce_word_embedding_grads(adapted, config, groups.embedding_group, groups.pp_group)
+    if _group_size(groups.position_embedding_group) > 1:
+        helpers._allreduce_position_embedding_grads(adapted, config, groups.position_embedding_group,
+                                                    groups.pp_group)
 
 
 def _per_chunk(func, count: int) -> Optional[list]:
@@ -376,7 +477,7 @@ class _GradientSync:
                  megatron_kwargs: dict):
         self.chunks, self.config, self.first_stage, self.reduce_grads = chunks, config, first_stage, reduce_grads
         self.interleaved = len(chunks) > 1
-        self.dp_group, self.tp_group = groups.dp_group, groups.tp_group
+        self.groups = groups
         no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
         self.no_sync_func = (no_sync_func if not isinstance(no_sync_func, (list, tuple))
                              else lambda: _entered_all(no_sync_func))
@@ -438,15 +539,10 @@ class _GradientSync:
             return True
         if not self.reduce_grads:
             return False
-        plain = []
-        for model in self.chunks:
-            if _is_megatron_ddp(model):
-                model.finish_grad_sync()
-            else:
-                plain.append(model)
-        _reduce_grads(plain, self.dp_group)
-        _reduce_tp_partial_grads(self.chunks, self.config, self.tp_group)
-        return _group_size(self.dp_group) > 1 or _group_size(self.tp_group) > 1
+        _reduce_like_finalize(self.chunks, self.config, self.groups)
+        groups = self.groups
+        return any(_group_size(group) > 1 for group in (groups.dp_group, groups.tp_group, groups.embedding_group,
+                                                        groups.position_embedding_group))
 
 
 class _ParamSync:
@@ -553,7 +649,7 @@ def slimpack_forward_backward(
     chunks = _model_chunks(model, plan.parallel.vpp)
     groups = groups if groups is not None else ScheduleGroups.from_parallel_state()
     config = megatron_config(chunks[0])
-    _check_model(chunks, config, groups, forward_only)
+    _check_model(chunks, config, groups, forward_only, reduce_grads)
     merged, own = _pick_replicas(plan, groups.dp_rank)
     _check_replicas(plan, merged + [own], groups, check_plan)
 
