@@ -387,6 +387,11 @@ class MegatronIntegrationConfig:
         "Plan ahead in a spawned worker process, off the training process's GIL (a thread where the process "
         "cannot start); --no-slimpack-planner-process plans in a thread of the training process.",
         cli="the CLI plans its batches in turn"))
+    planner_timeout: float = field(default=600.0, metadata=option(
+        "Seconds a training step waits for its plan from the planner worker (process or thread) before every rank "
+        "stops with an error naming the worker: a hung worker never hangs the job. Keep it well above the slowest "
+        "plan's time (the planner log's per-step seconds).", metavar="SECONDS",
+        cli="the CLI plans its batches in turn"))
     cost_model: str = field(default="analytic", metadata=option(
         "'analytic' or a profile JSON written by `slimpack profile`.", metavar="{analytic,PATH}"))
     hardware: str = field(default="h100-sxm", metadata=option(
@@ -407,6 +412,10 @@ class MegatronIntegrationConfig:
     def find_problems(values: dict, n: Namer = str) -> Problems:
         problems: Problems = []
         _integer(problems, values, n, "plan_ahead", 0)
+        timeout = values["planner_timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            problems.append(("planner_timeout", f"{n('planner_timeout')} must be a number of seconds > 0, got "
+                                                f"{timeout!r}"))
         for name in ("planner_process", "allow_untested_megatron"):
             if not isinstance(values[name], bool):
                 problems.append((name, f"{n(name)} must be True or False, got {values[name]!r}"))

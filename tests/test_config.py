@@ -30,12 +30,12 @@ MEGATRON_FLAGS = {
     "--slimpack-solver-time-limit", "--slimpack-solver-deterministic-limit", "--slimpack-plan-ahead",
     "--slimpack-dp-merge", "--no-slimpack-dp-merge", "--slimpack-base-merge", "--slimpack-cost-model",
     "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
-    "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron",
+    "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron", "--slimpack-planner-timeout",
 }
 # Fields deliberately not flags, on each surface.
 NOT_MEGATRON_FLAGS = {"context_length", "seed", "merge_threshold", "solver_workers", "tunables"}
 NOT_CLI_OPTIONS = {"merge_threshold", "solver_workers", "tunables", "plan_ahead", "dump_plans", "planner_process",
-                   "allow_untested_megatron"}
+                   "allow_untested_megatron", "planner_timeout"}
 
 
 def megatron_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,11 @@ fed other documents' tokens, 5 the fp16 loss scale never applied, 6 wlb-llm's re
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -296,6 +300,76 @@ def test_every_strategy_trains_on_its_documents_tokens(workspace, strategy):
     else:
         run = workspace.run(f"strategy-{strategy}", train_iters=2, extra=["--slimpack-strategy", strategy])
     check_tokens(workspace, run)
+
+
+# ---- the planner worker process ----------------------------------------------------------------
+def planner_worker_of(run_directory: Path) -> int | None:
+    """The pid of the planner worker (a multiprocessing spawn child) of the trainer whose command
+    line names `run_directory` (its --data-cache-path), or None while there is none."""
+    def cmdline(pid) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    def parent(pid) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    for entry in Path("/proc").iterdir():
+        command = cmdline(entry.name) if entry.name.isdigit() else ""
+        if "spawn_main" in command and "resource_tracker" not in command:
+            if str(run_directory) in cmdline(parent(entry.name)):
+                return int(entry.name)
+    return None
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_failed_planner_worker_stops_every_rank_within_a_minute(workspace, how):
+    """The planner worker process SIGKILLed, or stopped (SIGSTOP: alive, sending nothing) after
+    the first iteration of a DP=2 run planned ahead in it: the source rank raises SlimPack's
+    PlannerError naming the worker (at once when killed, after --slimpack-planner-timeout, 30 s here, when
+    hung), and the launcher stops the other rank; nothing waits forever."""
+    directory = workspace.root / f"planner-{how}"
+    outcome: dict = {}
+
+    def train():
+        try:
+            harness.train(workspace.script, workspace.prefix, directory, nproc=2, split=SPLIT, train_iters=500,
+                          timeout_s=400,
+                          extra=[*SLICED, "--slimpack-plan-ahead", "1", "--slimpack-planner-timeout", "30"])
+        except harness.HarnessError as error:
+            outcome["error"] = str(error)
+
+    runner = threading.Thread(target=train, daemon=True)
+    runner.start()
+    first_iteration = directory / "record" / "rank0.jsonl"
+    deadline = time.monotonic() + 300
+    pid = None
+    while time.monotonic() < deadline and runner.is_alive():
+        if first_iteration.is_file() and '"iteration"' in first_iteration.read_text():
+            pid = planner_worker_of(directory)
+            if pid is not None:
+                break
+        time.sleep(0.2)
+    assert pid is not None, f"no planner worker found while the run trained: {outcome}"
+    os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    signalled = time.monotonic()
+    runner.join(120)
+    stopped_after = time.monotonic() - signalled
+    if how == "hung":
+        try:
+            os.kill(pid, signal.SIGKILL)  # never leave a stopped process behind
+        except ProcessLookupError:
+            pass
+    assert not runner.is_alive(), "the trainer still runs two minutes after its planner worker failed"
+    assert stopped_after < 60, f"the trainer stopped {stopped_after:.0f} s after its planner worker failed"
+    error = outcome.get("error", "")
+    expected = (f"planner worker process (pid {pid}) exited with code -9" if how == "killed"
+                else f"planner worker process (pid {pid}) sent no plan in 30 s")
+    assert "PlannerError" in error and expected in error, error[-3000:]
 
 
 def test_strategies_the_runtime_cannot_run_are_refused():

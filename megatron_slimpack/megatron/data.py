@@ -148,8 +148,12 @@ class _ThreadPlanner:
         except BaseException as error:  # surfaced by next()
             self._put((error, None))
 
-    def get(self):
-        item, pickled = self.queue.get()
+    def get(self, timeout_s: Optional[float] = None):
+        try:
+            item, pickled = self.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise PlannerError(f"planning failed: the planner thread sent no plan in {timeout_s:g} s (hung, or slower "
+                               "than --slimpack-planner-timeout allows)") from None
         if isinstance(item, BaseException):
             raise PlannerError(f"planning failed: {item!r}") from item
         return item, pickled
@@ -172,7 +176,9 @@ class PlannerIterator:
     warning when it falls back to a thread) or "thread". `steps`: stop after that many batches
     (None: endless). `group`: the process group over which plans are broadcast (default: the
     world when torch.distributed is initialised). The worker starts on the first `next()` (or
-    `start()`); call `close()` (or use the iterator as a context manager) to stop it.
+    `start()`); call `close()` (or use the iterator as a context manager) to stop it. `timeout_s`:
+    the longest `next()` waits for the worker's next plan before it raises `PlannerError` (a
+    worker killed is an error at once; one that hangs, after this).
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class PlannerIterator:
         group=None,
         broadcast: Optional[bool] = None,
         backend: str = "auto",
+        timeout_s: Optional[float] = None,
     ):
         import torch.distributed as dist
 
@@ -198,6 +205,7 @@ class PlannerIterator:
         self.steps = steps
         self.group = group
         self.requested_backend = backend
+        self.timeout_s = timeout_s  # longest wait for one plan from the worker (None: no limit)
         self.distributed = dist.is_initialized() if broadcast is None else broadcast
         if self.distributed:
             self.rank = dist.get_rank(group)
@@ -275,7 +283,7 @@ class PlannerIterator:
         from .planner_process import WorkerStartError
 
         try:
-            return self._worker.get()
+            return self._worker.get(self.timeout_s)
         except WorkerStartError as error:
             self.fallback_reason = str(error)
             warnings.warn(f"slimpack: {error}; planning in a thread of the training process instead",

@@ -461,7 +461,8 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     # cannot start), from the sampler and planner state after the fast-forward above.
     iterator = PlannerIterator(sampler, plan_function(planner, parallel, cost, config),
                                plan_ahead=options.plan_ahead,
-                               backend="process" if options.planner_process else "thread")
+                               backend="process" if options.planner_process else "thread",
+                               timeout_s=options.planner_timeout)
     iterator.start()  # the worker starts (imports, first plan) while Megatron finishes its setup
     return MegatronPlannerIterator(iterator, corpus, options.dump_plans)
 

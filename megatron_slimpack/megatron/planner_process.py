@@ -197,14 +197,18 @@ class PlannerProcess:
             writer.close()
         self._finalizer = weakref.finalize(self, _terminate, self.process)
 
-    def get(self):
-
+    def get(self, timeout_s: Optional[float] = None):
+        """The worker's next message; PlannerError when it died without one, or sent none within
+        `timeout_s` (then it is terminated: a hung worker)."""
+        began = time.monotonic()
         while True:
             try:
                 message = self.results.get(timeout=_POLL_S)
                 break
             except queue.Empty:
                 if self.process.is_alive():
+                    if timeout_s is not None and time.monotonic() - began > timeout_s:
+                        raise self._hung(timeout_s) from None
                     continue
             except (EOFError, OSError):  # it died, maybe in the middle of a message
                 raise self._died() from None
@@ -239,6 +243,12 @@ class PlannerProcess:
                                     "started (see its traceback above)")
         return PlannerError(f"planning failed: the planner worker process (pid {self.pid}) exited with code {code} "
                             "without a result (killed, or out of memory?)")
+
+    def _hung(self, timeout_s: float) -> Exception:
+        pid = self.pid
+        _terminate(self.process)
+        return PlannerError(f"planning failed: the planner worker process (pid {pid}) sent no plan in {timeout_s:g} s "
+                            "(hung, or slower than --slimpack-planner-timeout allows); it was stopped")
 
     def close(self) -> None:
         """Stop the worker: it exits by itself if it is waiting for a free slot; one still planning
