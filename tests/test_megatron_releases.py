@@ -9,7 +9,9 @@ loss and grad norm at every iteration (fp32, 1e-5 relative). Each launch checks 
 properties at once (CI time: a launch costs 10-60 s on 2 cores):
 
   dp2-pp2: DP=2 x PP=2, --use-distributed-optimizer --overlap-grad-reduce, selective recompute
-           (recompute once re-ran the KV store's side effects on sliced documents);
+           (recompute once re-ran the KV store's side effects on sliced documents), each step's
+           last backward unit 3, 5, then 2 MicroPacks wide (Megatron's DDP counts gradient hooks
+           per backward call: a unit that changes between steps once gave wrong gradients);
   tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP),
            full recompute of every layer;
   vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B);
@@ -43,9 +45,11 @@ pytestmark = [pytest.mark.real_megatron, pytest.mark.slow]
 SPLIT = "90,10,0"
 ITERATIONS = 3
 BASE = ["--num-layers", "4", "--slimpack-max-micropack-tokens", "128"]
+LAST_UNITS = (3, 5, 2)  # MicroPacks in each step's last backward unit under dp2-pp2 (launch.py)
 LAYOUTS = {
     "dp2-pp2": dict(nproc=4, extra=["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                                    "--overlap-grad-reduce", "--recompute-granularity", "selective"]),
+                                    "--overlap-grad-reduce", "--recompute-granularity", "selective"],
+                    env={"SLIMPACK_TEST_LAST_BACKWARD_UNITS": ",".join(map(str, LAST_UNITS))}),
     "tp2-sp": dict(nproc=2, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    "--recompute-granularity", "full", "--recompute-method", "uniform",
                                    "--recompute-num-layers", "1"]),
@@ -112,6 +116,9 @@ def test_layout_trains_like_one_rank(workspace, layout):
     assert_same_training(run, workspace.reference())
     plans = plans_of(run)
     assert any(has_sliced_document(plan) for plan in plans)  # later slices read earlier ones' K/V
+    if layout == "dp2-pp2":  # the last backward unit grows, then shrinks: overlapped grad reduce survives it
+        assert [[len(replica["backward_units"][-1]) for replica in plan["replicas"]] for plan in plans] == [
+            [count] * 2 for count in LAST_UNITS]
     if layout == "vpp2":  # tasks (kind, unit, chunk): Megatron's vp_stage chunks, one planner iterator
         assert all(plan["parallel"].get("vpp") == 2 for plan in plans)
         assert all(len(task) == 3 for plan in plans for replica in plan["replicas"]

@@ -16,6 +16,12 @@ All three wrap the real functions and return what they return.
 `SLIMPACK_TEST_WITHOUT_MODEL_SEAM=1` leaves the model builder alone (install() finds no builder
 module), as on a release whose way of building the model the plugin does not know: the run must
 stop before its first step (hooks.check_sliced_model).
+
+`SLIMPACK_TEST_LAST_BACKWARD_UNITS=3,5,2` (inline planning, no virtual stages): step i's plan has
+its last backward unit widened to the i-th count of MicroPacks (cycling), the units before it as
+planned, stage orders rebuilt as Megatron's 1F1B. Megatron's overlapped grad reduce counts
+gradient hooks per backward call, so a last unit that grows and shrinks between steps is what it
+must survive; the planner picks such units on real clusters, rarely on this tiny model.
 """
 from __future__ import annotations
 
@@ -103,6 +109,31 @@ def _install_recorder(recorder: _Recorder) -> None:
     hooks.slimpack_forward_backward_func = recorded_forward_backward
 
 
+def _widen_last_backward_units(counts: list[int]) -> None:
+    import itertools
+
+    from megatron_slimpack.megatron import data
+    from megatron_slimpack.solver.orders import stage_orders
+
+    plan_batch = data.StrategyPlanFunction.__call__
+    steps = itertools.count()
+
+    def widened(self, batch):
+        plan = plan_batch(self, batch)
+        count = counts[next(steps) % len(counts)]
+        pp = plan.parallel.pp
+        for replica in plan.replicas:
+            units = replica.backward_units
+            if len(units) < count:
+                continue
+            replica.backward_units = [*units[:len(units) - count], [mp for unit in units[-count:] for mp in unit]]
+            warmups = [min(pp - stage - 1, len(replica.forward_units)) for stage in range(pp)]
+            replica.stage_orders = stage_orders(replica.forward_units, replica.backward_units, warmups)
+        return plan.validate()
+
+    data.StrategyPlanFunction.__call__ = widened
+
+
 def main() -> None:
     script = Path(sys.argv[1]).resolve()
     torch.set_num_threads(1)
@@ -111,6 +142,8 @@ def main() -> None:
         from megatron_slimpack.megatron import hooks
 
         hooks._model_builder_module = lambda version: None
+    if os.environ.get("SLIMPACK_TEST_LAST_BACKWARD_UNITS"):
+        _widen_last_backward_units([int(n) for n in os.environ["SLIMPACK_TEST_LAST_BACKWARD_UNITS"].split(",")])
     if os.environ.get("SLIMPACK_TEST_RECORD"):
         _install_recorder(_Recorder(Path(os.environ["SLIMPACK_TEST_RECORD"])))
     sys.argv = [str(script)] + sys.argv[2:]
