@@ -171,6 +171,26 @@ def test_validation_is_silent_without_slimpack_and_checks_the_version():
         validate_slimpack_args(args, version=(0, 12, 0))
 
 
+@pytest.mark.parametrize("version", [(0, 19, 3), (0, 20, 0), (1, 0, 0)])
+def test_a_release_newer_than_the_newest_tested_needs_the_override(version):
+    from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args
+
+    args = parse("--slimpack", "--calculate-per-token-loss")
+    with pytest.raises(SlimPackArgumentError, match=r"newer than 0\.19\.2.*--slimpack-allow-untested-megatron"):
+        validate_slimpack_args(args, version=version)
+    validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-allow-untested-megatron"),
+                           version=version)
+    validate_slimpack_args(args, version=(0, 19, 2))
+    validate_slimpack_args(args, version=(0, 17, 0))  # an older patch release of a tested minor
+
+
+def test_the_version_ignores_the_git_hash_megatron_core_appends():
+    from megatron_slimpack.megatron.args import parse_version
+
+    assert parse_version("0.19.2+a7fe95f") == (0, 19, 2)  # megatron-core inside a git work tree
+    assert parse_version("0.20.0rc1") == (0, 20, 0)
+
+
 # ---- install / uninstall ------------------------------------------------------------------
 @pytest.fixture
 def real_megatron_training(monkeypatch):
@@ -216,6 +236,31 @@ def test_install_swaps_exactly_the_documented_seams(real_megatron_training):
     assert all(getattr(real.training, n) is before[n] for n in before)
     assert all(getattr(real.builders, n) is before_builders[n] for n in before_builders)
     hooks.uninstall()  # a second uninstall is a no-op
+
+
+def test_used_seams_and_the_sliced_model_check(real_megatron_training, megatron_cpu):
+    """install() lists what it replaced; used_seams() only what ran with --slimpack. The schedule's
+    check refuses a model built without the sliced core attention, naming each layer."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_slimpack.megatron import hooks
+    from megatron_slimpack.runtime.model import tiny_config
+
+    real = real_megatron_training
+    hooks.install(parse("--slimpack", "--calculate-per-token-loss"))
+    assert hooks.used_seams() == []
+    config = tiny_config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
+    sliced = real.builders.GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=64)
+    assert hooks.used_seams() == ["gpt_builders.GPTModel"]
+    hooks.check_sliced_model([sliced])
+    stock = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=64)
+    with pytest.raises(hooks.SlimPackInstallError) as refused:
+        hooks.check_sliced_model([types.SimpleNamespace(module=stock)])  # unwrapped like DDP's .module
+    message = str(refused.value)
+    assert "chunk 0 is a GPTModel, not a SlimPackGPTModel" in message
+    assert "decoder.layers.0.self_attention.core_attention is DotProductAttention" in message
+    assert "used: gpt_builders.GPTModel" in message
 
 
 def test_install_without_args_reads_megatron_args_lazily(real_megatron_training):
