@@ -230,6 +230,25 @@ def test_dp_reduction_overlaps_the_last_backward_bucket_by_bucket():
     assert simulate(plan, cost, dp_buckets=1).iteration_time_s == pytest.approx(4.0)
 
 
+def test_dp_reduction_overlaps_only_the_last_micropack_of_a_wide_unit():
+    """A last backward unit of two MicroPacks: the runtime runs the first inside no_sync, so only
+    the second's backward ([3, 5]) makes gradients ready for the overlapped reduction."""
+    packs = {rank: [MicroPack([Slice(2 * rank + i, 0, 8)]) for i in range(2)] for rank in range(2)}
+    replicas = [ReplicaPlan(packs[rank], [[0], [1]], [[0, 1]], [[("F", 0), ("F", 1), ("B", 0)]], [rank])
+                for rank in range(2)]
+    plan = Plan(replicas, [Sample(i, 8) for i in range(4)], ParallelConfig(dp=2), 8, "test").validate()
+    # Forwards [0, 2], the unit's backward [2, 6]: its last MicroPack [4, 6]; 4 buckets ready at
+    # 4.5, 5, 5.5, 6, each reduced in 0.25 s.
+    report = simulate(plan, FixedCost(forward=1.0, backward=2.0, dp_reduce=1.0), dp_buckets=4)
+    assert report.iteration_time_s == pytest.approx(6.25)
+    assert report.dp_reduce_exposed_s == pytest.approx([0.25])
+    assert [(t.start, t.end) for t in report.tasks if t.kind == "DP"] == [(4.5, 6.25)] * 2
+    # A longer reduction (0.75 s a bucket) queues behind the later-ready buckets: 7.5 s, where
+    # buckets spread over the whole unit ([2, 6]) would have ended at 6.75.
+    slow = simulate(plan, FixedCost(forward=1.0, backward=2.0, dp_reduce=3.0), dp_buckets=4)
+    assert slow.iteration_time_s == pytest.approx(7.5)
+
+
 def test_merge_group_occupies_both_ranks_before_their_own_work():
     merged = build_replica([MicroPack([Slice(0, 0, 8)]), MicroPack([Slice(0, 8, 16)])], [0, 1], 2)
     own = [build_replica([MicroPack([Slice(1 + r, 0, 4)])], [r], 2) for r in range(2)]

@@ -595,9 +595,10 @@ def _dp_reduction(parts: list[tuple[list[float], list[float]]], seconds: float, 
     chunk's last backward task.
 
     Rule (Megatron DDP with overlapped, bucketed reduction; gradients are reduced only during
-    the last backward): on every rank a chunk's last backward task produces the chunk's share of
-    the gradients uniformly over its duration, in equal buckets (bucket i is ready at
-    start + (i+1)/buckets * duration). A bucket's collective starts when every rank has it ready
+    the last backward): on every rank a chunk's last backward task, from the start of its last
+    MicroPack (the only one run outside no_sync), produces the chunk's share of the gradients
+    uniformly over that time, in equal buckets (bucket i is ready at start + (i+1)/buckets *
+    duration). A bucket's collective starts when every rank has it ready
     and the previous bucket's collective is done, and lasts its share of `seconds`. So the
     reduction starts no earlier than the slowest rank's first-finishing chunk's last backward
     starts, and ends no earlier than the slowest rank's last backward ends plus one bucket's share.
@@ -636,7 +637,8 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     for stage in range(pp):
         lasts = [_last_backwards(graph, r * pp + stage) for r in range(dp)]
         parts = [[row[chunk] for row in lasts if chunk in row] for chunk in range(graph.vpp)]
-        parts = [([start[t] for t in tasks], [end[t] for t in tasks]) for tasks in parts if tasks]
+        parts = [([_last_micropack_start(graph, t, start[t], end[t]) for t in tasks], [end[t] for t in tasks])
+                 for tasks in parts if tasks]
         if reduce_seconds <= 0 or not parts:
             continue
         last_end = max(max(ends) for _, ends in parts)
@@ -682,6 +684,18 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
         memory_timeline=timelines,
         tasks=_records(graph, schedule, reduce_windows) if detail else [],
     )
+
+
+def _last_micropack_start(graph: _Graph, task: int, start: float, end: float) -> float:
+    """When the last MicroPack of backward `task` starts. The runtime runs a unit's earlier
+    MicroPacks inside DDP's no_sync (runtime/schedule.py), so only the last one's backward makes
+    gradients ready for the overlapped reduction."""
+    rc = graph.replicas[graph.replica_of[task]]
+    last_stage = graph.stage_of[task] == graph.vstages - 1
+    unit = graph.unit_of[task]
+    whole = rc.backward_unit[last_stage][unit]
+    share = rc.backward_mp[last_stage][rc.replica.backward_units[unit][-1]] / whole if whole > 0 else 1.0
+    return end - share * (end - start)
 
 
 def _last_backwards(graph: _Graph, device: int) -> dict[int, int]:
