@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch first, so megatron-core does not pull a CUDA build.
@@ -31,7 +31,7 @@ $(VENV)/megatron-core/%: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/slimpack demo
 
-# ruff.toml holds the rules; `make test` lints first and stops on a finding.
+# pyproject.toml holds the rules; `make test` lints first and stops on a finding.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

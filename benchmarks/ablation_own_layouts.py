@@ -29,7 +29,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from paper_table import cell_batches, current_commit, load_config, row_of  # noqa: E402
 
 import megatron_slimpack as ms  # noqa: E402
-from megatron_slimpack.solver.layouts import NoFeasibleLayout, best_layout  # noqa: E402
+from megatron_slimpack.planner.layouts import NoFeasibleLayout, best_layout  # noqa: E402
 
 VARIANTS = ("slimpack", "slimpack-sym", "slimpack-nomerge", "no slicing")
 GPUS = 128

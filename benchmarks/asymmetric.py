@@ -40,17 +40,17 @@ import numpy as np
 
 import megatron_slimpack as ms
 from megatron_slimpack.plan import Plan, ReplicaPlan, Sample, pack_figures
-from megatron_slimpack.simulator.dag import SimulationReport, simulate
-from megatron_slimpack.solver.memory import activation_budget
-from megatron_slimpack.solver.pack_phase import (
+from megatron_slimpack.planner.slimpack.memory import activation_budget
+from megatron_slimpack.planner.slimpack.pack_phase import (
     MicroPackCosts,
     PackOptions,
     SortedSamples,
     UnitCandidate,
     pack_micropacks,
 )
-from megatron_slimpack.solver.replica import unit_candidates
-from megatron_slimpack.solver.work import WorkRates
+from megatron_slimpack.planner.slimpack.replica import unit_candidates
+from megatron_slimpack.planner.work import WorkRates
+from megatron_slimpack.simulator.dag import SimulationReport, simulate
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,7 +350,7 @@ def deeper_singletons(plan: Plan, cost, budget: float) -> Plan:
     """One replica's MicroPacks in units of one, each stage two units ahead of the next
     (`forward_targets` with warm-ups 2(pp-1-s)); of the chain leads None, pp, pp/2 and 0 the
     fastest whose simulated peak fits (else the leanest)."""
-    from megatron_slimpack.solver.orders import forward_targets, orders_of_targets
+    from megatron_slimpack.planner.orders import forward_targets, orders_of_targets
 
     replica, pp = plan.replicas[0], plan.parallel.pp
     forward_units = [[mp] for mp in range(len(replica.micropacks))]
@@ -401,7 +401,7 @@ def alternating(pairs: int = 128, document: int = 16 * K, short: int = 512) -> N
     import dataclasses
 
     from megatron_slimpack.plan import MicroPack, Slice
-    from megatron_slimpack.solver.orders import forward_targets, orders_of_targets
+    from megatron_slimpack.planner.orders import forward_targets, orders_of_targets
     from megatron_slimpack.specs import get_model
 
     model = dataclasses.replace(get_model("llama-7b"), name="llama-7b-vocab256", vocab_size=256)

@@ -69,9 +69,9 @@ def same_micropacks(a, b) -> bool:
 
 def hand_paired(sym, cost):
     """`sym`'s MicroPacks in forward units of two and backward units of one, with the orders the
-    planner gives that candidate (`UnitCandidate.paired(...).order`, solver/orders.py)."""
-    from megatron_slimpack.solver.memory import activation_budget
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
+    planner gives that candidate (`UnitCandidate.paired(...).order`, planner/orders.py)."""
+    from megatron_slimpack.planner.slimpack.memory import activation_budget
+    from megatron_slimpack.planner.slimpack.pack_phase import MicroPackCosts, UnitCandidate
 
     replica = sym.replicas[0]
     costs = MicroPackCosts.of(replica.micropacks, cost, sym.parallel)
@@ -84,7 +84,7 @@ def hand_paired(sym, cost):
 def plan_batch(args, cost):
     """The batch and its (symmetric, asymmetric) plans, and how the asymmetric one was made."""
     from megatron_slimpack.config import SlimPackConfig
-    from megatron_slimpack.solver.strategies import plan_global_batch
+    from megatron_slimpack.planner.strategies import plan_global_batch
     from megatron_slimpack.specs import ParallelConfig
     from megatron_slimpack.workload import global_batches
 
@@ -111,7 +111,7 @@ def plan_batch(args, cost):
 
 # ---- the measured run (one process per pipeline stage) ---------------------------------------
 def _worker(rank, world_size, port, model, plans_json, batch_data, warmup, pairs, seed, path):
-    from megatron_slimpack.library_noise import ignore_library_warnings
+    from megatron_slimpack.apps.library_noise import ignore_library_warnings
 
     ignore_library_warnings()
     import torch
@@ -121,8 +121,8 @@ def _worker(rank, world_size, port, model, plans_json, batch_data, warmup, pairs
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_slimpack.demo import get_demo_spec, model_config, stage_busy_s
-    from megatron_slimpack.fidelity import BatchTokens
+    from megatron_slimpack.apps.demo import get_demo_spec, model_config, stage_busy_s
+    from megatron_slimpack.apps.fidelity import BatchTokens
     from megatron_slimpack.plan import Plan
     from megatron_slimpack.runtime import compat
     from megatron_slimpack.runtime.model import build_gpt_model
@@ -224,7 +224,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_slimpack.demo import demo_cost_model, get_demo_spec
+    from megatron_slimpack.apps.demo import demo_cost_model, get_demo_spec
     from megatron_slimpack.simulator.dag import simulate
 
     profiled = Path(args.profile).exists()

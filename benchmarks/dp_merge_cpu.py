@@ -53,7 +53,7 @@ def plan_both(lengths, cost, context_length: int, dp: int, pp: int = 1, forced_t
     """Plans of both strategies; with `forced_threshold`, also "forced": slimpack with that
     (lower) merge threshold, i.e. merging where the default planner would not."""
     from megatron_slimpack.config import SlimPackConfig
-    from megatron_slimpack.solver.strategies import plan_global_batch
+    from megatron_slimpack.planner.strategies import plan_global_batch
     from megatron_slimpack.specs import ParallelConfig
 
     parallel = ParallelConfig(dp=dp, pp=pp, tp=1, sequence_parallel=False, zero1=False)
@@ -98,8 +98,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    from megatron_slimpack.apps.fidelity import measure_plans
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import measure_plans
     from megatron_slimpack.simulator.dag import simulate
     from megatron_slimpack.workload import TextCorpus
 

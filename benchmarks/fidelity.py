@@ -36,9 +36,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    from megatron_slimpack.apps.fidelity import summary_table, validate
+    from megatron_slimpack.apps.profiler import describe_fit, profile
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import summary_table, validate
-    from megatron_slimpack.profiler import describe_fit, profile
 
     if args.reprofile or not Path(args.profile).exists():
         profile(args.model, pp=2, concurrent=args.concurrent).write(args.profile)

@@ -42,7 +42,7 @@ from paper_table import (  # noqa: E402
 
 from megatron_slimpack.config import SlimPackConfig  # noqa: E402
 from megatron_slimpack.costmodel import CostModel  # noqa: E402
-from megatron_slimpack.solver.layouts import _virtual_stage_counts, best_layout  # noqa: E402
+from megatron_slimpack.planner.layouts import _virtual_stage_counts, best_layout  # noqa: E402
 from megatron_slimpack.specs import ParallelConfig  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -33,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_slimpack.comparison import REFERENCE, STOCK, competitors, run_comparison  # noqa: E402
+from megatron_slimpack.apps.comparison import REFERENCE, STOCK, competitors, run_comparison  # noqa: E402
 from megatron_slimpack.costmodel import CostModel  # noqa: E402
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths  # noqa: E402
 

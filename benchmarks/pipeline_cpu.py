@@ -36,8 +36,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    from megatron_slimpack.apps.fidelity import measure_plans, text_plans
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import measure_plans, text_plans
     from megatron_slimpack.simulator.dag import simulate
 
     if Path(args.profile).exists():

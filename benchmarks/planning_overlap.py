@@ -82,7 +82,7 @@ def calibrate(step_s: float) -> dict[str, Step]:
 def make_iterator(backend: str, args, lengths, steps: int):
     import megatron_slimpack as ms
     from megatron_slimpack.megatron.data import PlannerIterator, plan_function
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.planner.strategies import new_planner
     from megatron_slimpack.workload import GlobalBatchSampler
 
     cost = ms.CostModel.analytic(args.model, "h100-sxm")

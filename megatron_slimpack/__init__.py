@@ -9,6 +9,7 @@ Public contract (design.md section 8):
     p.validate(); p.to_json(path); Plan.from_json(path)
     report = simulate(p, cost)
 """
+from ._moved import install as _install_moved_paths
 from .config import ConfigError, SlimPackConfig
 from .costmodel import CostModel
 from .errors import SlimPackError
@@ -17,6 +18,7 @@ from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
 from .workload import GlobalBatchSampler, WorkloadError, load_lengths
 
 __version__ = "0.1.0"
+_install_moved_paths()  # old module paths (solver.*, cli, demo, ...) still import, with a warning
 
 
 def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig | None = None,
@@ -24,7 +26,7 @@ def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPack
     """Plan one global batch of document lengths with the configured strategy. `sources`: the
     (document, offset) each length was read from (default (i, 0)); the plan's `sample_sources`
     say where every sample's tokens are, whatever the strategy renumbers."""
-    from .solver.strategies import plan_global_batch
+    from .planner.strategies import plan_global_batch
 
     return plan_global_batch(lengths, parallel=parallel, cost=cost, config=config or SlimPackConfig(),
                              sources=sources)

@@ -8,7 +8,7 @@ of the cell one Megatron-LM `pretrain_gpt.py` run is generated with exactly that
 
   megatron-fixed, megatron-stock
       stock Megatron-LM (no --slimpack): --tensor/--pipeline/--context-parallel-size from the layout.
-  every strategy the SlimPack plugin trains (megatron_slimpack.solver.strategies.trainable_strategy_names():
+  every strategy the SlimPack plugin trains (megatron_slimpack.planner.strategies.trainable_strategy_names():
   slimpack, its ablations, wlb-llm, slimpipe, ...)
       --slimpack --slimpack-strategy NAME --calculate-per-token-loss --micro-batch-size 1 --no-rope-fusion;
       for slimpack and slimpack-sym a layout's cp K is a base merge: --context-parallel-size 1, K times the
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatron_slimpack.solver.strategies import strategy_specs  # noqa: E402
+from megatron_slimpack.planner.strategies import strategy_specs  # noqa: E402
 from megatron_slimpack.specs import MODELS  # noqa: E402
 
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")

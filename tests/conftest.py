@@ -177,7 +177,7 @@ def with_virtual_stages(plan, vpp: int):
     every replica plan's (merge groups' too) stage orders Megatron's interleaved 1F1B over them."""
     import copy
 
-    from megatron_slimpack.solver.orders import interleaved_orders
+    from megatron_slimpack.planner.orders import interleaved_orders
 
     plan = copy.deepcopy(plan)
     plan.parallel = plan.parallel.with_(vpp=vpp)

@@ -17,10 +17,10 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack.plan import Plan, ReplicaPlan, last_forward_needed
+from megatron_slimpack.planner.orders import StageWork, forward_targets, orders_of_targets, replay
+from megatron_slimpack.planner.slimpack.memory import activation_budget
+from megatron_slimpack.planner.slimpack.pack_phase import MicroPackCosts, UnitCandidate
 from megatron_slimpack.simulator.dag import simulate
-from megatron_slimpack.solver.memory import activation_budget
-from megatron_slimpack.solver.orders import StageWork, forward_targets, orders_of_targets, replay
-from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
 
 K = 1024
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -141,7 +141,7 @@ def test_asymmetric_planning_is_never_worse_than_symmetric_on_the_same_micropack
     tries the symmetric segmentation of each unit count."""
     from pathlib import Path
 
-    from megatron_slimpack.solver.strategies import plan_global_batch
+    from megatron_slimpack.planner.strategies import plan_global_batch
     from megatron_slimpack.workload import global_batches
 
     profile = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile_cpu_tiny.json"

@@ -9,9 +9,9 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack.plan import Plan, PlanError, backward_sequence
+from megatron_slimpack.planner import baselines
+from megatron_slimpack.planner.strategies import get_strategy, new_planner, strategy_names
 from megatron_slimpack.simulator.dag import simulate
-from megatron_slimpack.solver import baselines
-from megatron_slimpack.solver.strategies import get_strategy, new_planner, strategy_names
 from megatron_slimpack.specs import ParallelConfig
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -40,8 +40,8 @@ def test_every_strategy_has_one_spec_with_its_facts():
     import importlib
 
     plan_module = importlib.import_module("megatron_slimpack.plan")  # (the package's `plan` is the function)
-    from megatron_slimpack.solver.registry import REGISTRY, StepPlanner, register
-    from megatron_slimpack.solver.strategies import strategy_spec, strategy_specs, trainable_strategy_names
+    from megatron_slimpack.planner.registry import REGISTRY, StepPlanner, register
+    from megatron_slimpack.planner.strategies import strategy_spec, strategy_specs, trainable_strategy_names
 
     specs = strategy_specs()
     assert sorted(specs) == strategy_names() == sorted(REGISTRY)
@@ -82,9 +82,9 @@ def test_the_registry_sits_below_the_strategies():
     strategies back (no cycle anywhere in the package: tests/test_imports.py)."""
     from test_imports import import_graph
 
-    solver = "megatron_slimpack.solver."
-    graph = {name[len(solver):]: {t[len(solver):] for t in targets if t.startswith(solver)}
-             for name, targets in import_graph().items() if name.startswith(solver)}
+    planner = "megatron_slimpack.planner."
+    graph = {name[len(planner):]: {t[len(planner):] for t in targets if t.startswith(planner)}
+             for name, targets in import_graph().items() if name.startswith(planner)}
     assert graph["registry"] == set()
     assert "strategies" not in graph["baselines"] and "baselines" in graph["strategies"]
 
@@ -222,7 +222,7 @@ def test_wlb_llm_balances_micro_batches_by_cost():
 def test_wlb_llm_packs_each_document_into_the_cheapest_micro_batch_with_room():
     """The heap packer (with micro-batches parked while too full) against the rule it implements,
     checked one document at a time on random inputs, including documents that fit nowhere."""
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.work import WorkRates
 
     rates = WorkRates(1.0, 0.01, 2.0, 0.02)
     rng = random.Random(7)

@@ -143,7 +143,7 @@ def test_the_planning_commands_do_not_import_torch_or_megatron():
     import subprocess
     import sys
 
-    code = ("import sys, megatron_slimpack.cli as c; c.build_parser(); "
+    code = ("import sys, megatron_slimpack.apps.cli as c; c.build_parser(); "
             "sys.exit(int('torch' in sys.modules or 'megatron.core' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -206,7 +206,7 @@ def test_fixed_value_options_list_their_choices(command, flag, values):
 
 
 def test_strategy_choices_are_the_registered_strategies():
-    from megatron_slimpack.solver.strategies import strategy_names
+    from megatron_slimpack.planner.strategies import strategy_names
 
     action = next(a for a in _subcommand(cli.build_parser(), "plan")._actions if "--strategy" in a.option_strings)
     assert list(action.choices) == strategy_names()

@@ -115,7 +115,7 @@ def _plan_with_an_outlier_group() -> ms.Plan:
 @pytest.fixture
 def planned_outlier_group(monkeypatch):
     """`slimpack plan` with its planner replaced by one that returns `_plan_with_an_outlier_group()`."""
-    from megatron_slimpack.solver import strategies
+    from megatron_slimpack.planner import strategies
 
     plan = _plan_with_an_outlier_group()
 
@@ -183,7 +183,7 @@ def screen(text: str) -> list[str]:
 def test_demo_log_lines_and_warnings_go_through_the_bar():
     """issue 25: the demo's log lines and the progress bar overwrote each other. On a terminal each
     line (and each warning of the process) lifts the bar, prints, and redraws the bar below."""
-    from megatron_slimpack.demo import StepLog
+    from megatron_slimpack.apps.demo import StepLog
 
     terminal = Terminal()
     with warnings.catch_warnings():
@@ -210,7 +210,7 @@ def test_demo_log_lines_and_warnings_go_through_the_bar():
 
 def test_demo_log_to_a_file_is_plain_lines():
     """Captured (a file, a pipe): no bar and no carriage returns in the log."""
-    from megatron_slimpack.demo import StepLog
+    from megatron_slimpack.apps.demo import StepLog
 
     stream = io.StringIO()
     log = StepLog(2, stream=stream)
@@ -224,7 +224,7 @@ def test_demo_log_to_a_file_is_plain_lines():
 @pytest.mark.slow
 def test_demo_stderr_captured_reads_as_plain_lines(tmp_path):
     """A short real demo with stderr piped: every line whole, none with a bar's carriage returns."""
-    code = "import sys; from megatron_slimpack.cli import main; sys.exit(main())"
+    code = "import sys; from megatron_slimpack.apps.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", code, "demo", "--steps", "1", "--context-length", "512", "--out-dir", str(tmp_path)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

@@ -12,7 +12,7 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack import cli, comparison
-from megatron_slimpack.comparison import run_comparison
+from megatron_slimpack.apps.comparison import run_comparison
 from megatron_slimpack.simulator import per_batch_report, simulate
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")

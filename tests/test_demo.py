@@ -13,8 +13,8 @@ import pytest
 def test_exact_fixed_plan_keeps_megatron_packing():
     """The baseline plan: megatron-fixed's sequences, pieces mapped back to whole documents."""
     from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
-    from megatron_slimpack.demo import exact_fixed_plan
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.apps.demo import exact_fixed_plan
+    from megatron_slimpack.planner.strategies import new_planner
 
     lengths = [700, 300, 1000, 100, 900]
     cost = CostModel.analytic("tiny", "cpu")
@@ -29,8 +29,8 @@ def test_exact_fixed_plan_keeps_megatron_packing():
 
 def _fixed_plan():
     from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
-    from megatron_slimpack.demo import exact_fixed_plan
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.apps.demo import exact_fixed_plan
+    from megatron_slimpack.planner.strategies import new_planner
 
     lengths = [700, 300, 1000, 100, 900]
     parallel = ParallelConfig(pp=2)
@@ -42,7 +42,7 @@ def _fixed_plan():
 def test_gantt_tasks_and_stage_busy_from_timeline_records():
     """The schedule's timeline records -> the demo's Gantt records (compute only, unit tokens) and
     per-stage busy seconds of replica 0."""
-    from megatron_slimpack.demo import gantt_tasks, stage_busy_s
+    from megatron_slimpack.apps.demo import gantt_tasks, stage_busy_s
     from megatron_slimpack.runtime.timing import TimedTask
 
     plan = _fixed_plan()
@@ -72,7 +72,7 @@ def _fake_result(strategies, predicted_s=0.2, step_s=0.1):
 
 
 def test_summary_labels_the_prediction_uncalibrated():
-    from megatron_slimpack.demo import DemoOptions, format_summary, summarize
+    from megatron_slimpack.apps.demo import DemoOptions, format_summary, summarize
 
     summary = summarize(_fake_result(["megatron-fixed", "slimpack"]), DemoOptions(steps=3))
     assert summary["predicted_by"] == "uncalibrated analytic CPU model"
@@ -91,7 +91,7 @@ def test_summary_labels_the_prediction_uncalibrated():
 
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
-    from megatron_slimpack.demo import run_demo
+    from megatron_slimpack.apps.demo import run_demo
 
     args = types.SimpleNamespace(steps=3, data_dir=None, model="tiny", out_dir=str(tmp_path), json=True,
                                  context_length=512, global_batch_size=2, progress=False)
@@ -118,7 +118,7 @@ def test_demo_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_demo_other_strategies(tmp_path):
     """Any trainable strategies side by side (no loss check without megatron-fixed and slimpack)."""
-    from megatron_slimpack.demo import run_demo
+    from megatron_slimpack.apps.demo import run_demo
 
     args = types.SimpleNamespace(steps=2, data_dir=None, model="tiny", out_dir=str(tmp_path), json=True,
                                  context_length=512, global_batch_size=2, progress=False,
@@ -173,7 +173,7 @@ def test_demo_refuses_a_data_dir_without_text_and_a_bad_profile(no_launch, tmp_p
 
 
 def test_run_demo_checks_options_given_in_python(no_launch, tmp_path):
-    from megatron_slimpack.demo import DemoOptionError, run_demo
+    from megatron_slimpack.apps.demo import DemoOptionError, run_demo
 
     for name, value, message in [("pp", 0, "--pp must be an integer >= 1, got 0"),
                                  ("plan_ahead", -1, "--plan-ahead must be an integer >= 0, got -1"),

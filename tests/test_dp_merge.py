@@ -223,7 +223,7 @@ def make_shared_case(dp: int, seed: int = 0, pp: int = 1):
     `shared_by_groups`): a replica plan made for one replica with dp-fold context parallelism;
     every rank's own replica plan is empty."""
     from megatron_slimpack.plan import Plan
-    from megatron_slimpack.solver.strategies import shared_by_groups
+    from megatron_slimpack.planner.strategies import shared_by_groups
     from megatron_slimpack.specs import ParallelConfig
 
     rng = random.Random(seed)

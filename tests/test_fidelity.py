@@ -8,8 +8,8 @@ SPEC = ModelSpec("test-small", 2, 64, 128, 4, num_query_groups=2, vocab_size=256
 
 @pytest.mark.slow
 def test_validate_one_small_plan(tmp_path):
+    from megatron_slimpack.apps.fidelity import compare, measure_plans, overall, summary_table, text_plans
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import compare, measure_plans, overall, summary_table, text_plans
 
     cost = CostModel.analytic(SPEC, "cpu", dtype_bytes=4, attention_backend="torch")
     planned = text_plans(cost, strategies=["slimpack"], pp=2, context_length=256, global_batch_size=2, steps=1, seed=3)
@@ -35,8 +35,15 @@ def test_speed_reference_gives_drift_corrected_errors():
     comparison reports drift-corrected errors; a simulated time scaled by the drift is what they use."""
     import dataclasses
 
+    from megatron_slimpack.apps.fidelity import (
+        StepComparison,
+        compare,
+        measure_plans,
+        overall,
+        summary_table,
+        text_plans,
+    )
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.fidelity import StepComparison, compare, measure_plans, overall, summary_table, text_plans
 
     cost = CostModel.analytic(SPEC, "cpu", dtype_bytes=4, attention_backend="torch")
     cost.reference = {"tokens": 1024, "layers": 1, "seconds": 0.05}

@@ -82,7 +82,7 @@ def test_cli_bad_profile_exits_2_with_one_line(tmp_path, capsys):
 def resumable():
     """A wlb-llm planner iterator (planning inline) after one batch, and a way to make fresh ones."""
     from megatron_slimpack.megatron.data import PlannerIterator, plan_function
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.planner.strategies import new_planner
 
     lengths = ms.load_lengths("longtail:n=200", seed=0)
     config = ms.SlimPackConfig(context_length=4096, strategy="wlb-llm")

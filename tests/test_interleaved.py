@@ -9,12 +9,12 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron_slimpack.config import SlimPackConfig
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
+from megatron_slimpack.planner import orders as orders_module
+from megatron_slimpack.planner.baselines import meet_interleaved_count, schedule_1f1b
+from megatron_slimpack.planner.layouts import enumerate_layouts
+from megatron_slimpack.planner.orders import interleaved_microbatch_error, interleaved_orders
+from megatron_slimpack.planner.strategies import new_planner
 from megatron_slimpack.simulator import simulate
-from megatron_slimpack.solver import orders as orders_module
-from megatron_slimpack.solver.baselines import meet_interleaved_count, schedule_1f1b
-from megatron_slimpack.solver.layouts import enumerate_layouts
-from megatron_slimpack.solver.orders import interleaved_microbatch_error, interleaved_orders
-from megatron_slimpack.solver.strategies import new_planner
 from megatron_slimpack.specs import ParallelConfig, SpecError
 from test_simulator import FixedCost, build_replica, random_micropacks
 
@@ -113,7 +113,7 @@ def test_per_rank_targets_run_a_long_documents_chain_without_the_full_lead(seed,
     that needs rank 0's), so Megatron's table runs with the full lead for all. The per-rank targets
     (the lead on the steady state only, then each rank's needs) run through, holding what the
     need alone asks."""
-    from megatron_slimpack.solver.orders import interleaved_schedules
+    from megatron_slimpack.planner.orders import interleaved_schedules
 
     rng = random.Random(seed)
     packs, _, _ = random_micropacks(rng, 0, 12 + seed % 10, 512, long_share=0.5)
@@ -133,7 +133,7 @@ def test_task_tables_follow_the_interleaved_table(groups, vpp):
     """The cached, vectorised tables follow the interleaved order written plainly (each group of
     units through chunk 0, then chunk 1, ...; backwards with chunks reversed), and `positions`
     finds every task."""
-    from megatron_slimpack.solver.orders import task_table
+    from megatron_slimpack.planner.orders import task_table
 
     def interleaved_table(group_sizes: list[int], vpp: int) -> list[tuple[int, int]]:
         table, first = [], 0
@@ -154,7 +154,7 @@ def test_a_timed_walk_runs_through_exactly_where_the_untimed_one_does():
     checking it runs through and then timing it: the walk's progress must not depend on the
     times. Every schedule of random sliced, asymmetric units (some wait in a circle), with random
     per-unit times and transfers."""
-    from megatron_slimpack.solver.orders import StageWork, interleaved_schedules
+    from megatron_slimpack.planner.orders import StageWork, interleaved_schedules
 
     circular = 0
     for seed in range(12):
@@ -209,7 +209,7 @@ def test_a_remainder_shorter_than_pp_is_run_as_a_short_first_group(m, pp, vpp, m
     them; every rank then holds (vpp - 1) * remainder chunks more (llama-13b 256K tp2 pp2 vpp2:
     whole-document replicas at the cap held 50.5-55.5 GiB for 49.2 GiB). The remainder as a short
     first group runs through and holds what a multiple of pp does (the closed form above)."""
-    from megatron_slimpack.solver.orders import interleaved_schedules
+    from megatron_slimpack.planner.orders import interleaved_schedules
 
     units = [[i] for i in range(m)]
     schedules = interleaved_schedules(units, units, pp, vpp)
@@ -228,8 +228,8 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
     """`InterleavedCandidate.of`: Megatron's schedules by default, over budget or not; asked for
     the leaner ones, the first within the budget that runs through, or where none is, the
     leanest, for the search to drop."""
-    from megatron_slimpack.solver.orders import StageWork
-    from megatron_slimpack.solver.pack_phase import InterleavedCandidate
+    from megatron_slimpack.planner.orders import StageWork
+    from megatron_slimpack.planner.slimpack.pack_phase import InterleavedCandidate
 
     m, pp = 9, 2
     units = [[i] for i in range(m)]
@@ -260,9 +260,9 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     fails: nothing sliced to merge)."""
     from pathlib import Path
 
+    from megatron_slimpack.planner.slimpack.search import SlimPackSearch
+    from megatron_slimpack.planner.strategies import plan_global_batch
     from megatron_slimpack.simulator import simulate as simulate_plan
-    from megatron_slimpack.solver.search import SlimPackSearch
-    from megatron_slimpack.solver.strategies import plan_global_batch
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
     plannings = []
@@ -305,7 +305,7 @@ def test_slimpack_plans_interleaved_and_beats_plain_1f1b_on_a_long_tail():
     import numpy as np
 
     from megatron_slimpack.config import SlimPackConfig
-    from megatron_slimpack.solver.strategies import plan_slimpack
+    from megatron_slimpack.planner.strategies import plan_slimpack
 
     rng = np.random.default_rng(0)
     lengths = [int(n) for n in np.minimum(rng.lognormal(8, 1.5, 300).astype(int) + 16, 65536)]

@@ -6,8 +6,7 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack.plan import PlanError
-from megatron_slimpack.simulator.dag import simulate
-from megatron_slimpack.solver.layouts import (
+from megatron_slimpack.planner.layouts import (
     NoFeasibleLayout,
     best_layout,
     cheap_rejection,
@@ -15,7 +14,8 @@ from megatron_slimpack.solver.layouts import (
     iteration_lower_bound,
     minimum_memory_bytes,
 )
-from megatron_slimpack.solver.strategies import get_strategy, new_planner, strategy_spec, strategy_specs
+from megatron_slimpack.planner.strategies import get_strategy, new_planner, strategy_spec, strategy_specs
+from megatron_slimpack.simulator.dag import simulate
 from megatron_slimpack.specs import ParallelConfig
 
 COST_7B = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -91,7 +91,7 @@ def test_a_memory_starved_layout_gets_a_higher_bound_that_still_holds():
     rises above the one for unlimited memory and still stays under the simulated time."""
     from dataclasses import replace
 
-    from megatron_slimpack.solver.layouts import largest_pack_tokens
+    from megatron_slimpack.planner.layouts import largest_pack_tokens
 
     context, parallel = 8192, ParallelConfig(dp=2, pp=2, tp=4, recompute="selective")
     lengths = batch(1, 120, context)
@@ -146,7 +146,7 @@ def test_the_search_pauses_the_cyclic_collector_and_turns_it_back_on(monkeypatch
     and the collector is back on after the search, also where every layout fails to plan."""
     import gc
 
-    from megatron_slimpack.solver import layouts
+    from megatron_slimpack.planner import layouts
 
     seen = []
     planning = layouts._plan_and_simulate
@@ -258,7 +258,7 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     """The screened layouts' plans, but the `finalists` fastest so far, are kept pickled; the search
     picks the same, and a shelved layout that becomes a finalist (the fastest failed a later batch)
     gets its first batch's plan back instead of planning that batch again."""
-    from megatron_slimpack.solver import layouts
+    from megatron_slimpack.planner import layouts
 
     context = 32768
     batches = [batch(seed, 120, context) for seed in (5, 6)]
@@ -329,7 +329,7 @@ def test_a_stateful_strategy_runs_every_screened_layout_that_could_still_win_on_
     on the rest rule it out of the `finalists` fastest; the fastest mean wins, and only the
     finalists keep their plans. Each layout that stopped, run on its own over every batch, is
     indeed slower than every finalist."""
-    from megatron_slimpack.solver import layouts
+    from megatron_slimpack.planner import layouts
 
     context = 32768
     batches = [batch(seed, 150, context) for seed in (2, 3, 4)]

@@ -314,7 +314,7 @@ def test_sliced_layer_spec_replaces_only_core_attention():
 # ---- the planner iterator -----------------------------------------------------------------
 def _plan_fn():
     from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.planner.strategies import new_planner
 
     cost = CostModel.analytic("tiny", "cpu")
     parallel = ParallelConfig(dp=2, pp=2)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import megatron_slimpack as ms
-from megatron_slimpack.comparison import STOCK_COLUMN, STOCK_HEADER, competitors, is_reference, run_comparison
+from megatron_slimpack.apps.comparison import STOCK_COLUMN, STOCK_HEADER, competitors, is_reference, run_comparison
 from megatron_slimpack.plan import Plan, pack_figures
+from megatron_slimpack.planner.layouts import best_layout, enumerate_layouts
+from megatron_slimpack.planner.strategies import get_strategy, strategy_spec, trainable_strategy_names
 from megatron_slimpack.simulator.dag import simulate
-from megatron_slimpack.solver.layouts import best_layout, enumerate_layouts
-from megatron_slimpack.solver.strategies import get_strategy, strategy_spec, trainable_strategy_names
 from megatron_slimpack.specs import ParallelConfig
 from megatron_slimpack.workload import GlobalBatchSampler
 

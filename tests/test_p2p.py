@@ -66,7 +66,7 @@ def test_orders_that_cannot_run_at_all_are_refused():
 
 
 def chain_orders(chain_lengths, pp, lead):
-    from megatron_slimpack.solver.orders import stage_orders
+    from megatron_slimpack.planner.orders import stage_orders
 
     forward_units, backward_units, count = [], [], 0
     for length in chain_lengths:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import megatron_slimpack as ms
 from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
-from megatron_slimpack.solver import dp_phase
-from megatron_slimpack.solver.orders import StageWork, build_stage_orders, replay, segment
+from megatron_slimpack.planner.orders import StageWork, build_stage_orders, replay, segment
+from megatron_slimpack.planner.slimpack import dp_phase
 from megatron_slimpack.specs import ParallelConfig, SpecError
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -81,8 +81,8 @@ def test_slices_of_a_long_document_cost_the_same_seconds_at_their_own_efficiency
     chain's MicroPacks are topped up with sand only as far as their own efficiency allows."""
     import dataclasses
 
-    from megatron_slimpack.solver.pack_phase import PackOptions, cut_document, pack_micropacks
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, cut_document, pack_micropacks
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=1, tp=8)
     rates = WorkRates.from_cost(COST, parallel, 16384)
@@ -110,8 +110,8 @@ def test_a_small_cap_does_not_cut_a_long_document_into_thousands_of_slices():
     the work-balanced one and gets at most a few more slices."""
     import dataclasses
 
-    from megatron_slimpack.solver.pack_phase import PackOptions, cut_document
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, cut_document
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8, cp=2)
     rates = WorkRates.from_cost(COST, parallel, 32768)
@@ -127,8 +127,8 @@ def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
     should cost about the same. A 16000-token document fits the 16384-token cap whole but costs a
     quarter more than a full pack of short documents (its attention); with `even_costs` it is
     sliced, and no MicroPack costs more than the tolerance over the median."""
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, PackOptions, pack_micropacks
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.pack_phase import MicroPackCosts, PackOptions, pack_micropacks
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8)
     rates = WorkRates.from_cost(COST, parallel, 16384)
@@ -390,8 +390,8 @@ def test_micropacks_of_short_documents_are_topped_up_with_the_smallest_ones():
     to the fewest packs the token cap and the cost target allow."""
     import math
 
-    from megatron_slimpack.solver.pack_phase import PackOptions, pack_micropacks
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, pack_micropacks
+    from megatron_slimpack.planner.work import WorkRates
 
     cap = 4096
     rates = WorkRates.from_cost(COST, ParallelConfig(dp=1, pp=1, tp=8), cap)
@@ -469,8 +469,8 @@ def test_chains_of_slices_pipeline_without_bursts():
 def test_a_shortened_chain_lead_still_orders_every_unit_without_deadlock(chain_lengths, pp, lead):
     """Chains of slices back to back (each backward-reversed): whatever the chain lead, every stage
     runs every unit once, in sequence order, after the forwards it needs, and the orders replay."""
+    from megatron_slimpack.planner.orders import peak_in_flight, stage_orders
     from megatron_slimpack.runtime.schedule import check_stage_orders
-    from megatron_slimpack.solver.orders import peak_in_flight, stage_orders
 
     micropacks, forward_units, backward_units = [], [], []
     for sample, length in enumerate(chain_lengths):
@@ -497,7 +497,7 @@ def test_forward_targets_give_the_orders_and_peaks_of_a_plain_walk(sizes, pp, le
     orders built from `forward_targets` put every forward a backward needs before it, stage s
     stays at least as far ahead as stage s + 1, and `peaks_of_targets` equals walking the orders
     (`peak_in_flight`)."""
-    from megatron_slimpack.solver.orders import forward_targets, orders_of_targets, peak_in_flight, peaks_of_targets
+    from megatron_slimpack.planner.orders import forward_targets, orders_of_targets, peak_in_flight, peaks_of_targets
 
     rng = np.random.default_rng(seed)
     count = sum(sizes)
@@ -558,7 +558,7 @@ def relaxed_makespan(orders, work):
 def test_replay_matches_a_fixed_point_reference(chain_lengths, pp, lead, seed):
     """Uneven durations and transfers, chains of slices, any chain lead: `replay` (a worklist over
     stages) gives the longest path a plain fixed-point relaxation finds."""
-    from megatron_slimpack.solver.orders import stage_orders
+    from megatron_slimpack.planner.orders import stage_orders
 
     rng = np.random.default_rng(seed)
     forward_units, backward_units = [], []
@@ -579,8 +579,13 @@ def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():
     """Two long documents sliced into chains with little between them: running the second chain's
     forwards ahead holds them while the first drains. Given a budget between the leanest and the
     fully pipelined peak, the candidate keeps the fastest shortened orders that fit."""
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, PackOptions, UnitCandidate, pack_micropacks
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.pack_phase import (
+        MicroPackCosts,
+        PackOptions,
+        UnitCandidate,
+        pack_micropacks,
+    )
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=8, recompute="selective")
     rates = WorkRates.from_cost(COST, parallel, 4096)
@@ -598,7 +603,7 @@ def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():
 
 
 def test_micropack_sizes_to_try_include_three_quarter_steps():
-    from megatron_slimpack.solver.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
 
     config = ms.SlimPackConfig(context_length=131072)
     assert SizeLadder.below_cap(18432, config).micropack_tokens == (18432, 13824, 9216, 6912, 4608, 3456, 2304)
@@ -624,8 +629,8 @@ def test_document_too_long_for_one_replica_goes_to_a_memory_driven_merge_group()
 def test_planner_keeps_pipelined_units_within_memory():
     """1F1B keeps pp - s forward units in flight per stage: few large units are fast on paper but
     hold many MicroPacks at once. The planner must only pick unit counts whose stage orders fit."""
-    from megatron_slimpack.solver.memory import activation_budget
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, UnitCandidate
+    from megatron_slimpack.planner.slimpack.memory import activation_budget
+    from megatron_slimpack.planner.slimpack.pack_phase import MicroPackCosts, UnitCandidate
 
     parallel = ParallelConfig(dp=2, pp=2, tp=2, recompute="selective")
     rng = np.random.default_rng(5)
@@ -642,9 +647,9 @@ def test_planner_keeps_pipelined_units_within_memory():
 
 
 def test_replica_that_cannot_fit_memory_names_the_need_and_the_knobs():
-    from megatron_slimpack.solver.outcomes import DoesNotFit
-    from megatron_slimpack.solver.replica import plan_replica
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.outcomes import DoesNotFit
+    from megatron_slimpack.planner.slimpack.replica import plan_replica
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=2, tp=8)
     samples = [Sample(i, 8192) for i in range(8)]
@@ -671,7 +676,7 @@ def test_pack_figures_count_continued_prefix_and_masked_entries():
 
 
 def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
-    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap, fullest_stage_bytes
+    from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap, fullest_stage_bytes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     cap = auto_token_cap(COST, parallel, ms.SlimPackConfig(context_length=65536))
@@ -693,9 +698,9 @@ def test_token_cap_counts_logits_only_on_the_last_stage():
     """1F1B holds pp MicroPacks on stage 0 and one, with its logits, on the last stage. Charging
     every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
     Megatron's own packing runs there within memory (the simulator agrees)."""
+    from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
+    from megatron_slimpack.planner.strategies import new_planner
     from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
-    from megatron_slimpack.solver.strategies import new_planner
 
     context = 65536
     config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
@@ -710,11 +715,11 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     """Packing to even costs slices documents that fit a MicroPack, and a chain holds all its
     MicroPacks until its backward: with 64K MicroPacks on a tight pp2 layout no schedule of that
     packing fits, and without the plain packing the planner fell to half-size MicroPacks."""
-    from megatron_slimpack.solver.ladder import SizeLadder
-    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
-    from megatron_slimpack.solver.pack_phase import PackOptions, SortedSamples, pack_micropacks
-    from megatron_slimpack.solver.replica import ReplicaSearch, plan_replica
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
+    from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, SortedSamples, pack_micropacks
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, plan_replica
+    from megatron_slimpack.planner.work import WorkRates
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
     context = 65536
@@ -741,7 +746,7 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
     """A document within the token cap is one MicroPack like any other (no KV cache): if the cap
     fits memory, so does it. Only longer ones, whose slices are all in flight, may need a group."""
-    from megatron_slimpack.solver.memory import auto_token_cap, merge_group_sizes
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap, merge_group_sizes
 
     parallel = ParallelConfig(dp=64, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536)
@@ -757,7 +762,7 @@ def best_without_base_merge(lengths, parallel, cost, config):
     fastest prediction kept (a PlannedBatch)."""
     import itertools
 
-    from megatron_slimpack.solver.search import SlimPackSearch
+    from megatron_slimpack.planner.slimpack.search import SlimPackSearch
 
     search = SlimPackSearch(lengths, parallel, cost, config)
     first = itertools.takewhile(lambda attempt: attempt.base_merge == 1, search.attempts())
@@ -766,7 +771,7 @@ def best_without_base_merge(lengths, parallel, cost, config):
 
 def merge_nothing_for_memory(monkeypatch):
     """Replace the per-document merge group estimate by one that merges nothing."""
-    from megatron_slimpack.solver import memory, search
+    from megatron_slimpack.planner.slimpack import memory, search
 
     def ones(lengths, *_):
         return np.ones(len(lengths), dtype=int)
@@ -780,12 +785,12 @@ def test_a_replica_that_does_not_fit_gets_a_larger_merge_group_and_is_planned_ag
     does not fit, its sliced documents get twice the group. Here the estimate is replaced by one
     that merges nothing (and merging for balance is off), so only the retry can make the 64K
     document fit."""
+    from megatron_slimpack.planner.outcomes import DoesNotFit
+    from megatron_slimpack.planner.slimpack import search
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap, merge_group_sizes
+    from megatron_slimpack.planner.strategies import plan_slimpack
     from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver import search
-    from megatron_slimpack.solver.ladder import SizeLadder
-    from megatron_slimpack.solver.memory import auto_token_cap, merge_group_sizes
-    from megatron_slimpack.solver.outcomes import DoesNotFit
-    from megatron_slimpack.solver.strategies import plan_slimpack
 
     parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
@@ -810,7 +815,7 @@ def test_replicas_that_do_not_fit_are_grown_in_one_replanning(monkeypatch):
     """Two 64K documents land on two replicas and need groups of four: both failures are collected
     in each planning and both documents' groups grown before the batch is planned again (1, 2,
     then 4 replicas: three plannings, where one failure per planning took five)."""
-    from megatron_slimpack.solver.search import SlimPackSearch
+    from megatron_slimpack.planner.slimpack.search import SlimPackSearch
 
     parallel = ParallelConfig(dp=4, pp=1, tp=2, recompute="selective")
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", merge_threshold=1e9)
@@ -830,10 +835,10 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
         monkeypatch):
     """The second merge sizing searches the largest MicroPack size (in size_granule steps) next to
     which every document fits a group, whatever the ladder of sizes, and plans with it as the cap."""
-    from megatron_slimpack.solver.ladder import SizeLadder
-    from megatron_slimpack.solver.memory import largest_merged_micropack, merge_group_sizes
-    from megatron_slimpack.solver.outcomes import DoesNotFit
-    from megatron_slimpack.solver.search import SlimPackSearch
+    from megatron_slimpack.planner.outcomes import DoesNotFit
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.memory import largest_merged_micropack, merge_group_sizes
+    from megatron_slimpack.planner.slimpack.search import SlimPackSearch
 
     cost, parallel = (ms.CostModel.analytic("llama-70b", "h100-sxm"),
                       ParallelConfig(dp=4, pp=8, tp=4, recompute="selective"))
@@ -869,11 +874,11 @@ def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_t
     """MicroPack sizes are tried largest first on a ladder a quarter to a third apart; where one
     does not fit and the next does, the sizes between are bisected, and the largest that fits (here
     next to a 128K document's chain) beats the ladder's."""
-    from megatron_slimpack.solver.ladder import SizeLadder
-    from megatron_slimpack.solver.memory import activation_budget, auto_token_cap
-    from megatron_slimpack.solver.pack_phase import SortedSamples
-    from megatron_slimpack.solver.replica import ReplicaSearch, plan_replica
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
+    from megatron_slimpack.planner.slimpack.pack_phase import SortedSamples
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, plan_replica
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=4, recompute="selective")
     context = 131072
@@ -903,8 +908,8 @@ def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_t
 def test_a_plan_shared_by_merge_groups_simulates_like_its_context_parallel_view():
     """`shared_by_groups` turns a plan for dp/k replicas with k-fold context parallelism into the
     DP-Merge groups the runtime runs on dp replicas: same time, same memory in the simulator."""
+    from megatron_slimpack.planner.strategies import plan_slimpack, shared_by_groups
     from megatron_slimpack.simulator.dag import simulate
-    from megatron_slimpack.solver.strategies import plan_slimpack, shared_by_groups
 
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack")
     lengths = [65536, 40000, 9000] + [3000] * 60
@@ -921,9 +926,9 @@ def test_slimpack_shares_every_micropack_when_no_replica_fits_alone(monkeypatch)
     """Where no plan of the layout fits (here: forced for base merge 1), SlimPack plans dp/2
     replicas with 2-fold context parallelism and runs them as DP-Merge groups of two. Only a
     DoesNotFit falls back: any other planning error is raised as it is."""
-    from megatron_slimpack.solver.outcomes import DoesNotFit
-    from megatron_slimpack.solver.search import SlimPackSearch
-    from megatron_slimpack.solver.strategies import plan_slimpack
+    from megatron_slimpack.planner.outcomes import DoesNotFit
+    from megatron_slimpack.planner.slimpack.search import SlimPackSearch
+    from megatron_slimpack.planner.strategies import plan_slimpack
 
     best_at = SlimPackSearch.best_at
 
@@ -950,7 +955,7 @@ def test_slimpack_shares_every_micropack_when_no_replica_fits_alone(monkeypatch)
 
 
 def test_base_merge_asked_for_shares_every_micropack():
-    from megatron_slimpack.solver.strategies import plan_slimpack
+    from megatron_slimpack.planner.strategies import plan_slimpack
 
     config = ms.SlimPackConfig(context_length=65536, strategy="slimpack", base_merge=2)
     parallel = ParallelConfig(dp=4, pp=2, tp=2, recompute="selective")
@@ -967,10 +972,10 @@ def test_base_merge_asked_for_shares_every_micropack():
 def test_packing_bound_never_exceeds_the_replica_schedule(cp):
     """The planner skips a MicroPack size whose packing bound is above its best schedule so far:
     the bound must hold for every size, with or without context parallelism."""
-    from megatron_slimpack.solver.ladder import SizeLadder
-    from megatron_slimpack.solver.pack_phase import SortedSamples
-    from megatron_slimpack.solver.replica import packing_bound_s, plan_replica
-    from megatron_slimpack.solver.work import WorkRates
+    from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+    from megatron_slimpack.planner.slimpack.pack_phase import SortedSamples
+    from megatron_slimpack.planner.slimpack.replica import packing_bound_s, plan_replica
+    from megatron_slimpack.planner.work import WorkRates
 
     parallel = ParallelConfig(dp=1, pp=4, tp=4, cp=cp, recompute="selective")
     lengths = [int(x) for x in np.random.default_rng(5).lognormal(8, 1.4, 150).clip(16, 32768)]
@@ -991,8 +996,8 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
     group next to the largest ones. Neither wins everywhere (with pp4 keeping it closer wins; with
     pp2 the small MicroPacks cost the replica more than the larger group idles), so the planner
     plans both and keeps the plan its own prediction (the busiest rank's makespans) says is faster."""
-    from megatron_slimpack.solver.memory import auto_token_cap
-    from megatron_slimpack.solver.search import Sizing, SlimPackSearch
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap
+    from megatron_slimpack.planner.slimpack.search import Sizing, SlimPackSearch
 
     cost, parallel = ms.CostModel.analytic(model, "h100-sxm"), ParallelConfig(**layout)
     # A deterministic CP-SAT budget: the three plannings below must see the same solver results.

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
 from megatron_slimpack.megatron.data import PlannerError, PlannerIterator, plan_function
-from megatron_slimpack.solver.strategies import new_planner
+from megatron_slimpack.planner.strategies import new_planner
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
 COST = CostModel.analytic("tiny", "cpu")

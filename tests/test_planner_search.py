@@ -13,9 +13,9 @@ import pytest
 import megatron_slimpack as ms
 from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.plan import PlanError, Sample
-from megatron_slimpack.solver.ladder import SizeLadder
-from megatron_slimpack.solver.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
-from megatron_slimpack.solver.search import Attempt, GroupSizing, Sizing, SlimPackSearch
+from megatron_slimpack.planner.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
+from megatron_slimpack.planner.slimpack.ladder import SizeLadder
+from megatron_slimpack.planner.slimpack.search import Attempt, GroupSizing, Sizing, SlimPackSearch
 from megatron_slimpack.specs import ParallelConfig
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
@@ -61,8 +61,8 @@ def test_a_document_that_fits_no_merge_group_raises_does_not_fit_naming_it():
 
 
 def test_the_layout_search_counts_a_does_not_fit_as_a_planner_rejection():
-    from megatron_slimpack.solver.layouts import _plan_and_simulate, _Run
-    from megatron_slimpack.solver.strategies import new_planner
+    from megatron_slimpack.planner.layouts import _plan_and_simulate, _Run
+    from megatron_slimpack.planner.strategies import new_planner
 
     run = _Run(ParallelConfig(dp=2, pp=1, tp=1, recompute="none"), ms.SlimPackConfig(context_length=128 * K),
                new_planner("slimpack"))
@@ -212,7 +212,7 @@ def test_the_predicted_iteration_is_the_busiest_rank_over_its_outcomes():
 def test_phase_one_uses_no_deprecated_cp_sat_names(monkeypatch):
     from ortools.sat.python import cp_model
 
-    from megatron_slimpack.solver.dp_phase import assign_to_replicas
+    from megatron_slimpack.planner.slimpack.dp_phase import assign_to_replicas
 
     monkeypatch.setattr(cp_model, "enable_warnings", True)  # OR-Tools warns about CamelCase names only then
     costs = np.random.default_rng(1).lognormal(0, 1.5, size=300)
@@ -248,7 +248,7 @@ def test_phase_one_leaves_no_cp_sat_model_for_the_cyclic_collector():
     """A layout search pauses the cyclic collector for hundreds of plannings; a CP-SAT model kept
     alive by a reference cycle (OR-Tools' camelCase aliases) stayed until the search ended, with its
     C++ proto, and a llama-13b 256K search grew past 19 GiB. Refcounting alone must free it."""
-    from megatron_slimpack.solver.dp_phase import assign_to_replicas
+    from megatron_slimpack.planner.slimpack.dp_phase import assign_to_replicas
 
     costs = np.random.default_rng(1).lognormal(0, 1.5, size=300)
     left = cyclic_garbage_of(lambda: assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False))
@@ -275,7 +275,7 @@ def test_a_planning_whose_attempts_fail_leaves_nothing_for_the_cyclic_collector(
 def test_a_failed_replica_grows_the_groups_of_its_sliced_documents_only():
     """Documents longer than the smallest MicroPack (sliced) get twice their replica's group; a
     replica with nothing sliced gets nothing: its MicroPacks alone do not fit."""
-    from megatron_slimpack.solver.search import grown_groups
+    from megatron_slimpack.planner.slimpack.search import grown_groups
 
     lengths = [30000, 9000, 4000, 20000]
     groups = np.array([1, 1, 1, 2])

@@ -10,7 +10,7 @@ GRID = dict(tokens=(64, 192, 384), slices=(1, 2), prefixes=(0, 128))
 
 @pytest.fixture(scope="module")
 def profiled(megatron_cpu, tmp_path_factory):
-    from megatron_slimpack.profiler import profile
+    from megatron_slimpack.apps.profiler import profile
 
     result = profile(SPEC, pp=1, grid=GRID, repeats=2, p2p=False, progress=None)
     path = tmp_path_factory.mktemp("profile") / "profile.json"
@@ -22,8 +22,8 @@ def profiled(megatron_cpu, tmp_path_factory):
 def test_profile_loads_and_predicts_held_out(profiled):
     import json
 
+    from megatron_slimpack.apps.profiler import measure_chunk, predict_point, transformer_config
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.profiler import measure_chunk, predict_point, transformer_config
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.specs import ParallelConfig
 
@@ -52,7 +52,7 @@ def test_profile_loads_and_predicts_held_out(profiled):
 def test_least_squares_recovers_coefficients():
     import numpy as np
 
-    from megatron_slimpack.profiler import least_squares
+    from megatron_slimpack.apps.profiler import least_squares
 
     t = np.array([64, 128, 256, 512, 1024], dtype=float)
     a = t * (t + 1) / 2
@@ -67,8 +67,8 @@ def test_concurrent_profile_measures_in_several_processes(megatron_cpu, tmp_path
     """--concurrent 2: the grid runs in two processes at once; the first one's points are fitted."""
     import json
 
+    from megatron_slimpack.apps.profiler import profile
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.profiler import profile
 
     grid = dict(tokens=(64, 192), slices=(1,), prefixes=(0, 64))
     result = profile(SPEC, pp=1, grid=grid, repeats=1, p2p=False, progress=None, concurrent=2)

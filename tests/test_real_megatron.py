@@ -374,7 +374,7 @@ def test_a_failed_planner_worker_stops_every_rank_within_a_minute(workspace, how
 
 def test_strategies_the_runtime_cannot_run_are_refused():
     from megatron_slimpack.megatron.args import STRATEGY_CHOICES, SlimPackArgumentError, validate_slimpack_args
-    from megatron_slimpack.solver.strategies import strategy_names
+    from megatron_slimpack.planner.strategies import strategy_names
 
     assert sorted(STRATEGY_CHOICES) == sorted(STRATEGIES)
     args = type("Args", (), dict(slimpack=True, calculate_per_token_loss=True,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_slimpack.solver.strategies import strategy_specs
+from megatron_slimpack.planner.strategies import strategy_specs
 from megatron_slimpack.specs import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ import pytest
 import megatron_slimpack as ms
 from megatron_slimpack.megatron.data import BatchTokenSource, PlannedBatch, fast_forward, plan_function
 from megatron_slimpack.plan import Plan, PlanError, SampleSource
+from megatron_slimpack.planner.strategies import StepPlanner, new_planner, strategy_names, strategy_spec
 from megatron_slimpack.runtime.batch import build_batch
-from megatron_slimpack.solver.strategies import StepPlanner, new_planner, strategy_names, strategy_spec
 from megatron_slimpack.workload import GlobalBatchSampler
 
 CONTEXT = 1024
@@ -165,7 +165,7 @@ def test_demo_plans_train_on_their_documents_tokens(strategy):
     """The demo's planning function (megatron-fixed as exact-attention continuation slices): the
     token source it trains from gives each slice its document's tokens (before the fix, slimpipe
     failed with KeyError and wlb-llm with 'token source returned N tokens')."""
-    from megatron_slimpack.demo import make_plan_function
+    from megatron_slimpack.apps.demo import make_plan_function
 
     corpus = CodedCorpus(corpus_lengths(3))
     sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 2, seed=3)
@@ -213,7 +213,7 @@ def test_default_sources_are_the_input_lengths():
 
 
 def test_plan_global_batch_carries_sources():
-    from megatron_slimpack.solver.strategies import plan_global_batch
+    from megatron_slimpack.planner.strategies import plan_global_batch
 
     sources = [(7, 0), (7, 300), (2, 5), (9, 1024)]
     plan = plan_global_batch([300, 700, 100, 1000], parallel=layout("slimpack"), cost=COST,

@@ -24,7 +24,7 @@ def _config(**overrides):
 
 def _stage_orders(rng, replica, pp):
     """Generalised 1F1B orders for `pp` stages, with a random activation budget (extra warm-up)."""
-    from megatron_slimpack.solver.orders import StageWork, build_stage_orders
+    from megatron_slimpack.planner.orders import StageWork, build_stage_orders
 
     nf, nb = len(replica.forward_units), len(replica.backward_units)
     work = StageWork(

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megatron_slimpack.cli import main
+from megatron_slimpack.apps.cli import main
 
 SECTIONS = ("environment", "attention", "dp_merge", "training", "overhead", "profile", "summary")
 NO_GPU = not torch.cuda.is_available()
@@ -43,7 +43,7 @@ def top_left_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
 @pytest.fixture(scope="module")
 def json_run():
     """One `--json --quick` run, with a library printing to stdout in the middle of it."""
-    from megatron_slimpack.selftest import report
+    from megatron_slimpack.apps.selftest import report
 
     original = report.run_sections
 
@@ -128,10 +128,10 @@ def test_a_wrong_mask_fails_the_attention_check_with_exit_1(monkeypatch):
 
 
 def test_a_nan_kernel_fails_and_the_report_stays_valid_json(monkeypatch):
-    from megatron_slimpack.profiler import ensure_megatron
+    from megatron_slimpack.apps.profiler import ensure_megatron
+    from megatron_slimpack.apps.selftest.attention_checks import check_attention
+    from megatron_slimpack.apps.selftest.common import CPU_SETUP
     from megatron_slimpack.runtime import kernels
-    from megatron_slimpack.selftest.attention_checks import check_attention
-    from megatron_slimpack.selftest.common import CPU_SETUP
 
     ensure_megatron()
     monkeypatch.setitem(kernels.KERNELS, "torch", lambda *a: kernels.torch_kernel(*a) * float("nan"))
@@ -141,7 +141,7 @@ def test_a_nan_kernel_fails_and_the_report_stays_valid_json(monkeypatch):
 
 
 def test_an_exception_is_an_error_not_a_crash(monkeypatch):
-    from megatron_slimpack.selftest import report
+    from megatron_slimpack.apps.selftest import report
 
     def broken(name, setup):
         raise RuntimeError("kernel exploded")
@@ -162,8 +162,8 @@ def test_device_cuda_without_a_gpu_fails_with_the_reason():
 
 
 def test_profile_writes_a_cost_model(tmp_path, monkeypatch):
+    from megatron_slimpack.apps.selftest import report
     from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.selftest import report
 
     monkeypatch.setattr(report, "PROFILE_GRID", dict(tokens=(32, 64, 96), slices=(1,), prefixes=(0, 32)))
     monkeypatch.setattr(report, "PROFILE_REPEATS", 1)
@@ -176,7 +176,7 @@ def test_profile_writes_a_cost_model(tmp_path, monkeypatch):
 
 
 def test_checks_that_cannot_start_are_reported_not_raised(monkeypatch):
-    from megatron_slimpack.selftest import report
+    from megatron_slimpack.apps.selftest import report
 
     def no_runtime(setup, profile):
         raise OSError("libcudnn.so.9: cannot open shared object file")

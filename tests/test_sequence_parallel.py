@@ -121,9 +121,9 @@ def test_the_planner_prices_the_padding_as_the_simulator_does(vpp):
     import numpy as np
 
     import megatron_slimpack as ms
-    from megatron_slimpack.solver.memory import activation_budget
-    from megatron_slimpack.solver.orders import interleaved_schedules, peak_in_flight
-    from megatron_slimpack.solver.pack_phase import MicroPackCosts, stage_work
+    from megatron_slimpack.planner.orders import interleaved_schedules, peak_in_flight
+    from megatron_slimpack.planner.slimpack.memory import activation_budget
+    from megatron_slimpack.planner.slimpack.pack_phase import MicroPackCosts, stage_work
     from megatron_slimpack.specs import ParallelConfig
 
     cost = ms.CostModel.analytic("llama-7b", "h100-sxm")

@@ -88,7 +88,7 @@ def make_short_first_case(seed: int):
     """The sliced case without its last MicroPack: seven one-MicroPack units, no multiple of pp,
     run with the remainder as a short first group (`interleaved_groupings`), the table that holds
     the fewest chunks in flight for such counts."""
-    from megatron_slimpack.solver.orders import interleaved_schedules
+    from megatron_slimpack.planner.orders import interleaved_schedules
 
     plan, documents = make_sliced_case(seed, asymmetric=False, micropacks=7)
     replica = plan.replicas[0]
@@ -478,7 +478,7 @@ def test_megatron_arguments_for_virtual_stages():
     from types import SimpleNamespace
 
     from megatron_slimpack.megatron.args import SlimPackArgumentError, validate_slimpack_args, virtual_stages_of_args
-    from megatron_slimpack.solver.strategies import strategy_specs, trainable_strategy_names
+    from megatron_slimpack.planner.strategies import strategy_specs, trainable_strategy_names
 
     def args(**changes):
         return SimpleNamespace(**{**dict(slimpack=True, calculate_per_token_loss=True, pipeline_model_parallel_size=2,

@@ -49,9 +49,9 @@ FLAG_CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
 def __getattr__(name: str):
     # STRATEGY_CHOICES: the strategies the Megatron integration trains with (each tested through the
     # real trainer, tests/test_real_megatron.py), from the registry's `trainable` facts; the others are
-    # simulated for comparison only. Computed on use: it imports the solver.
+    # simulated for comparison only. Computed on use: it imports the planner.
     if name == "STRATEGY_CHOICES":
-        from ..solver.strategies import trainable_strategy_names
+        from ..planner.strategies import trainable_strategy_names
 
         return trainable_strategy_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -65,7 +65,7 @@ def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """Add the SlimPack argument group to Megatron's parser (an `extra_args_provider`): `--slimpack`
     and one `--slimpack-<name>` flag per field of `SlimPackConfig` and `MegatronIntegrationConfig`
     (type, default and help from the field; `--seq-length` and `--seed` are Megatron's own)."""
-    from ..solver.strategies import strategy_help, strategy_names, trainable_strategy_names
+    from ..planner.strategies import strategy_help, strategy_names, trainable_strategy_names
 
     simulated = [name for name in strategy_names() if name not in trainable_strategy_names()]
     group = parser.add_argument_group(title="slimpack", description="SlimPack fine-grained asymmetric packing")
@@ -171,7 +171,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         if getattr(args, flag, False):
             problems.append(f"--slimpack does not support --{flag.replace('_', '-')}: the sliced core attention "
                             "does not record attention logits; remove the flag")
-    from ..solver.strategies import strategy_specs, trainable_strategy_names
+    from ..planner.strategies import strategy_specs, trainable_strategy_names
 
     trainable = trainable_strategy_names()
     if strategy not in trainable:
@@ -214,7 +214,7 @@ def _virtual_stage_problems(args, strategy: str) -> list[str]:
         return []
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) < 2:
         return [f"virtual pipeline stages ({_VIRTUAL_FLAGS}) need --pipeline-model-parallel-size > 1"]
-    from ..solver.strategies import strategy_specs, trainable_strategy_names
+    from ..planner.strategies import strategy_specs, trainable_strategy_names
 
     specs = strategy_specs()
     if vpp > 1 and strategy in specs and specs[strategy].fixed_sequences_per_rank:
@@ -230,7 +230,7 @@ def _fixed_count_problems(args, strategy: str) -> list[str]:
     """A fixed-count strategy (megatron-fixed) runs exactly global-batch-size / dp sequences per rank
     and step (the sampler fills every batch to within one sequence); Megatron's interleaved 1F1B
     needs a multiple of pp. Said up front rather than at the first step. (The variable-count
-    packers meet the rule every step: `solver.baselines.meet_interleaved_count`.)"""
+    packers meet the rule every step: `planner.baselines.meet_interleaved_count`.)"""
     dp, pp = getattr(args, "data_parallel_size", None), args.pipeline_model_parallel_size
     per_rank = args.global_batch_size // dp if dp and getattr(args, "global_batch_size", None) else None
     if per_rank is None or per_rank % pp == 0:

@@ -71,7 +71,7 @@ class StrategyPlanFunction:
         self.planner, self.parallel, self.cost, self.config = planner, parallel, cost, config
 
     def __call__(self, batch: GlobalBatch) -> Plan:
-        from ..solver.strategies import check_plan_input
+        from ..planner.strategies import check_plan_input
 
         lengths = check_plan_input(batch.lengths, self.config.context_length)
         return self.planner.plan(lengths, self.parallel, self.cost, self.config, sources=batch.sources).validate()
@@ -82,7 +82,7 @@ class StrategyPlanFunction:
 
 def plan_function(planner, parallel, cost, config) -> StrategyPlanFunction:
     """`plan_batch(batch) -> Plan` for a planner iterator: the batch's lengths (checked against the
-    context length) planned by `planner` (a `solver.strategies.StepPlanner`, e.g. from
+    context length) planned by `planner` (a `planner.registry.StepPlanner`, e.g. from
     `new_planner(config.strategy)`) with `sources=batch.sources`, then validated. The function
     keeps the planner as `plan_batch.planner` (its state is the state after the batches planned)
     and pickles (planner, ParallelConfig, CostModel and SlimPackConfig do), so the planner
@@ -95,7 +95,7 @@ def fast_forward(sampler: GlobalBatchSampler, planner, parallel, cost, config, s
     (`StepPlanner.advance`: nothing for stateless strategies; WLB-LLM's delay queues and carried
     documents as planning would leave them), without building plans. A run resumed at step N calls
     this with steps=N, then plans batch N as the uninterrupted run did."""
-    from ..solver.strategies import check_plan_input
+    from ..planner.strategies import check_plan_input
 
     if not _is_count(steps):
         raise ResumeStateError(f"fast_forward: steps must be the number of batches already trained (an integer "

@@ -425,7 +425,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
     --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
     from ..costmodel import CostModel
-    from ..solver.strategies import new_planner
+    from ..planner.strategies import new_planner
     from ..specs import ModelSpec, ParallelConfig
     from ..workload import GlobalBatchSampler
     from .args import integration_config_from_args, slimpack_config_from_args, virtual_stages_of_args

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..solver.strategies import cyclic_gc_paused
+from ..planner.strategies import cyclic_gc_paused
 from .planned import _DONE, PlannedBatch, PlannerError, _plan_one, _restore_position
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL

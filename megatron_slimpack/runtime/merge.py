@@ -36,7 +36,7 @@ from .kv_store import KVStore
 
 
 def merge_layouts(dp: int) -> list[tuple[int, ...]]:
-    """Every merge group the planner can produce (solver/dp_phase.py): aligned blocks of k DP
+    """Every merge group the planner can produce (planner/slimpack/dp_phase.py): aligned blocks of k DP
     ranks, k a power of two, 2 <= k <= dp, k dividing dp. Smallest blocks first."""
     layouts, size = [], 2
     while size <= dp:

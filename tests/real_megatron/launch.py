@@ -113,7 +113,7 @@ def _widen_last_backward_units(counts: list[int]) -> None:
     import itertools
 
     from megatron_slimpack.megatron import data
-    from megatron_slimpack.solver.orders import stage_orders
+    from megatron_slimpack.planner.orders import stage_orders
 
     plan_batch = data.StrategyPlanFunction.__call__
     steps = itertools.count()

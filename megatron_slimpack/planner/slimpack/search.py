@@ -14,17 +14,17 @@ from typing import Iterator
 
 import numpy as np
 
-from ..config import SlimPackConfig
-from ..costmodel import CostModel
-from ..plan import Plan, PlanError, ReplicaPlan, samples_of
-from ..specs import ParallelConfig
+from ...config import SlimPackConfig
+from ...costmodel import CostModel
+from ...plan import Plan, PlanError, ReplicaPlan, samples_of
+from ...specs import ParallelConfig
+from ..orders import LEANER_SCHEDULES
+from ..outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit, kept
+from ..work import WorkRates
 from .dp_phase import Assignment, MergeGroup, assign_to_replicas
 from .ladder import SizeLadder
 from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
-from .orders import LEANER_SCHEDULES
-from .outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit, kept
 from .replica import plan_replica
-from .work import WorkRates
 
 
 class Sizing(Enum):

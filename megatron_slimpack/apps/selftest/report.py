@@ -35,7 +35,7 @@ def resolve_device(requested: Optional[str]) -> tuple[str, str]:
 # ---- sections --------------------------------------------------------------------------------
 def backends_to_run(setup: Setup) -> tuple[list[str], dict[str, str]]:
     """(backends run here, {backend not run: why}). On the CPU only the torch kernel runs."""
-    from ..runtime.kernels import available_backends
+    from ...runtime.kernels import available_backends
 
     reasons = backend_reasons()
     if setup.is_gpu:
@@ -66,7 +66,7 @@ def training_checks(setup: Setup) -> list[Check]:
 def run_profile(path: str, setup: Setup) -> Check:
     """A quick `slimpack profile` (profiler.profile, small grid, no p2p) written to `path` and
     loaded back as a cost model."""
-    from ..costmodel import CostModel
+    from ...costmodel import CostModel
     from ..profiler import profile
 
     threads = torch.get_num_threads()

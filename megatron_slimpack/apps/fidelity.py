@@ -26,9 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .plan import Plan
-from .runtime.processes import spawn
-from .specs import ModelSpec, ParallelConfig
+from ..plan import Plan
+from ..runtime.processes import spawn
+from ..specs import ModelSpec, ParallelConfig
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -92,12 +92,12 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from ..runtime import compat
+    from ..runtime.model import build_gpt_model
+    from ..runtime.schedule import ScheduleGroups, slimpack_forward_backward
+    from ..runtime.timing import Timeline
+    from ..specs import model_from_dict
     from .profiler import transformer_config
-    from .runtime import compat
-    from .runtime.model import build_gpt_model
-    from .runtime.schedule import ScheduleGroups, slimpack_forward_backward
-    from .runtime.timing import Timeline
-    from .specs import model_from_dict
 
     torch.set_num_threads(1)
     compat.apply()
@@ -120,12 +120,12 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
                                           pre_process=False, post_process=False)
     corpus = None
     if text_dir is not None:
-        from .workload import GlobalBatch, TextCorpus
+        from ..workload import GlobalBatch, TextCorpus
 
         corpus = TextCorpus(text_dir or None)
     merge = None
     if world_size // pp > 1:  # DP-Merge process groups, created once (collective, every rank)
-        from .runtime.merge import merge_groups
+        from ..runtime.merge import merge_groups
 
         merge = merge_groups(world_size // pp, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
     groups = ScheduleGroups.from_parallel_state(merge_groups=merge)
@@ -225,9 +225,9 @@ class StepComparison:
 def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *,
             out_dir: Optional[str | Path] = None) -> list[StepComparison]:
     """Simulate each plan with `cost` and compare it with its measured steps."""
-    from .runtime.timing import overlay_records, write_overlay_gantt
-    from .simulator.dag import simulate
-    from .simulator.report import write_chrome_trace
+    from ..runtime.timing import overlay_records, write_overlay_gantt
+    from ..simulator.dag import simulate
+    from ..simulator.report import write_chrome_trace
 
     out = []
     for index, plan in enumerate(plans):
@@ -323,9 +323,9 @@ def text_plans(cost, *, strategies: Sequence[str], pp: int = 2, dp: int = 1, con
                global_batch_size: int = 4, steps: int = 2, seed: int = 0, max_micropack_tokens: Optional[int] = None):
     """Global batches of real text lengths (`load_lengths("text")`, documents longer than the
     context split by the sampler) planned by each strategy. Returns [(strategy, batch, plan)]."""
-    from .config import SlimPackConfig
-    from .solver.strategies import plan_global_batch
-    from .workload import global_batches
+    from ..config import SlimPackConfig
+    from ..planner.strategies import plan_global_batch
+    from ..workload import global_batches
 
     parallel = ParallelConfig(pp=pp, dp=dp, tp=1, sequence_parallel=False, zero1=False)
     batches = global_batches("text", context_length, global_batch_size, steps, seed=seed)
@@ -358,7 +358,7 @@ def validate(cost, *, plans: int = 2, pp: int = 2, dp: int = 1, strategies: Sequ
 def validate_main(args) -> int:
     """CLI hook: `slimpack validate --profile profile.json [--plans K] [--pp 2] [--dp 1] [--repeats R]
     [--context-length N] [--global-batch-size G] [--strategy S ...] [--out-dir DIR] [--json]`."""
-    from .costmodel import CostModel
+    from ..costmodel import CostModel
 
     profile_path = getattr(args, "profile", None)
     if profile_path:

@@ -54,8 +54,8 @@ from ..plan import (
 from ..specs import ParallelConfig
 from .orders import interleaved_microbatch_error, interleaved_orders, stage_orders
 from .outcomes import DoesNotFit
-from .pack_phase import PackOptions, cut_document
 from .registry import LayoutConstraints, StepPlanner, register, register_stateful, with_input_sources
+from .slimpack.pack_phase import PackOptions, cut_document
 from .work import WorkRates
 
 # ==== shared building blocks ====================================================================

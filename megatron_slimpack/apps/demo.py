@@ -104,7 +104,7 @@ def check_demo_options(options: DemoOptions) -> None:
 
 
 def _check_demo_strategies(strategies) -> None:
-    from .solver.strategies import trainable_strategy_names
+    from ..planner.strategies import trainable_strategy_names
 
     known = trainable_strategy_names()
     if not strategies:
@@ -116,7 +116,7 @@ def _check_demo_strategies(strategies) -> None:
 
 
 def _check_demo_model(model: str, pp: int) -> None:
-    from .specs import ParallelConfig, SpecError
+    from ..specs import ParallelConfig, SpecError
 
     try:
         ParallelConfig(pp=pp).check_model(get_demo_spec(model))
@@ -127,7 +127,7 @@ def _check_demo_model(model: str, pp: int) -> None:
 def _check_demo_data_dir(data_dir: str | None) -> None:
     if data_dir is None:
         return
-    from .workload import TextCorpus, WorkloadError
+    from ..workload import TextCorpus, WorkloadError
 
     if not Path(data_dir).expanduser().is_dir():
         raise DemoOptionError(f"--data-dir {data_dir} is not a directory; give a directory of *.py text files, "
@@ -140,7 +140,7 @@ def _check_demo_data_dir(data_dir: str | None) -> None:
 
 def get_demo_spec(model: str):
     """The model preset `model` with the demo corpus's byte-level vocabulary."""
-    from .workload import TextCorpus
+    from ..workload import TextCorpus
 
     try:
         return demo_model_spec(model, TextCorpus.VOCAB_SIZE)
@@ -156,8 +156,8 @@ def exact_fixed_plan(plan, lengths: list[int], parallel, sources=None):
     sequence. Entry i of the batch is `lengths[i]` tokens from `sources[i]` (document, offset)
     (default (i, 0), as the planner's); the fixed plan's pieces follow the entries in stream order
     (sample ids), and each piece's recorded source must be where that puts it."""
-    from .plan import MicroPack, Plan, PlanError, Slice, check_sources, overlapping_documents, samples_of
-    from .solver.baselines import schedule_1f1b
+    from ..plan import MicroPack, Plan, PlanError, Slice, check_sources, overlapping_documents, samples_of
+    from ..planner.baselines import schedule_1f1b
 
     sources = check_sources(sources, len(lengths))
     where = {}  # sample id of the fixed plan -> (batch entry, first token of the piece in it)
@@ -192,8 +192,8 @@ def make_plan_function(strategy: str, cost, parallel, config):
     """batch -> validated Plan with the simulator's prediction in metadata["predicted"]. The batch
     is planned with its sources, so every sample of the plan (a piece a baseline cut, a document
     WLB-LLM delayed from an earlier batch) says where its tokens are (`Plan.sample_sources`)."""
-    from . import simulate
-    from .solver.strategies import check_plan_input, new_planner
+    from .. import simulate
+    from ..planner.strategies import check_plan_input, new_planner
 
     planner = new_planner(strategy)
     config = config.with_(strategy=strategy)
@@ -215,7 +215,7 @@ def make_plan_function(strategy: str, cost, parallel, config):
 def model_config(spec, pp: int):
     import torch
 
-    from .runtime.model import tiny_config
+    from ..runtime.model import tiny_config
 
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32) if pp > 1 else {}
     return tiny_config(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -326,7 +326,7 @@ class DemoRunner:
         ignore_library_warnings()  # megatron-core's "not installed" notices, in every process; ours still show
         import torch
 
-        from .runtime.host_memory import keep_freed_host_memory
+        from ..runtime.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
         torch.set_num_threads(1)
@@ -334,10 +334,10 @@ class DemoRunner:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from .config import SlimPackConfig
-        from .runtime import compat
-        from .specs import ParallelConfig
-        from .workload import TextCorpus
+        from ..config import SlimPackConfig
+        from ..runtime import compat
+        from ..specs import ParallelConfig
+        from ..workload import TextCorpus
 
         compat.apply()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -362,9 +362,9 @@ class DemoRunner:
         """One model chunk, optimizer and planner per strategy, all chunks from the same weights."""
         import torch
 
-        from .megatron.data import PlannerIterator
-        from .runtime.model import build_gpt_model
-        from .workload import GlobalBatchSampler
+        from ..megatron.data import PlannerIterator
+        from ..runtime.model import build_gpt_model
+        from ..workload import GlobalBatchSampler
 
         options = self.options
         runs, initial = [], None
@@ -387,8 +387,8 @@ class DemoRunner:
         """One training step of `run` on its next planned batch, timed; rank 0 records and logs it."""
         import torch.distributed as dist
 
-        from .runtime.schedule import slimpack_forward_backward
-        from .runtime.timing import Timeline
+        from ..runtime.schedule import slimpack_forward_backward
+        from ..runtime.timing import Timeline
 
         planned = next(run.planner)
         plan = planned.plan
@@ -432,7 +432,7 @@ class DemoRunner:
 
 def demo_model_spec(model: str, vocab_size: int):
     """The model preset, with the corpus's (byte-level) vocabulary."""
-    from .specs import get_model
+    from ..specs import get_model
 
     spec = get_model(model)
     if spec.vocab_size != vocab_size:
@@ -443,7 +443,7 @@ def demo_model_spec(model: str, vocab_size: int):
 def demo_cost_model(spec, cost_model: str):
     """The planners' and the prediction's cost model: "analytic" (uncalibrated CPU figures) or a
     `slimpack profile` JSON measured on this machine."""
-    from .costmodel import CostModel
+    from ..costmodel import CostModel
 
     if cost_model == "analytic":
         return CostModel.analytic(spec, "cpu", dtype_bytes=4, attention_backend="torch")
@@ -528,7 +528,7 @@ def launch(options: DemoOptions) -> dict:
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    from .runtime.processes import free_port
+    from ..runtime.processes import free_port
 
     port = free_port()
     world = options.pp
@@ -673,7 +673,7 @@ def run_demo(args) -> int:
           f"text from {options.data_dir or 'the Python standard library'}", file=sys.stderr, flush=True)
     result = launch(options)
     summary = summarize(result, options)
-    from .simulator.report import write_gantt
+    from ..simulator.report import write_gantt
 
     summary["gantt_files"] = []
     for strategy, run in result["runs"].items():

@@ -6,16 +6,16 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cached_property
 
-from ..config import PlannerTunables, SlimPackConfig
-from ..costmodel import CostModel, format_bytes
-from ..plan import MicroPack, PlanError, ReplicaPlan, Sample
-from ..specs import ParallelConfig
+from ...config import PlannerTunables, SlimPackConfig
+from ...costmodel import CostModel, format_bytes
+from ...plan import MicroPack, PlanError, ReplicaPlan, Sample
+from ...specs import ParallelConfig
+from ..orders import LEANER_SCHEDULES
+from ..outcomes import DoesNotFit, ReplicaOutcome
+from ..work import WorkRates
 from .ladder import SizeLadder
 from .memory import activation_budget
-from .orders import LEANER_SCHEDULES
-from .outcomes import DoesNotFit, ReplicaOutcome
 from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
-from .work import WorkRates
 
 
 def unit_candidates(pp: int, micropacks: int) -> list[int]:

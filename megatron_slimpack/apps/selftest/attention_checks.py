@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ..plan import MicroPack, Slice
-from ..runtime.attention import build_core_attention
-from ..runtime.context_parallel import build_layout
-from ..runtime.kernels import cu_seqlens
-from ..runtime.model import tiny_config
+from ...plan import MicroPack, Slice
+from ...runtime.attention import build_core_attention
+from ...runtime.context_parallel import build_layout
+from ...runtime.kernels import cu_seqlens
+from ...runtime.model import tiny_config
 from .common import FAIL, MEASURED, PASS, Check, Setup, finite, median_seconds
 
 REFERENCE = "explicit fp32 masked softmax (bottom-right causal, GQA by repeating KV heads)"

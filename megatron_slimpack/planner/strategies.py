@@ -17,9 +17,6 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel
 from ..plan import Plan, PlanError, check_sources
 from ..specs import ParallelConfig
-
-# SlimPack's memory rules and search live in their own modules; these names stay importable here.
-from .memory import activation_budget, auto_token_cap, document_memory_bytes  # noqa: F401
 from .outcomes import DoesNotFit  # noqa: F401
 from .registry import (  # noqa: F401
     REGISTRY,
@@ -33,7 +30,10 @@ from .registry import (  # noqa: F401
     register_stateful,
     with_input_sources,
 )
-from .search import SlimPackSearch, shared_by_groups  # noqa: F401
+
+# SlimPack's memory rules and search live in their own modules; these names stay importable here.
+from .slimpack.memory import activation_budget, auto_token_cap, document_memory_bytes  # noqa: F401
+from .slimpack.search import SlimPackSearch, shared_by_groups  # noqa: F401
 
 # ---- SlimPack -------------------------------------------------------------------------------
 

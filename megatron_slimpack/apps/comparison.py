@@ -13,13 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import SlimPackConfig
-from .costmodel import CostModel
-from .plan import PlanError
-from .simulator import per_batch_report, simulate
-from .simulator.report import ComparisonRow, comparison_table, write_gantt
-from .solver.layouts import LayoutResult, NoFeasibleLayout, best_layout
-from .solver.strategies import REGISTRY, strategy_names, strategy_spec
+from ..config import SlimPackConfig
+from ..costmodel import CostModel
+from ..plan import PlanError
+from ..planner.layouts import LayoutResult, NoFeasibleLayout, best_layout
+from ..planner.strategies import REGISTRY, strategy_names, strategy_spec
+from ..simulator import per_batch_report, simulate
+from ..simulator.report import ComparisonRow, comparison_table, write_gantt
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
 STOCK = "megatron-stock"  # the stock-Megatron reference: its speedup column where it was run
@@ -184,7 +184,7 @@ def run_comparison(
     config = (config or SlimPackConfig()).with_(**{name: value for name, value in given.items() if value is not None})
     context_length, seed = config.context_length, config.seed
     if batches is None:
-        from .workload import GlobalBatchSampler, load_lengths
+        from ..workload import GlobalBatchSampler, load_lengths
 
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import PlannerTunables, SlimPackConfig
+from ...config import PlannerTunables, SlimPackConfig
 
 Fits = Callable[[int], bool]  # MicroPack tokens -> whether that size fits (or is done with)
 

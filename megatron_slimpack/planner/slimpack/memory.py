@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import SlimPackConfig
-from ..costmodel import CostModel, format_bytes
-from ..specs import ParallelConfig
+from ...config import SlimPackConfig
+from ...costmodel import CostModel, format_bytes
+from ...specs import ParallelConfig
+from ..outcomes import DoesNotFit, kept
 from .ladder import SizeLadder
-from .outcomes import DoesNotFit, kept
 
 
 def activation_budget(cost: CostModel, parallel: ParallelConfig) -> float:

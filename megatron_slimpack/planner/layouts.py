@@ -58,9 +58,9 @@ from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
 from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
-from .memory import auto_token_cap, document_memory_bytes
 from .outcomes import DoesNotFit
 from .registry import LayoutConstraints, StepPlanner, StrategySpec
+from .slimpack.memory import auto_token_cap, document_memory_bytes
 from .strategies import check_plan_input, cyclic_gc_paused, new_planner, strategy_spec
 from .work import causal_pairs
 

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..config import PlannerTunables
+from ...config import PlannerTunables
 
 
 @dataclass

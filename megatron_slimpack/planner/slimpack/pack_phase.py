@@ -22,9 +22,9 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from ..config import PlannerTunables
-from ..costmodel import CostModel
-from ..plan import (
+from ...config import PlannerTunables
+from ...costmodel import CostModel
+from ...plan import (
     MicroPack,
     ReplicaPlan,
     Sample,
@@ -34,8 +34,8 @@ from ..plan import (
     slice_table,
     whole_slices,
 )
-from ..specs import ParallelConfig
-from .orders import (
+from ...specs import ParallelConfig
+from ..orders import (
     InterleavedSchedule,
     StageWork,
     forward_targets,
@@ -47,7 +47,7 @@ from .orders import (
     segment,
     warmup_counts,
 )
-from .work import WorkRates, causal_pairs
+from ..work import WorkRates, causal_pairs
 
 
 @dataclass(frozen=True)

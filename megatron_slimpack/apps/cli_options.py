@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .specs import MODELS
+from ..specs import MODELS
 
 
 def _number_type(convert, accepts, wanted: str):

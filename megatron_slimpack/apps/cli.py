@@ -7,7 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__, library_noise
+from .. import __version__
+from ..config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
+from ..costmodel import CostModel
+from ..plan import Plan, PlanError
+from ..specs import HARDWARE, ParallelConfig, SpecError
+from . import library_noise
 from .cli_options import (
     add_megatron_spellings,
     add_model_option,
@@ -16,10 +21,6 @@ from .cli_options import (
     positive_int,
     restrict_choices,
 )
-from .config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
-from .costmodel import CostModel
-from .plan import Plan, PlanError
-from .specs import HARDWARE, ParallelConfig, SpecError
 
 DEFAULT_WORKLOAD = "text"  # the running Python's standard library: real text, no download
 
@@ -64,7 +65,7 @@ def cost_of_plan(plan: Plan, args) -> CostModel:
 def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
     """One option per `SlimPackConfig` field that is a CLI option (type, default and help from the
     field; `config.add_options`), but those in `exclude`."""
-    from .solver.strategies import strategy_help, strategy_names
+    from ..planner.strategies import strategy_help, strategy_names
 
     add_options(parser, SlimPackConfig, CLI, exclude=exclude,
                 help_extra={"strategy": f"One of: {strategy_help()}."})
@@ -105,7 +106,7 @@ def load_cost(args) -> CostModel:
 
 
 def global_batches(args) -> list[list[int]]:
-    from .workload import GlobalBatchSampler, load_lengths
+    from ..workload import GlobalBatchSampler, load_lengths
 
     lengths = load_lengths(args.workload, seed=args.seed)
     sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed)
@@ -126,7 +127,7 @@ def predicted_makespans(plan: Plan) -> dict[tuple[int, ...], float]:
     """DP ranks of a replica or DP-Merge group -> the makespan the planner predicted for it (plan
     metadata "replicas"; stage orders replayed, no gradient reduction). A plan with a base merge
     k > 1 was planned for dp / k replicas and records them in those terms: view rank r is the
-    group of ranks r*k .. r*k + k - 1 (`solver.search.shared_by_groups`)."""
+    group of ranks r*k .. r*k + k - 1 (`planner.slimpack.search.shared_by_groups`)."""
     merge = int(plan.metadata.get("base_merge", 1) or 1)
     found = {}
     for entry in plan.metadata.get("replicas", []):
@@ -226,14 +227,14 @@ def cmd_plan(args) -> int:
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
     warn_about_inputs(args, config, dp=parallel.dp)
-    from .solver.strategies import new_planner
+    from ..planner.strategies import new_planner
 
     planner = new_planner(config.strategy)
     batches = global_batches(args)
     outputs = []
     for step, lengths in enumerate(progress(batches, len(batches), "planning", not args.json)):
         started = time.perf_counter()
-        from .solver.strategies import check_plan_input
+        from ..planner.strategies import check_plan_input
 
         parallel.check_model(cost.model)
         plan = planner.plan(check_plan_input(lengths, config.context_length), parallel, cost, config).validate()
@@ -270,8 +271,8 @@ def cmd_plan(args) -> int:
 # ---- simulate ------------------------------------------------------------------------------------
 
 def cmd_simulate(args) -> int:
-    from .simulator import simulate
-    from .simulator.report import markdown_table, summary, write_chrome_trace, write_gantt
+    from ..simulator import simulate
+    from ..simulator.report import markdown_table, summary, write_chrome_trace, write_gantt
 
     plan = Plan.from_json(args.plan).validate()
     cost = cost_of_plan(plan, args)

@@ -35,8 +35,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .costmodel import ActivationCoefficients, CostModel, TimeCoefficients
-from .specs import HardwareSpec, ModelSpec, get_hardware, get_model
+from ..costmodel import ActivationCoefficients, CostModel, TimeCoefficients
+from ..specs import HardwareSpec, ModelSpec, get_hardware, get_model
 
 REFERENCE_TOKENS = 1024  # the speed reference: one 1024-token document, forward + backward
 
@@ -96,7 +96,7 @@ class ProfileResult:
 # ---- model helpers ---------------------------------------------------------------------------
 def transformer_config(spec: ModelSpec, *, num_layers: int, **overrides):
     """A megatron TransformerConfig for a ModelSpec (fp32, Llama-style, CPU-friendly)."""
-    from .runtime.model import tiny_config
+    from ..runtime.model import tiny_config
 
     return tiny_config(num_layers=num_layers, hidden_size=spec.hidden_size,
                        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
@@ -111,7 +111,7 @@ def ensure_megatron(seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from .runtime import compat
+    from ..runtime import compat
 
     compat.apply()
     if not dist.is_initialized():
@@ -139,11 +139,11 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     `tokens` tokens, each slice continuing a document after `prefix` tokens, on a middle-stage chunk."""
     import torch
 
-    from .plan import MicroPack, Slice
-    from .runtime.batch import build_batch
-    from .runtime.executor import backward_step, forward_step
-    from .runtime.kv_store import KVStore
-    from .runtime.timing import SavedBytesMeter
+    from ..plan import MicroPack, Slice
+    from ..runtime.batch import build_batch
+    from ..runtime.executor import backward_step, forward_step
+    from ..runtime.kv_store import KVStore
+    from ..runtime.timing import SavedBytesMeter
 
     length = max(1, tokens // slices)
     generator = torch.Generator().manual_seed(tokens * 31 + slices * 7 + prefix)
@@ -197,7 +197,7 @@ def measure_head(model, spec: ModelSpec, tokens: int, repeats: int) -> dict:
     """Output layer + loss (final norm, output layer, cross-entropy, masked sum) on `tokens` tokens."""
     import torch
 
-    from .runtime.timing import SavedBytesMeter
+    from ..runtime.timing import SavedBytesMeter
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     labels = torch.randint(0, spec.vocab_size, (1, tokens))
@@ -258,7 +258,7 @@ def measure_p2p(sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20), repeats:
     """One-way gloo send/recv seconds between two local processes (half a ping-pong)."""
     import tempfile
 
-    from .runtime.processes import spawn
+    from ..runtime.processes import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p2p.json"
@@ -374,8 +374,8 @@ def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, thread
     processes measure the same shape at the same time)."""
     import torch
 
-    from .runtime.host_memory import keep_freed_host_memory
-    from .runtime.model import build_gpt_model
+    from ..runtime.host_memory import keep_freed_host_memory
+    from ..runtime.model import build_gpt_model
 
     keep_freed_host_memory()  # as in the training processes, so the profile sees the same allocator
     torch.set_num_threads(threads)
@@ -409,7 +409,7 @@ def _grid_worker(rank, world_size, port, spec_dict, layers, grid, repeats, threa
     shape); rank 0 keeps its figures."""
     import torch.distributed as dist
 
-    from .specs import model_from_dict
+    from ..specs import model_from_dict
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     points, head_points, reference = _measure_grid(model_from_dict(spec_dict), layers, grid, repeats, threads, seed,
@@ -435,7 +435,7 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
     if concurrent > 1:
         import tempfile
 
-        from .runtime.processes import spawn
+        from ..runtime.processes import spawn
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "grid.json"
@@ -463,7 +463,7 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
 def refit(path: str | Path, out: Optional[str | Path] = None) -> ProfileResult:
     """Refit a profile JSON's stored measurements (no new timing)."""
     data = json.loads(Path(path).read_text())
-    from .specs import hardware_from_dict, model_from_dict
+    from ..specs import hardware_from_dict, model_from_dict
 
     points = [Point(**p) for p in data["points"]]
     spec = model_from_dict(data["model"])

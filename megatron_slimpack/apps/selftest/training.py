@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
-from ..specs import ParallelConfig
+from ...plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
+from ...specs import ParallelConfig
 from .attention_checks import precision_overrides
 from .common import FAIL, PASS, Check, Setup, finite
 
@@ -39,7 +39,7 @@ def layer_spec(setup: Setup):
     """(spec, description): what `slimpack_layer_spec("auto")` gives (TE layers on a GPU where TE
     imports, the local spec with the torch kernel on a machine without one); with --device cpu on
     a GPU machine, the local spec with the torch kernel."""
-    from ..runtime.attention import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
+    from ...runtime.attention import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
 
     if setup.is_gpu or not torch.cuda.is_available():
         te_layers = torch.cuda.is_available() and TESlicedDotProductAttention is not None
@@ -50,7 +50,7 @@ def layer_spec(setup: Setup):
 
 def twin_models(setup: Setup, spec):
     """Two SlimPack GPT models with the same weights on the setup's device and dtype."""
-    from ..runtime.model import build_gpt_model, tiny_config
+    from ...runtime.model import build_gpt_model, tiny_config
 
     config = tiny_config(num_layers=setup.train_layers, hidden_size=setup.train_hidden, num_attention_heads=4,
                          num_query_groups=2, use_cpu_initialization=not setup.is_gpu, **precision_overrides(setup))
@@ -68,7 +68,7 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 def one_step(model, optimizer, plan: Plan, source) -> tuple[float, dict]:
     """(loss, gradients) of one SlimPack step; then the optimizer step."""
-    from ..runtime import slimpack_forward_backward
+    from ...runtime import slimpack_forward_backward
 
     optimizer.zero_grad(set_to_none=True)
     result = slimpack_forward_backward(model=[model], plan=plan, token_source=source)
@@ -102,7 +102,7 @@ def step_failures(step: dict, setup: Setup) -> list[str]:
 
 
 def check_training(setup: Setup) -> Check:
-    from ..runtime import InMemoryTokenSource
+    from ...runtime import InMemoryTokenSource
 
     spec, spec_text = layer_spec(setup)
     sliced_model, whole_model = twin_models(setup, spec)

@@ -6,7 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from ..runtime import kernels
+from ...runtime import kernels
 
 NOT_INSTALLED = "not installed"
 
@@ -90,9 +90,9 @@ def probed_backend():
     as a model's layers would run it; None without a GPU (only the torch kernel runs)."""
     if not torch.cuda.is_available():
         return None
-    from ..runtime.attention import build_core_attention
-    from ..runtime.backend_probe import choose_backend
-    from ..runtime.model import tiny_config
+    from ...runtime.attention import build_core_attention
+    from ...runtime.backend_probe import choose_backend
+    from ...runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
                          params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
@@ -118,7 +118,7 @@ def backend_choice() -> dict:
 
 
 def environment(device: torch.device) -> dict:
-    from .. import __version__
+    from ... import __version__
 
     try:
         backend = backend_choice()
