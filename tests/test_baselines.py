@@ -103,11 +103,11 @@ def test_megatron_fixed_cuts_at_exactly_the_context_length():
 def test_fixed_cuts_of_a_grid_search_stay_cached_across_its_layouts():
     """The layout search plans every batch once per finalist layout; the cut of each is computed once."""
     batches = [[5 + step, 10, 3, 7] for step in range(10)]  # the paper grid's 10 batches
-    baselines._cut.cache_clear()
+    baselines.cut_cached.cache_clear()
     for _layout in range(3):
         for lengths in batches:
             baselines.concatenate_and_cut(lengths, 8)
-    assert baselines._cut.cache_info().misses == len(batches)
+    assert baselines.cut_cached.cache_info().misses == len(batches)
 
 
 def test_megatron_fixed_boundary_document_becomes_two_independent_samples():
@@ -231,7 +231,7 @@ def test_wlb_llm_packs_each_document_into_the_cheapest_micro_batch_with_room():
         documents = [baselines.PendingDocument(0, i, rng.randint(1, capacity)) for i in range(rng.randint(1, 30))]
         start = [(rng.randint(0, capacity), rng.random()) for _ in range(rng.randint(1, 6))]
         packed = [baselines.MicroBatch([], tokens, cost) for tokens, cost in start]
-        left = baselines._pack_by_cost(documents, packed, rates, capacity)
+        left = baselines.pack_by_cost(documents, packed, rates, capacity)
         expected = [baselines.MicroBatch([], tokens, cost) for tokens, cost in start]
         expected_left = []
         costs = [rates.total(d.length, d.length * (d.length + 1) / 2) for d in documents]

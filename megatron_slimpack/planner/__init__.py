@@ -7,6 +7,8 @@
     work.py        per-MicroPack work rates the planners balance
     outcomes.py    what a planning attempt returns (fits, or why not)
     slimpack/      SlimPack's own planner: slicing, packing, asymmetric units, the CP-SAT phases
-    baselines.py   the strategies SlimPack is compared with (Megatron fixed/stock, BFD, sorted,
-                   WLB-LLM, Megatron's hybrid CP, SlimPipe)
+    baselines/     the strategies SlimPack is compared with: common.py (1F1B schedules, dealing,
+                   assembling), sequences.py (GPTDataset's fixed-length sequences), fixed.py
+                   (megatron-fixed, megatron-stock), packing.py (bfd, sorted), wlb_llm.py,
+                   hybrid_cp.py (Megatron's hybrid CP), slimpipe.py
 """

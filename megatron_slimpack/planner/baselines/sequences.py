@@ -1,0 +1,92 @@
+"""Megatron-LM GPTDataset's fixed-length sequences: documents concatenated and cut at the context
+length (cached per batch: a layout search cuts the same batch for every layout it tries), and
+where each piece's tokens come from."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...plan import (
+    Sample,
+    SampleSource,
+    overlapping_documents,
+)
+from .common import input_sources
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a document that landed in one fixed-length sequence: tokens
+    [offset, offset + sample.length) of document `document` (an index into the batch's lengths)."""
+
+    sample: Sample
+    document: int
+    offset: int
+
+
+def concatenate_and_cut(lengths: list[int], context_length: int) -> tuple[tuple[Piece, ...], ...]:
+    """Megatron-LM GPTDataset packing: documents concatenated in the given order and the token
+    stream cut every `context_length` tokens. A document crossing a cut becomes two pieces (more
+    if it is longer than the context), each a new sample id, numbered in stream order. The last
+    sequence keeps the leftover tokens (shorter than the context) so that nothing is dropped.
+    (Cached: a layout search cuts the same batch for every layout it tries.)"""
+    return cut_cached(tuple(lengths), context_length)
+
+
+# Room for every batch of a search: its finalist layouts each plan all of them in turn, and a
+# cache smaller than the batch count (the paper grid runs 10) would evict every one before reuse.
+BATCHES_CACHED = 16
+
+
+@functools.lru_cache(maxsize=BATCHES_CACHED)
+def cut_cached(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Piece, ...], ...]:
+    sequences: list[list[Piece]] = [[]]
+    filled = 0
+    next_id = 0
+    for document, length in enumerate(lengths):
+        offset = 0
+        while offset < length:
+            if filled == context_length:
+                sequences.append([])
+                filled = 0
+            take = min(length - offset, context_length - filled)
+            sequences[-1].append(Piece(Sample(next_id, take), document, offset))
+            next_id += 1
+            offset += take
+            filled += take
+    return tuple(tuple(sequence) for sequence in sequences if sequence)
+
+
+def piece_metadata(sequences: list[list[Piece]]) -> dict:
+    return {
+        "num_sequences": len(sequences),
+        # sample id -> [index of its length in the batch, first token of the piece in it] (read by
+        # fidelity.py; the token source reads Plan.sample_sources, which also holds the corpus offset)
+        "pieces": [[piece.document, piece.offset] for sequence in sequences for piece in sequence],
+    }
+
+
+def piece_sources(sequences, lengths: list[int], sources) -> tuple[list[SampleSource], list[int]]:
+    """Each piece's (document, offset): its input length's source, `piece.offset` tokens further
+    (and the documents the input holds twice)."""
+    sources, repeated = input_sources(lengths, sources)
+    new = tuple.__new__
+    return [new(SampleSource, (sources[piece.document][0], sources[piece.document][1] + piece.offset))
+            for sequence in sequences for piece in sequence], repeated
+
+
+def sequence_first_sources(sequences, lengths: list[int], sources) -> tuple[list[SampleSource], list[int]]:
+    """For megatron-stock, whose samples are whole sequences: each sequence's source is that of its
+    first piece (where its tokens begin; the rest follow in stream order, in the plan's metadata
+    "sequence_pieces"), and the documents whose recorded ranges may overlap. A sequence that runs
+    on into the next document records one range past its first document's end; with the
+    sampler's batches (a long document's entries consecutive, in order) or default sources no two
+    such ranges overlap except in a document the input holds twice, and any other overlap is
+    listed too, so that the plan validates."""
+    of_pieces, repeated = piece_sources(sequences, lengths, sources)
+    firsts = np.cumsum([0] + [len(sequence) for sequence in sequences[:-1]]).tolist()
+    first_sources = [of_pieces[index] for index in firsts]
+    spans = [sum(piece.sample.length for piece in sequence) for sequence in sequences]
+    return first_sources, sorted(set(repeated) | set(overlapping_documents(first_sources, spans)))

@@ -1,0 +1,296 @@
+"""WLB-LLM: cost-balanced variable-length packing with outlier-delay queues (stateful)."""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...config import SlimPackConfig
+from ...costmodel import CostModel
+from ...plan import (
+    Plan,
+    PlanError,
+    Sample,
+    SampleSource,
+    check_sources,
+    overlapping_documents,
+)
+from ...specs import ParallelConfig
+from ..registry import StepPlanner, register_stateful
+from ..work import WorkRates
+from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, whole_documents
+
+
+@dataclass(frozen=True)
+class PendingDocument:
+    """A document waiting to be scheduled: `lengths[index]` of the batch of step `step`, tokens
+    [offset, offset + length) of corpus document `document` (its source, kept while it waits)."""
+
+    step: int
+    index: int
+    length: int
+    document: int = 0
+    offset: int = 0
+
+    def to_list(self) -> list[int]:
+        return [self.step, self.index, self.length, self.document, self.offset]
+
+    @classmethod
+    def from_list(cls, values) -> "PendingDocument":
+        step, index, length, document, offset = (int(v) for v in values)
+        return cls(step, index, length, document, offset)
+
+
+@dataclass
+class MicroBatch:
+    documents: list[PendingDocument]
+    tokens: int = 0
+    cost: float = 0.0
+
+    def add(self, document: PendingDocument, cost: float) -> None:
+        self.documents.append(document)
+        self.tokens += document.length
+        self.cost += cost
+
+
+@register_stateful("wlb-llm", role="baseline", trainable=True,
+                   description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
+                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED)
+class WlbLlmPlanner(StepPlanner):
+    """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
+
+    Reproduces, per global batch:
+    - Micro-batch count fixed as in Megatron: M = ceil(new tokens / (context_length * dp)) per
+      replica, dp * M micro-batches in all, each capped at `context_length` tokens; with virtual
+      stages M is rounded up to a multiple of pp (Megatron's interleaved 1F1B needs it), and a
+      replica left with fewer non-empty micro-batches is split or merged to one (`meet_interleaved_count`).
+    - Multi-level outlier-delay queues: a new document longer than `context_length *
+      LEVEL_FRACTIONS[i]` (and not longer than the previous level's threshold) joins queue i
+      instead of being packed. A queue releases documents only once it holds as many as there
+      are micro-batches, and then releases exactly one per micro-batch (oldest first; the
+      longest released document goes to the micro-batch with the most token room). It keeps
+      releasing rounds while it still holds a full round and the previous round fitted; a
+      released document that does not fit its micro-batch's token room goes back to the queue.
+    - The other documents are packed, those carried over from the previous step before the new
+      ones, each group longest-cost first, each document into the micro-batch with the least cost
+      that has token room; cost is the profiled quadratic + linear cost (`WorkRates.document`).
+      A document that fits no micro-batch is carried over to the next step.
+    - Micro-batches are dealt to data-parallel replicas greedily by cost (heaviest first to the
+      least-loaded replica that has fewer than M), so replicas are balanced too; classic 1F1B.
+    Nothing is dropped: a plan contains exactly the documents it schedules (sample ids 0..k-1,
+    each with its source (document, offset) in `Plan.sample_sources`, also for a document delayed
+    from an earlier batch); delayed ones stay in `pending`. Without `sources`, the documents are
+    numbered in order of arrival over all steps (the first batch's are (i, 0)). At the end of a
+    run, `flush()` plans everything still pending as one more step (enough micro-batches for all
+    of it, no delay). If a step would otherwise schedule nothing (every new document delayed and
+    no queue full), it is planned like `flush()` so that training makes progress.
+    `advance()` updates the queues as `plan()` would without building the plan (a resumed run);
+    `state_dict()` / `load_state_dict()` save and restore the queues, carried documents and step.
+    """
+
+    LEVEL_FRACTIONS = (0.5, 0.25)  # level 0: > context/2; level 1: (context/4, context/2]
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+        self.arrived = 0  # documents given so far (numbers them when no sources are given)
+        self.queues: list[deque[PendingDocument]] = [deque() for _ in self.LEVEL_FRACTIONS]
+        self.carried: list[PendingDocument] = []
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> list[PendingDocument]:
+        """Documents delayed so far and not yet scheduled."""
+        return [d for queue in self.queues for d in queue] + list(self.carried)
+
+    def untrained_lengths(self) -> list[int]:
+        return [document.length for document in self.pending]
+
+    def state_dict(self) -> dict:
+        """Step counter, documents seen, delay queues and carried documents (with their sources)."""
+        return {
+            "strategy": "wlb-llm", "step": self.step, "arrived": self.arrived,
+            "queues": [[d.to_list() for d in queue] for queue in self.queues],
+            "carried": [d.to_list() for d in self.carried],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("strategy") != "wlb-llm" or len(state.get("queues", ())) != len(self.LEVEL_FRACTIONS):
+            raise PlanError(f"wlb-llm: not a wlb-llm planner state with {len(self.LEVEL_FRACTIONS)} delay queues: "
+                            f"{sorted(state)}")
+        self.step = int(state["step"])
+        self.arrived = int(state["arrived"])
+        self.queues = [deque(PendingDocument.from_list(d) for d in queue) for queue in state["queues"]]
+        self.carried = [PendingDocument.from_list(d) for d in state["carried"]]
+
+    def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
+        """Each length's delay queue (None: packed at once), the thresholds computed once."""
+        thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.LEVEL_FRACTIONS)]
+        return [next((level for level, threshold in thresholds if length > threshold), None) for length in lengths]
+
+    # ---- planning ------------------------------------------------------------------------
+    def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+             sources=None) -> Plan:
+        micro_batches, per_replica, rates, metadata = self._pack_step(lengths, parallel, cost, config, sources)
+        if micro_batches is None:
+            return self._plan_pending(parallel, cost, config, rates, metadata)
+        return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
+
+    def advance(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
+                sources=None) -> None:
+        """The state after planning this batch (queues, carried documents, step), without the plan:
+        the packing decides what is carried over, the plan's assembly and schedule are skipped."""
+        micro_batches, _, _, _ = self._pack_step(lengths, parallel, cost, config, sources)
+        if micro_batches is None:
+            self._take_pending()
+        self.step += 1
+
+    def flush(self, parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig) -> Plan | None:
+        """Plan every pending document as one last step (None when nothing is pending)."""
+        if not self.pending:
+            return None
+        rates = WorkRates.from_cost(cost, parallel, config.context_length)
+        return self._plan_pending(parallel, cost, config, rates, {"flush": True})
+
+    def _pack_step(self, lengths, parallel, cost, config, sources):
+        """Queue, release and pack one batch; (micro-batches, per replica, rates, metadata), the
+        micro-batches None when nothing was scheduled (then everything pending is planned)."""
+        if sources is None:
+            sources = [(self.arrived + i, 0) for i in range(len(lengths))]
+        else:
+            sources = check_sources(sources, len(lengths))
+        self.arrived += len(lengths)
+        context = config.context_length
+        rates = WorkRates.from_cost(cost, parallel, context)
+        per_replica = _micro_batches_per_replica(sum(lengths), context, parallel)
+        micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
+        fresh: list[PendingDocument] = []
+        for index, (length, level, (document, offset)) in enumerate(
+                zip(lengths, self._levels(lengths, context), sources)):
+            pending = PendingDocument(self.step, index, length, document, offset)
+            (fresh if level is None else self.queues[level]).append(pending)
+        released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
+        carried, self.carried = self.carried, []
+        self.carried = pack_by_cost(carried, micro_batches, rates, context)  # they waited: first
+        self.carried += pack_by_cost(fresh, micro_batches, rates, context)
+        metadata = {"micro_batches_per_replica": per_replica, "released_per_level": released}
+        if not any(mb.documents for mb in micro_batches):
+            return None, per_replica, rates, metadata
+        return micro_batches, per_replica, rates, metadata
+
+    def _take_pending(self) -> list[PendingDocument]:
+        """Every pending document; the queues and the carried list are emptied."""
+        documents = self.pending
+        self.queues = [deque() for _ in self.LEVEL_FRACTIONS]
+        self.carried = []
+        return documents
+
+    def _plan_pending(self, parallel, cost, config, rates, metadata) -> Plan:
+        """All pending documents, packed by cost into just enough micro-batches."""
+        documents = self._take_pending()
+        context = config.context_length
+        per_replica = _micro_batches_per_replica(sum(d.length for d in documents), context, parallel)
+        while True:
+            micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
+            if not pack_by_cost(documents, micro_batches, rates, context):
+                break
+            # Greedy packing left some out: more micro-batches per replica (pp more with virtual stages).
+            per_replica += parallel.pp if parallel.vpp > 1 else 1
+        metadata = {**metadata, "micro_batches_per_replica": per_replica, "released_all_pending": len(documents)}
+        return self._finish(micro_batches, per_replica, parallel, cost, config, rates, metadata)
+
+    def _release(self, queue: deque, micro_batches: list[MicroBatch], rates: WorkRates, context: int) -> int:
+        """Release rounds of one document per micro-batch while the queue holds a full round."""
+        released = 0
+        while len(queue) >= len(micro_batches):
+            batch = [queue.popleft() for _ in range(len(micro_batches))]
+            roomiest = sorted(micro_batches, key=lambda mb: mb.tokens)
+            unfit = []
+            for document, micro_batch in zip(sorted(batch, key=lambda d: -d.length), roomiest):
+                if micro_batch.tokens + document.length <= context:
+                    micro_batch.add(document, rates.document(document.length))
+                    released += 1
+                else:
+                    unfit.append(document)
+            if unfit:
+                queue.extendleft(sorted(unfit, key=lambda d: (d.step, d.index), reverse=True))
+                break
+        return released
+
+    def _finish(self, micro_batches, per_replica, parallel, cost, config, rates, metadata) -> Plan:
+        used = [mb for mb in micro_batches if mb.documents]
+        per_rank = _deal_by_cost(used, parallel.dp, per_replica)
+        documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
+        sample_of = {(d.step, d.index): Sample(i, d.length) for i, d in enumerate(documents)}
+        micropacks = [[whole_documents([sample_of[d.step, d.index] for d in mb.documents]) for mb in mbs]
+                      for mbs in per_rank]
+        # A replica left short (empty micro-batches: documents delayed).
+        micropacks = meet_interleaved_count(micropacks, parallel, config.context_length, "wlb-llm")
+        pending = self.pending
+        metadata = {
+            **metadata, "step": self.step,
+            "micro_batch_costs_s": [[mb.cost for mb in mbs] for mbs in per_rank],
+            "delayed_documents": len(pending), "delayed_tokens": sum(d.length for d in pending),
+        }
+        self.step += 1
+        samples = list(sample_of.values())
+        new = tuple.__new__
+        sources = [new(SampleSource, (d.document, d.offset)) for d in documents]
+        # Its samples are whole input documents, some from earlier batches: any two that overlap are
+        # one document drawn twice (an epoch boundary of a small corpus).
+        repeated = overlapping_documents(sources, [d.length for d in documents])
+        return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata,
+                             (sources, repeated))
+
+
+def _micro_batches_per_replica(tokens: int, context_length: int, parallel: ParallelConfig) -> int:
+    """WLB-LLM's micro-batch count per replica, Megatron's: ceil(tokens / (context x dp)); with
+    virtual stages rounded up to the multiple of pp Megatron's interleaved 1F1B needs."""
+    count = max(1, math.ceil(tokens / (context_length * parallel.dp)))
+    return math.ceil(count / parallel.pp) * parallel.pp if parallel.vpp > 1 else count
+
+
+def pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatch], rates: WorkRates,
+                  capacity: int) -> list[PendingDocument]:
+    """Heaviest document first into the cheapest micro-batch with token room; returns the
+    documents that fit nowhere (in their given order)."""
+    lengths = np.array([d.length for d in documents], dtype=float)
+    costs = rates.total(lengths, lengths * (lengths + 1) / 2).tolist() if len(documents) else []
+    by_cost = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
+    heapq.heapify(by_cost)
+    # Micro-batches found too full for a document wait here, roomiest first, until a document
+    # short enough for them comes (documents come longest first, so each waits about once).
+    parked: list[tuple[int, int]] = []  # (-room, position)
+    left: list[int] = []
+    for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
+        document = documents[index]
+        while parked and -parked[0][0] >= document.length:
+            position = heapq.heappop(parked)[1]
+            heapq.heappush(by_cost, (micro_batches[position].cost, position))
+        while by_cost:  # the cheapest micro-batch with room
+            position = by_cost[0][1]
+            micro_batch = micro_batches[position]
+            if micro_batch.tokens + document.length <= capacity:
+                micro_batch.add(document, costs[index])
+                heapq.heapreplace(by_cost, (micro_batch.cost, position))
+                break
+            heapq.heappop(by_cost)
+            heapq.heappush(parked, (micro_batch.tokens - capacity, position))
+        else:
+            left.append(index)  # no micro-batch has room
+    return [documents[i] for i in sorted(left)]
+
+
+def _deal_by_cost(micro_batches: list[MicroBatch], dp: int, per_replica: int) -> list[list[MicroBatch]]:
+    """Heaviest micro-batch first to the least-loaded replica with fewer than `per_replica`."""
+    per_rank: list[list[MicroBatch]] = [[] for _ in range(dp)]
+    heap = [(0.0, rank) for rank in range(dp)]
+    for micro_batch in sorted(micro_batches, key=lambda mb: -mb.cost):
+        load, rank = heapq.heappop(heap)
+        per_rank[rank].append(micro_batch)
+        if len(per_rank[rank]) < per_replica:
+            heapq.heappush(heap, (load + micro_batch.cost, rank))
+    return per_rank
