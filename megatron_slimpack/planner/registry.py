@@ -17,7 +17,7 @@ layout facts the layout search needs (`constraints`, `minimum_in_flight`, `sizes
 trains what the others train (`different_semantics`: a reference such as megatron-stock, which
 comparisons show apart and never count as the best other strategy).
 
-Dependencies: this module imports no other solver module; `baselines.py` and `strategies.py`
+Dependencies: this module imports no other planner module; `baselines/` and `strategies.py`
 import it to register, and `strategies.py` imports every module that registers, so the complete
 registry is `strategies.strategy_specs()` (this module's `REGISTRY` holds only what has been
 imported so far).

@@ -4,7 +4,7 @@ A strategy turns one global batch of document lengths into a validated `Plan`. `
 full method (phase 1 DP balance with DP-Merge, phase 2 cost-balanced slicing and asymmetric
 units, candidates scored by simulation); `slimpack-sym` and `slimpack-nomerge` are its
 ablations. Each registers in `registry.py` with its `StrategySpec` (the baselines from
-`baselines.py`); this module imports every registering module, so its lookups
+`baselines/`); this module imports every registering module, so its lookups
 (`strategy_spec`, `strategy_specs`, `strategy_names`, `new_planner`) see them all.
 """
 from __future__ import annotations
