@@ -152,9 +152,7 @@ def _worker(rank, world_size, port, model, plans_json, batch_data, warmup, pairs
             timeline = Timeline(gather=False)  # gathered below, after the timed interval
             dist.barrier()
             began = time.perf_counter()
-            result = slimpack_forward_backward(model=[chunk], plan=plan, token_source=sources[index],
-                                               num_microbatches=len(plan.replicas[0].micropacks),
-                                               seq_length=plan.context_length, micro_batch_size=1, timeline=timeline)
+            result = slimpack_forward_backward(model=[chunk], plan=plan, token_source=sources[index], timeline=timeline)
             elapsed = time.perf_counter() - began
             if first_grads[index] is None:
                 first_grads[index] = torch.cat([p.grad.reshape(-1) for p in chunk.parameters() if p.grad is not None])

@@ -130,8 +130,7 @@ def overlap_worker(rank, world_size, port, pp, steps, seeds, paths, variant_name
             where = f"{name}, step {step} (last unit {size}, idle ranks {idle}), rank {rank} (stage {stage})"
             plan, documents = plan_with_last_unit(seed, size, pp, dp, idle)
             model.zero_grad_buffer()
-            result = slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents),
-                                               num_microbatches=1, seq_length=64, micro_batch_size=1)
+            result = slimpack_forward_backward(model=[model], plan=plan, token_source=InMemoryTokenSource(documents))
             if stage == pp - 1:
                 assert result.loss == pytest.approx(saved["loss"], rel=1e-6), where
             if variant.get("use_distributed_optimizer"):

@@ -215,8 +215,7 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
         else:
             chunk.zero_grad(set_to_none=True)
         result = slimpack_forward_backward(model=[model], forward_only=forward_only, plan=plan,
-                                           token_source=InMemoryTokenSource(documents), num_microbatches=1,
-                                           seq_length=64, micro_batch_size=1,
+                                           token_source=InMemoryTokenSource(documents),
                                            timeline=bool(options.get("trace")))
         order = plan.replicas[dp_rank].stage_orders[stage]
         assert [(u.kind, u.index) for u in result] == [t for t in order if not forward_only or t[0] == "F"]
@@ -332,9 +331,9 @@ def test_tensor_sequence_and_data_parallel_megatron_ddp(tmp_path, megatron_cpu):
          options={"tp": 2, "sp": True, "ddp": True})
 
 
-def test_one_stage_megatron_call_reports_units(megatron_cpu):
-    """pp=1 through the one executor, called as Megatron's trainer calls it (hooks.py): Megatron's
-    keywords accepted, groups from parallel_state, one UnitReport per task of the stage order."""
+def test_one_stage_call_reports_units(megatron_cpu):
+    """pp=1 through the one executor: groups from parallel_state, one UnitReport per task of the
+    stage order."""
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, ScheduleGroups, UnitReport
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.runtime.schedule import slimpack_forward_backward
@@ -342,11 +341,8 @@ def test_one_stage_megatron_call_reports_units(megatron_cpu):
     plan, documents = make_case(2, pp=1, dp=1)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
     store = KVStore()
-    result = slimpack_forward_backward(
-        forward_step_func=None, data_iterator=None, model=[model], num_microbatches=1, seq_length=64,
-        micro_batch_size=1, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
-        first_val_step=None, force_all_reduce=False, plan=plan, token_source=InMemoryTokenSource(documents),
-        kv_store=store)
+    result = slimpack_forward_backward(model=[model], forward_only=False, force_all_reduce=False, plan=plan,
+                                       token_source=InMemoryTokenSource(documents), kv_store=store)
     replica = plan.replicas[0]
     assert all(isinstance(u, UnitReport) for u in result)
     assert [(u.kind, u.index) for u in result] == replica.stage_orders[0]
@@ -359,17 +355,20 @@ def test_one_stage_megatron_call_reports_units(megatron_cpu):
     assert (groups.pp_size, groups.pp_rank, groups.dp_size, groups.dp_rank, groups.tp_rank) == (1, 0, 1, 0, 0)
 
 
-def test_moved_process_group_keywords_are_refused(megatron_cpu):
-    """pp_group / dp_rank / ... live in groups=ScheduleGroups(...) now: passing them loose (where
-    Megatron's **kwargs would swallow them) is a TypeError, not a silent default."""
+def test_unknown_keywords_are_refused(megatron_cpu):
+    """The schedule's signature is its own (keyword-only, no **kwargs): a process-group keyword
+    that belongs in groups=ScheduleGroups(...), or one of Megatron's micro-batch arguments (the
+    trainer's adapter absorbs those), is a TypeError, never a silent default."""
     from megatron_slimpack.runtime import InMemoryTokenSource
     from megatron_slimpack.runtime.model import build_gpt_model
     from megatron_slimpack.runtime.schedule import slimpack_forward_backward
 
     plan, documents = make_case(1, pp=1, dp=1)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
-    with pytest.raises(TypeError, match="dp_rank moved into groups=ScheduleGroups"):
-        slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents), dp_rank=0)
+    for keyword in ("dp_rank", "num_microbatches"):
+        with pytest.raises(TypeError, match=keyword):
+            slimpack_forward_backward(model=model, plan=plan, token_source=InMemoryTokenSource(documents),
+                                      **{keyword: 0})
 
 
 def test_merge_groups_are_required(megatron_cpu):

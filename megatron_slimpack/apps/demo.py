@@ -397,8 +397,6 @@ class DemoRunner:
         timeline = Timeline(gather=False)  # gathered below, after the timed interval
         began = time.perf_counter()
         result = slimpack_forward_backward(model=[run.chunk], plan=plan, token_source=planned.token_source(self.corpus),
-                                           num_microbatches=len(plan.replicas[0].micropacks),
-                                           seq_length=self.options.context_length, micro_batch_size=1,
                                            timeline=timeline)
         run.optimizer.step()
         elapsed = time.perf_counter() - began

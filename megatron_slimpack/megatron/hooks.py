@@ -203,12 +203,15 @@ def _get_forward_backward_func(*args, **kwargs):
     return forward_backward
 
 
-def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool = False, **kwargs):
+def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool = False,
+                                   force_all_reduce: Optional[bool] = None, **megatron_schedule_arguments):
     """Megatron's forward_backward_func signature on top of the SlimPack schedule: takes the next
     planned batch from the planner iterator, runs this rank's stage of its replica plan (and of
     the DP-Merge groups it belongs to, whose process groups are created on the first step that
     has one), and returns Megatron's per-token loss records ({'lm loss': [loss_sum, tokens]}) on
-    the last stage."""
+    the last stage. Megatron's other schedule arguments (forward_step_func, num_microbatches,
+    seq_length, micro_batch_size, decoder_seq_length, collect_non_loss_data, first_val_step, ...)
+    describe fixed-size micro-batches that the plan replaces: absorbed here, unread."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -226,7 +229,7 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
         model=chunks, forward_only=forward_only, plan=planned.plan,
         token_source=planned.token_source(iterator.corpus),
         groups=ScheduleGroups.from_parallel_state(merge_groups=_merge_process_groups(planned.plan)),
-        **{k: v for k, v in kwargs.items() if k not in ("plan", "token_source", "groups")})
+        force_all_reduce=force_all_reduce)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
     dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1

@@ -474,7 +474,7 @@ class _GradientSync:
     `forward_backward_pipelining_with_interleaving` (see the module docstring)."""
 
     def __init__(self, chunks: list, config, *, first_stage: bool, groups: ScheduleGroups, reduce_grads: bool,
-                 megatron_kwargs: dict):
+                 force_all_reduce: Optional[bool] = None):
         self.chunks, self.config, self.first_stage, self.reduce_grads = chunks, config, first_stage, reduce_grads
         self.interleaved = len(chunks) > 1
         self.groups = groups
@@ -484,8 +484,7 @@ class _GradientSync:
         self.grad_sync_funcs = _per_chunk(getattr(config, "grad_sync_func", None), len(chunks))
         self.finalize_func = getattr(config, "finalize_model_grads_func", None)
         # Megatron's train_step passes force_all_reduce (0.16+): forwarded as given.
-        self.finalize_kwargs = ({"force_all_reduce": megatron_kwargs["force_all_reduce"]}
-                                if "force_all_reduce" in megatron_kwargs else {})
+        self.finalize_kwargs = {"force_all_reduce": force_all_reduce} if force_all_reduce is not None else {}
         self.no_sync_context = None
         self.synchronized: set[int] = set()  # chunks whose gradient sync has been launched
 
@@ -613,27 +612,18 @@ def _step_loss(result: ScheduleResult, loss_sum: float, dp_group) -> None:
     result.loss = float(total) / result.num_loss_tokens
 
 
-_MOVED_INTO_GROUPS = ("pp_group", "pp_rank", "dp_group", "dp_rank", "check_group", "replica_index",
-                      "merge_process_groups")
-
-
 def slimpack_forward_backward(
     *,
-    forward_step_func=None,
-    data_iterator=None,
     model,
-    num_microbatches: Optional[int] = None,
-    seq_length: Optional[int] = None,
-    micro_batch_size: Optional[int] = None,
-    forward_only: bool = False,
     plan: Plan,
     token_source: TokenSource,
+    forward_only: bool = False,
     groups: Optional[ScheduleGroups] = None,
     kv_store: Optional[KVStore] = None,
     reduce_grads: bool = True,
     check_plan: bool = True,
     timeline=None,
-    **kwargs,
+    force_all_reduce: Optional[bool] = None,
 ) -> ScheduleResult:
     """Run this rank's stage of its replica plans for one global-batch step (see module doc).
 
@@ -642,10 +632,10 @@ def slimpack_forward_backward(
     DDP's `main_grad`); zero them before the step, as with Megatron's schedules. `groups`: default
     `ScheduleGroups.from_parallel_state()`. `timeline`: True or a `runtime.timing.Timeline` to record every
     task's start and end (returned as `result.timeline`). `kv_store`: default a fresh one.
+    `force_all_reduce`: passed on to the finalize function, as Megatron's schedules do. Megatron's
+    other schedule arguments (micro-batch counts, sequence lengths, the data iterator) mean nothing
+    here: the trainer's adapter (`megatron.hooks.slimpack_forward_backward_func`) absorbs them.
     """
-    moved = sorted(set(kwargs) & set(_MOVED_INTO_GROUPS))
-    if moved:
-        raise TypeError(f"slimpack_forward_backward: {', '.join(moved)} moved into groups=ScheduleGroups(...)")
     chunks = _model_chunks(model, plan.parallel.vpp)
     groups = groups if groups is not None else ScheduleGroups.from_parallel_state()
     config = megatron_config(chunks[0])
@@ -659,7 +649,7 @@ def slimpack_forward_backward(
                              pp_rank=groups.pp_rank, pp_size=groups.pp_size, forward_only=forward_only,
                              timeline=timeline, memory_record=memory_record)
     sync = _GradientSync(chunks, config, first_stage=executor.first, groups=groups,
-                         reduce_grads=reduce_grads, megatron_kwargs=kwargs)
+                         reduce_grads=reduce_grads, force_all_reduce=force_all_reduce)
     result = ScheduleResult()
     result.num_loss_tokens = executor.num_loss_tokens
     loss_sum = 0.0
