@@ -1,6 +1,7 @@
 """Per-strategy best parallel layout: every strategy gets its fastest feasible layout.
 
-`best_layout(strategy, batches, cost, gpus, context_length, base_config)` searches
+`best_layout(strategy, batches, cost, gpus, context_length, base_config)` (strategy: a `StrategySpec`
+or its name, resolved once there; every helper below takes the spec) searches
 ParallelConfig(tp, pp, vpp, cp, dp, recompute) with tp * pp * cp * dp == gpus, plans the batches with
 the strategy, simulates the plans and returns the layout with the lowest mean iteration time,
 with its plans, reports and every rejected layout with its reason.
@@ -61,7 +62,7 @@ from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
 from .outcomes import DoesNotFit
 from .registry import LayoutConstraints, StepPlanner, StrategySpec
 from .slimpack.memory import auto_token_cap, document_memory_bytes
-from .strategies import check_plan_input, cyclic_gc_paused, new_planner, strategy_spec
+from .strategies import as_spec, check_plan_input, cyclic_gc_paused
 from .work import causal_pairs
 
 # ==== results ===================================================================================
@@ -183,12 +184,13 @@ class NoFeasibleLayout(PlanError):
 # ==== enumeration and cheap checks ==============================================================
 
 
-def enumerate_layouts(cost: CostModel, gpus: int, strategy: str,
+def enumerate_layouts(cost: CostModel, gpus: int, strategy: StrategySpec | str,
                       recompute_modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[ParallelConfig]:
     """Every ParallelConfig with tp * pp * cp * dp == gpus that the model, the node size and the
     strategy's constraints allow."""
+    spec = as_spec(strategy)
     model, hardware = cost.model, cost.hardware
-    constraints = strategy_spec(strategy).constraints
+    constraints = spec.constraints
     layouts = []
     for tp in divisors(gpus):
         if tp > hardware.gpus_per_node or model.num_attention_heads % tp or model.kv_heads % tp:
@@ -219,12 +221,13 @@ def _virtual_stage_counts(num_layers: int, pp: int) -> list[int]:
     return [v for v in divisors(num_layers // pp) if v <= MAX_VPP]
 
 
-def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
                          context_length: int) -> float:
     """A lower bound on the strategy's peak memory per device: static memory plus the
     activations (and, for slicing strategies, the KV cache) of what it must hold at once."""
+    spec = as_spec(strategy)
     static = cost.static_memory_bytes(parallel)
-    rule = strategy_spec(strategy).minimum_in_flight
+    rule = spec.minimum_in_flight
     if rule == "none":
         return static
     longest = max(lengths)
@@ -251,25 +254,27 @@ def minimum_memory_bytes(strategy: str, lengths: list[int], cost: CostModel, par
     return need
 
 
-def attention_pairs_bound(strategy: str, lengths: list[int]) -> float:
+def attention_pairs_bound(strategy: StrategySpec | str, lengths: list[int]) -> float:
     """Fewest attention pairs any plan of the strategy computes for these documents."""
-    if strategy_spec(strategy).splits_documents:  # a document cut in two keeps at least its halves' pairs
+    spec = as_spec(strategy)
+    if spec.splits_documents:  # a document cut in two keeps at least its halves' pairs
         return float(sum(causal_pairs(n // 2) + causal_pairs(n - n // 2) for n in lengths))
     return float(sum(causal_pairs(n) for n in lengths))
 
 
-def largest_pack_tokens(strategy: str, cost: CostModel, parallel: ParallelConfig,
+def largest_pack_tokens(strategy: StrategySpec | str, cost: CostModel, parallel: ParallelConfig,
                         config: SlimPackConfig | None = None) -> float:
     """Most tokens one pack can have on this layout (in its context-parallel terms: each device
     holds 1/cp of them). Every strategy's last stage holds at least the pack it runs (activations,
     logits, a recomputed layer) next to the static memory; KV caches and other packs in flight
     only lower that. Given its `config` (the context length, any cap set), SlimPack also never
     exceeds its own MicroPack cap (`_largest_micropack`)."""
+    spec = as_spec(strategy)
     room = cost.memory_budget_bytes() - cost.static_memory_bytes(parallel)
     per_token = (cost.activation_bytes(1.0, 1.0, parallel, last_stage=True)
                  + cost.recompute_peak_bytes(1.0, 1.0, parallel))
     largest = max(room, 0.0) / per_token
-    if strategy_spec(strategy).sizes_to_memory and config is not None:
+    if spec.sizes_to_memory and config is not None:
         largest = min(largest, _largest_micropack(cost, parallel, config))
     return largest
 
@@ -290,7 +295,7 @@ def _largest_micropack(cost: CostModel, parallel: ParallelConfig, config: SlimPa
     return largest
 
 
-def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+def iteration_lower_bound(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
                           pairs: float | None = None, config: SlimPackConfig | None = None) -> float:
     """Seconds no plan of this batch can beat on this layout: the last stage's forward and
     backward compute of all tokens in the largest packs memory allows (`largest_pack_tokens`;
@@ -298,37 +303,41 @@ def iteration_lower_bound(strategy: str, lengths: list[int], cost: CostModel, pa
     costs at least as much), spread over the dp ranks. Bubbles, p2p and the gradient reduction are
     left out. Where memory allows only small packs the bound rises with their lower efficiency,
     which tells the layout search early that a memory-starved layout cannot win. `pairs`:
-    `attention_pairs_bound(strategy, lengths)`, when the caller has it already; `config`: the
+    `attention_pairs_bound(spec, lengths)`, when the caller has it already; `config`: the
     planner's (its MicroPack cap)."""
+    spec = as_spec(strategy)
     if pairs is None:
-        pairs = attention_pairs_bound(strategy, lengths)
-    return work_lower_bound(strategy, float(sum(lengths)), pairs, cost, parallel, config)
+        pairs = attention_pairs_bound(spec, lengths)
+    return work_lower_bound(spec, float(sum(lengths)), pairs, cost, parallel, config)
 
 
-def work_lower_bound(strategy: str, tokens: float, pairs: float, cost: CostModel, parallel: ParallelConfig,
+def work_lower_bound(strategy: StrategySpec | str, tokens: float, pairs: float, cost: CostModel,
+                     parallel: ParallelConfig,
                      config: SlimPackConfig | None = None) -> float:
     """`iteration_lower_bound` of documents given by their totals (`pairs`: their
     `attention_pairs_bound`). Superadditive: the bounds of any split of the documents sum to at
     least the bound of all of them (once packs are full-size it is linear in tokens and pairs, and
     fewer tokens than a full pack only cost more per token)."""
+    spec = as_spec(strategy)
     if tokens <= 0:
         return 0.0
-    largest = max(largest_pack_tokens(strategy, cost, parallel, config), 1.0)
+    largest = max(largest_pack_tokens(spec, cost, parallel, config), 1.0)
     return cost.pass_time_bound(tokens, pairs, parallel, largest) / parallel.dp
 
 
-def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
+def cheap_rejection(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
                     context_length: int) -> Rejection | None:
     """Static memory, then the strategy's minimum need; None when neither rules the layout out."""
+    spec = as_spec(strategy)
     budget = cost.memory_budget_bytes()
     static = cost.static_memory_bytes(parallel)
     if static > budget:
         return Rejection(parallel, "static-memory",
                          f"memory: weights, gradients and optimizer state need {format_bytes(static)} per device, "
                          f"{format_bytes(budget)} usable on {cost.hardware.name}")
-    need = minimum_memory_bytes(strategy, lengths, cost, parallel, context_length)
+    need = minimum_memory_bytes(spec, lengths, cost, parallel, context_length)
     if need > budget:
-        rule, longest = strategy_spec(strategy).minimum_in_flight, max(lengths)
+        rule, longest = spec.minimum_in_flight, max(lengths)
         what = {
             "sequence": f"full {min(context_length, sum(lengths))}-token sequences (1F1B keeps up to pp of them "
                         "on stage 0)" if parallel.vpp == 1 else
@@ -340,7 +349,7 @@ def cheap_rejection(strategy: str, lengths: list[int], cost: CostModel, parallel
                                f"DP-Merge group ({parallel.dp & -parallel.dp} replicas),",
         }[rule]
         return Rejection(parallel, "minimum-memory",
-                         f"memory: {strategy} holds {what} in flight: at least {format_bytes(need)} per device, "
+                         f"memory: {spec.name} holds {what} in flight: at least {format_bytes(need)} per device, "
                          f"{format_bytes(budget)} usable on {cost.hardware.name}")
     return None
 
@@ -433,18 +442,18 @@ class _RemainingWork:
     steps still to come take at least the bound of the documents not trained yet: the batches not
     planned and what the planner still delays (`StepPlanner.untrained_lengths`)."""
 
-    strategy: str
+    spec: StrategySpec
     cost: CostModel
     tokens_from: list[float]  # tokens of batches[k:], k = 0 .. len(batches)
     pairs_from: list[float]  # their `attention_pairs_bound`
 
     @classmethod
-    def of(cls, strategy: str, batches: list[list[int]], cost: CostModel) -> "_RemainingWork":
+    def of(cls, spec: StrategySpec, batches: list[list[int]], cost: CostModel) -> "_RemainingWork":
         tokens, pairs = [0.0], [0.0]
         for lengths in reversed(batches):
             tokens.insert(0, tokens[0] + sum(lengths))
-            pairs.insert(0, pairs[0] + attention_pairs_bound(strategy, lengths))
-        return cls(strategy, cost, tokens, pairs)
+            pairs.insert(0, pairs[0] + attention_pairs_bound(spec, lengths))
+        return cls(spec, cost, tokens, pairs)
 
     @property
     def batches(self) -> int:
@@ -455,8 +464,8 @@ class _RemainingWork:
         planned = len(run.reports)
         delayed = run.planner.untrained_lengths()
         tokens = self.tokens_from[planned] + sum(delayed)
-        pairs = self.pairs_from[planned] + attention_pairs_bound(self.strategy, delayed)
-        rest = work_lower_bound(self.strategy, tokens, pairs, self.cost, run.parallel, run.config)
+        pairs = self.pairs_from[planned] + attention_pairs_bound(self.spec, delayed)
+        rest = work_lower_bound(self.spec, tokens, pairs, self.cost, run.parallel, run.config)
         return (sum(report.iteration_time_s for report in run.reports) + rest) / self.batches
 
     def stop(self, run: _Run, beat_s: float) -> Rejection | None:
@@ -521,7 +530,7 @@ def _drop_plans_of_slower(evaluations: dict[int, "LayoutEvaluation"], finalists:
 # dp_phase._CpModel, outcomes.kept).
 @cyclic_gc_paused()
 def best_layout(
-    strategy: str,
+    strategy: StrategySpec | str,
     batches: list[list[int]],
     cost: CostModel,
     gpus: int,
@@ -536,33 +545,32 @@ def best_layout(
     document lengths, each at most `context_length`). `layouts` replaces the enumeration (each is
     still checked: world size, model split, strategy constraints). Raises NoFeasibleLayout, whose
     `rejected` lists every layout with its reason, when nothing fits."""
+    spec = as_spec(strategy)
     started = time.perf_counter()
     if not batches:
         raise PlanError("best_layout: no batches given")
     if not isinstance(gpus, int) or gpus < 1:
         raise PlanError(f"best_layout: gpus must be a positive integer, got {gpus!r}")
     batches = [check_plan_input(lengths, context_length) for lengths in batches]
-    config = (base_config or SlimPackConfig()).with_(strategy=strategy, context_length=context_length)
-    new_planner(strategy)  # fails early, naming the known strategies, if `strategy` is unknown
+    config = (base_config or SlimPackConfig()).with_(strategy=spec.name, context_length=context_length)
     rejected: list[Rejection] = []
-    candidates = _candidates(strategy, cost, gpus, layouts, rejected)
+    candidates = _candidates(spec, cost, gpus, layouts, rejected)
     first = batches[0]
     screened: list[_Run] = []
     for parallel in candidates:
-        rejection = cheap_rejection(strategy, first, cost, parallel, context_length)
+        rejection = cheap_rejection(spec, first, cost, parallel, context_length)
         if rejection:
             rejected.append(rejection)
             continue
         screened.append(_Run(parallel, config))
-    runs, deferred = _screen(strategy, screened, first, cost, rejected, recompute_cascade, finalists)
+    runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
     stopped: set[int] = set()  # stateful runs that could no longer be among the finalists
-    spec = strategy_spec(strategy)
     finishing = math.inf if spec.stateful else finalists
     # A stateful planner that flushes trains every document: what is left bounds its mean.
-    bounded = spec.stateful and _flushes(new_planner(strategy))
-    remaining = _RemainingWork.of(strategy, batches, cost) if bounded else None
+    bounded = spec.stateful and _flushes(spec.new_planner())
+    remaining = _RemainingWork.of(spec, batches, cost) if bounded else None
     while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining)
            and deferred):
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
@@ -571,30 +579,31 @@ def best_layout(
         for _, rejection in deferred:
             rejected.remove(rejection)
         survivors = [run for run in runs if id(run) not in failed]
-        more, deferred = _screen(strategy, [run for run, _ in deferred], first, cost, rejected, recompute_cascade,
+        more, deferred = _screen(spec, [run for run, _ in deferred], first, cost, rejected, recompute_cascade,
                                  finalists, screened=survivors)
         runs = survivors + more + [run for run in runs if id(run) in failed]
     runs.sort(key=lambda run: run.reports[0].iteration_time_s)
     done = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)[:finalists]
     if not done:
-        raise NoFeasibleLayout(_no_layout_message(strategy, gpus, rejected), rejected)
+        raise NoFeasibleLayout(_no_layout_message(spec, gpus, rejected), rejected)
     return LayoutResult(
-        strategy=strategy, gpus=gpus, best=done[0], finalists=done,
+        strategy=spec.name, gpus=gpus, best=done[0], finalists=done,
         screened=[(run.parallel, run.reports[0].iteration_time_s) for run in runs],
         rejected=rejected, search_time_s=time.perf_counter() - started, candidates=len(candidates),
     )
 
 
-def _candidates(strategy: str, cost: CostModel, gpus: int, layouts, rejected: list[Rejection]) -> list[ParallelConfig]:
+def _candidates(spec: StrategySpec, cost: CostModel, gpus: int, layouts,
+                rejected: list[Rejection]) -> list[ParallelConfig]:
     if layouts is None:
-        found = enumerate_layouts(cost, gpus, strategy)
+        found = enumerate_layouts(cost, gpus, spec)
         if not found:
             raise NoFeasibleLayout(
-                f"no layout of {gpus} GPUs splits {cost.model.name} for {strategy}: tp must divide "
+                f"no layout of {gpus} GPUs splits {cost.model.name} for {spec.name}: tp must divide "
                 f"{cost.model.kv_heads} KV heads and be <= {cost.hardware.gpus_per_node}, pp must divide "
                 f"{cost.model.num_layers} layers", [])
         return found
-    constraints = strategy_spec(strategy).constraints
+    constraints = spec.constraints
     kept = []
     for parallel in layouts:
         try:
@@ -605,7 +614,7 @@ def _candidates(strategy: str, cost: CostModel, gpus: int, layouts, rejected: li
         if parallel.world_size != gpus:
             rejected.append(Rejection(parallel, "invalid", f"uses {parallel.world_size} GPUs, not {gpus}"))
         elif not constraints.allows(parallel):
-            rejected.append(Rejection(parallel, "invalid", f"not a {strategy} layout: {constraints.reason}"))
+            rejected.append(Rejection(parallel, "invalid", f"not a {spec.name} layout: {constraints.reason}"))
         else:
             kept.append(parallel)
     return kept
@@ -615,7 +624,7 @@ def _shape(parallel: ParallelConfig) -> tuple[int, ...]:
     return parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.dp
 
 
-def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
+def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
             recompute_cascade: bool, keep: int, screened: tuple[_Run, ...] | list[_Run] = ()
             ) -> tuple[list[_Run], list[tuple[_Run, Rejection]]]:
     """Plan and simulate the first batch on each layout, most promising (lowest bound) first. The
@@ -624,10 +633,9 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
     (run, rejection) of those not evaluated because they could not win."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
     # documents or bring back earlier ones, so it is screened without the bound.
-    spec: StrategySpec = strategy_spec(strategy)
     bounded = not spec.stateful
-    pairs = attention_pairs_bound(strategy, lengths)  # the same for every layout
-    bounds = {id(run): iteration_lower_bound(strategy, lengths, cost, run.parallel, pairs, run.config) for run in runs}
+    pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
+    bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
     # Bound order, a plain 1F1B shape (tp, pp, cp, dp) at a time, at the lowest bound of its
     # layouts. Within it the lighter recompute modes come first, as the recompute cascade needs
@@ -664,7 +672,7 @@ def _screen(strategy: str, runs: list[_Run], lengths: list[int], cost: CostModel
             deferred.append((run, not_worth))
             rejected.append(not_worth)
             continue
-        run.planner = new_planner(strategy)
+        run.planner = spec.new_planner()
         rejection = _plan_and_simulate(run, lengths, cost, 0)
         if rejection:
             rejected.append(rejection)
@@ -710,13 +718,13 @@ def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, fl
     return None
 
 
-def _no_layout_message(strategy: str, gpus: int, rejected: list[Rejection]) -> str:
+def _no_layout_message(spec: StrategySpec, gpus: int, rejected: list[Rejection]) -> str:
     """Rejections counted by kind, with the last (most parallel or most recompute) example of each."""
     by_kind: dict[str, list[Rejection]] = {}
     for rejection in rejected:
         by_kind.setdefault(rejection.kind, []).append(rejection)
     parts = [f"{len(items)} {kind} (e.g. {items[-1]})" for kind, items in by_kind.items()]
-    return (f"no feasible layout of {gpus} GPUs for {strategy}; {len(rejected)} rejected: " + "; ".join(parts)
+    return (f"no feasible layout of {gpus} GPUs for {spec.name}; {len(rejected)} rejected: " + "; ".join(parts)
             + ". Use more GPUs, activation recompute, a shorter context or a smaller model")
 
 

@@ -98,6 +98,12 @@ def strategy_spec(name: str) -> StrategySpec:
         raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategy_names())}") from None
 
 
+def as_spec(strategy: StrategySpec | str) -> StrategySpec:
+    """A strategy given by its spec or its name, resolved once where it enters (a public call);
+    below that, code passes the spec."""
+    return strategy if isinstance(strategy, StrategySpec) else strategy_spec(strategy)
+
+
 def strategy_names() -> list[str]:
     return sorted(REGISTRY)
 
