@@ -1,0 +1,98 @@
+"""A training step waits on the device a constant number of times, however many documents,
+slices, layers and MicroPacks it runs: every call that makes the host read a device tensor
+(`item`, `tolist`, `cpu`, `numpy`, `bool`/`int`/`float`/`index` of a tensor,
+`torch.cuda.synchronize`) drains the GPU's stream, so the runtime may make only a few per step."""
+import collections
+import random
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import random_plan
+
+VOCAB = 64
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+MAX_SYNCS_PER_STEP = 4
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts tensor calls that read device memory on the host, by the line that made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and func is getattr(torch.Tensor, name, None):
+            self.sites[f"{name} at {caller_outside_torch()}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def count_cuda_synchronize(self, *args, **kwargs):
+        self.sites[f"torch.cuda.synchronize at {caller_outside_torch()}"] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+
+def caller_outside_torch() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename and not frame.filename.endswith(__file__):
+            return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"
+    return "?"
+
+
+def sliced_plan(num_docs: int, slices_per_doc: int, num_micropacks: int, doc_length: int = 24):
+    """`num_docs` documents, each cut into `slices_per_doc` equal slices, spread over MicroPacks."""
+    rng = random.Random(num_docs * 1000 + slices_per_doc * 10 + num_micropacks)
+    step = doc_length // slices_per_doc
+    slicings = {sid: [(i * step, (i + 1) * step if i < slices_per_doc - 1 else doc_length)
+                      for i in range(slices_per_doc)] for sid in range(num_docs)}
+    plan = random_plan(rng, slicings, num_micropacks)
+    documents = {sid: torch.randint(0, VOCAB, (doc_length,), generator=torch.Generator().manual_seed(sid))
+                 for sid in slicings}
+    return plan, documents
+
+
+def count_step_syncs(monkeypatch, *, num_docs, slices_per_doc, num_micropacks, num_layers) -> SyncCounter:
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, slimpack_forward_backward
+    from megatron_slimpack.runtime.model import build_gpt_model, tiny_config
+
+    plan, documents = sliced_plan(num_docs, slices_per_doc, num_micropacks)
+    assert len(plan.replicas[0].micropacks) == num_micropacks
+    config = tiny_config(num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    torch.manual_seed(0)
+    model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=64, backend="torch")
+    source = InMemoryTokenSource(documents)
+    counter = SyncCounter()
+    monkeypatch.setattr(torch.cuda, "synchronize", counter.count_cuda_synchronize)
+    with counter:
+        result = slimpack_forward_backward(model=model, plan=plan, token_source=source, kv_store=KVStore())
+    assert result.loss is not None and all(p.grad is not None for p in model.parameters())
+    return counter
+
+
+BASE = dict(num_docs=4, slices_per_doc=2, num_micropacks=3, num_layers=1)
+DOUBLED = {
+    "documents": dict(BASE, num_docs=8),
+    "slices": dict(BASE, slices_per_doc=4, num_micropacks=4),
+    "micropacks": dict(BASE, num_micropacks=6),
+    "layers": dict(BASE, num_layers=2),
+    "everything": dict(num_docs=8, slices_per_doc=4, num_micropacks=8, num_layers=2),
+}
+
+
+def test_a_step_syncs_a_few_times(megatron_cpu, monkeypatch):
+    counter = count_step_syncs(monkeypatch, **BASE)
+    assert counter.total <= MAX_SYNCS_PER_STEP, f"{counter.total} host syncs per step: {dict(counter.sites)}"
+
+
+@pytest.mark.parametrize("doubled", sorted(DOUBLED))
+def test_syncs_do_not_grow_with_the_plan(megatron_cpu, monkeypatch, doubled):
+    base = count_step_syncs(monkeypatch, **BASE)
+    bigger = count_step_syncs(monkeypatch, **DOUBLED[doubled])
+    assert bigger.total == base.total, (f"doubling the {doubled}: {base.total} -> {bigger.total} host syncs per "
+                                        f"step; {dict(bigger.sites)}")
