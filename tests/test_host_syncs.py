@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import random_plan
+from conftest import random_segmentation, random_stage_order
 
 VOCAB = 64
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -46,14 +46,27 @@ def caller_outside_torch() -> str:
 
 
 def sliced_plan(num_docs: int, slices_per_doc: int, num_micropacks: int, doc_length: int = 24):
-    """`num_docs` documents, each cut into `slices_per_doc` equal slices, spread over MicroPacks."""
+    """`num_docs` documents, each cut into `slices_per_doc` equal slices; slice i of a document
+    goes to one of the i-th group of MicroPacks, so every MicroPack holds slices and each
+    document's slices run in order. Random asymmetric units and task order."""
+    from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
+    from megatron_slimpack.specs import ParallelConfig
+
     rng = random.Random(num_docs * 1000 + slices_per_doc * 10 + num_micropacks)
-    step = doc_length // slices_per_doc
-    slicings = {sid: [(i * step, (i + 1) * step if i < slices_per_doc - 1 else doc_length)
-                      for i in range(slices_per_doc)] for sid in range(num_docs)}
-    plan = random_plan(rng, slicings, num_micropacks)
+    group, step = num_micropacks // slices_per_doc, doc_length // slices_per_doc
+    packs: list[list] = [[] for _ in range(num_micropacks)]
+    for sid in range(num_docs):
+        for i in range(slices_per_doc):
+            end = (i + 1) * step if i < slices_per_doc - 1 else doc_length
+            packs[i * group + sid % group].append(Slice(sid, i * step, end))
+    replica = ReplicaPlan([MicroPack(p) for p in packs], [], [], [], dp_ranks=[0])
+    replica.forward_units = random_segmentation(rng, list(range(num_micropacks)))
+    replica.backward_units = random_segmentation(rng, replica.backward_sequence())
+    replica.stage_orders = [random_stage_order(rng, replica)]
+    plan = Plan([replica], [Sample(sid, doc_length) for sid in range(num_docs)], ParallelConfig(), doc_length,
+                "test").validate()
     documents = {sid: torch.randint(0, VOCAB, (doc_length,), generator=torch.Generator().manual_seed(sid))
-                 for sid in slicings}
+                 for sid in range(num_docs)}
     return plan, documents
 
 
@@ -75,11 +88,11 @@ def count_step_syncs(monkeypatch, *, num_docs, slices_per_doc, num_micropacks, n
     return counter
 
 
-BASE = dict(num_docs=4, slices_per_doc=2, num_micropacks=3, num_layers=1)
+BASE = dict(num_docs=4, slices_per_doc=2, num_micropacks=4, num_layers=1)
 DOUBLED = {
     "documents": dict(BASE, num_docs=8),
-    "slices": dict(BASE, slices_per_doc=4, num_micropacks=4),
-    "micropacks": dict(BASE, num_micropacks=6),
+    "slices": dict(BASE, slices_per_doc=4),
+    "micropacks": dict(BASE, num_micropacks=8),
     "layers": dict(BASE, num_layers=2),
     "everything": dict(num_docs=8, slices_per_doc=4, num_micropacks=8, num_layers=2),
 }
