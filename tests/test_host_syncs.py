@@ -109,3 +109,30 @@ def test_syncs_do_not_grow_with_the_plan(megatron_cpu, monkeypatch, doubled):
     bigger = count_step_syncs(monkeypatch, **DOUBLED[doubled])
     assert bigger.total == base.total, (f"doubling the {doubled}: {base.total} -> {bigger.total} host syncs per "
                                         f"step; {dict(bigger.sites)}")
+
+
+def test_rope_of_packed_rows_is_megatrons_thd_rope_without_its_host_reads(megatron_cpu):
+    """The core attention's RoPE (one table row per token) computes exactly what megatron's THD
+    RoPE computes with that table, in the forward and the backward."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_slimpack.plan import MicroPack, Slice
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, build_batch
+    from megatron_slimpack.runtime.model import tiny_config
+    from megatron_slimpack.runtime.rope import apply_rotary_rows, rotary_freqs_at, slice_positions
+
+    config = tiny_config(hidden_size=32, num_attention_heads=4)
+    source = InMemoryTokenSource({0: torch.arange(40), 1: torch.arange(9)})
+    params = build_batch(MicroPack([Slice(1, 0, 9), Slice(0, 25, 40)]), source, KVStore(), pad_to=8).packed_seq_params
+    freqs = rotary_freqs_at(RotaryEmbedding(kv_channels=8, rotary_percent=1.0), slice_positions(params),
+                            params.rotary_rows)
+    rows = torch.randn(params.host_cu_seqlens_q[-1], 4, 8, requires_grad=True)
+    counter = SyncCounter()
+    with counter:
+        ours = apply_rotary_rows(rows, freqs, config)
+    assert counter.total == 0, dict(counter.sites)
+    megatrons = apply_rotary_pos_emb(rows, freqs, config=config, cu_seqlens=params.cu_seqlens_q)
+    assert torch.equal(ours, megatrons)
+    grad = torch.randn_like(ours)
+    assert torch.equal(*(torch.autograd.grad(out, rows, grad)[0] for out in (ours, megatrons)))
