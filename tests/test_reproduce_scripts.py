@@ -427,6 +427,44 @@ def test_the_launcher_runs_the_python_of_reproduce_paper_never_the_system_python
     assert result.returncode == 1 and "PYTHON=" in result.stderr and "nowhere" in result.stderr
 
 
+def fake_slurm(directory: Path) -> Path:
+    """sbatch/srun/scontrol for the front of PATH that run the batch script on this machine, one node."""
+    directory.mkdir(parents=True, exist_ok=True)
+    scripts = {
+        "sbatch": """#!/bin/bash
+output=slurm.out; args=()
+for arg in "$@"; do
+  case "$arg" in --output=*) output="${arg#--output=}" ;; --wait|--nodes=*|--job-name=*) ;; *) args+=("$arg") ;; esac
+done
+export SLURM_JOB_ID=1 SLURM_JOB_NUM_NODES=1 SLURM_JOB_NODELIST=localhost
+bash "${args[@]}" > "$output" 2>&1
+""",
+        "srun": """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+SLURM_NODEID=0 exec "$@"
+""",
+        "scontrol": "#!/bin/sh\necho localhost\n",
+    }
+    for name, text in scripts.items():
+        (directory / name).write_text(text)
+        (directory / name).chmod(0o755)
+    return directory
+
+
+def test_the_slurm_job_runs_the_same_python_and_its_failure_is_loud(tmp_path):
+    slurm = f"{fake_slurm(tmp_path / 'slurm')}:{tmp_path / 'bin'}:{os.environ['PATH']}"
+    trainer = fake_trainer(tmp_path / "megatron", "print('trainer python:', sys.executable)\n" + ITERATIONS)
+    result = run_grid(tmp_path, trainer, "--launcher", "slurm", env={"PATH": slurm})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"trainer python: {VENV_PYTHON}" in (tmp_path / "logs" / f"{FIXED_RUN}.log").read_text()
+    assert "| 100.0 | 1.00x |" in result.stdout
+    fake_trainer(trainer, "print('boom: rank 3 lost its GPU'); sys.exit(1)\n")
+    (tmp_path / "logs" / f"{FIXED_RUN}.log").unlink()
+    result = run_grid(tmp_path, trainer, "--launcher", "slurm", env={"PATH": slurm})
+    assert result.returncode == 1 and "boom: rank 3 lost its GPU" in result.stderr
+    assert (tmp_path / "logs" / f"{FIXED_RUN}.failed.log").exists()
+
+
 def test_dry_run_lines_name_the_python_the_launchers_run(printed):
     runs = [run for run in printed.values() if run["args"]]
     assert runs and all(run["env"]["PYTHON"] == sys.executable for run in runs)
