@@ -6,23 +6,28 @@
 # Environment (defaults for a single node): NNODES=1 NODE_RANK=0 GPUS_PER_NODE=8
 # MASTER_ADDR=127.0.0.1 MASTER_PORT=29500. With --slimpack among the arguments the checkout must
 # carry the SlimPack patch (scripts/apply_patches.sh MEGATRON_DIR); this is checked first.
+# Python: PYTHON if set (reproduce_paper.sh sets it to its own), otherwise the project's .venv; never
+# the system python (scripts/python.sh).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 project="$(cd "$here/.." && pwd)"
+source "$here/python.sh"
 : "${MEGATRON_DIR:?set MEGATRON_DIR to a Megatron-LM checkout}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-PYTHON="${PYTHON:-python}"
 
 for arg in "$@"; do
   if [[ "$arg" == "--slimpack" ]]; then
-    if ! "$here/apply_patches.sh" --check "$MEGATRON_DIR" | grep -q "already applied"; then
+    status="$("$here/apply_patches.sh" --check "$MEGATRON_DIR" 2>&1)" || true
+    if [[ "$status" != *"already applied"* ]]; then
       echo "error: --slimpack needs the SlimPack patch in $MEGATRON_DIR/pretrain_gpt.py: run scripts/apply_patches.sh $MEGATRON_DIR" >&2
+      echo "$status" | sed 's/^/       /' >&2
       exit 1
     fi
+    break
   fi
 done
 

@@ -37,6 +37,12 @@ What Megatron-LM (core_v0.16.1) cannot express, said next to each affected run i
 
 Each run's log is parsed for Megatron's "elapsed time per iteration (ms)" lines and a table of
 ms/iteration and speedup over megatron-fixed is printed. Used through scripts/reproduce_paper.sh.
+
+A run counts only when its launcher exits 0 and its log has iteration times. It writes NAME.log.part
+while it runs; on success that becomes NAME.log (reused by later calls), otherwise NAME.failed.log,
+which is never reused: the next call runs it again. A failure ends the script with exit status 1 and
+the log's tail (with --keep-going after the remaining runs). The launchers get this interpreter as
+PYTHON, so they run the same Python.
 """
 from __future__ import annotations
 
@@ -225,8 +231,40 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
     return run
 
 
+FILTERS = ("models", "contexts", "clusters", "datasets", "strategies")
+
+
+class FilterError(ValueError):
+    """A filter value the grid does not have, or filters that leave no run."""
+
+
+def grid_values(grid: list[dict], clusters: dict) -> dict[str, list[str]]:
+    """Each filter's values in the grid, in the grid's order (contexts in tokens, as --contexts takes them)."""
+    values: dict[str, list[str]] = {key: [] for key in FILTERS}
+    for cell in grid:
+        found = {"models": [cell["model"]], "contexts": [str(cell["context"])],
+                 "clusters": [cluster_of(cell["gpus"], clusters)], "datasets": [cell["dataset"]],
+                 "strategies": list(cell["strategies"])}
+        for key, names in found.items():
+            values[key] += [name for name in names if name not in values[key]]
+    return values
+
+
+def check_filters(grid: list[dict], clusters: dict, only: dict) -> None:
+    """Refuse a filter value that is not in the grid (a typo would otherwise select nothing)."""
+    values = grid_values(grid, clusters)
+    problems = []
+    for key in FILTERS:
+        unknown = [value for value in only.get(key) or [] if value not in values[key]]
+        if unknown:
+            problems.append(f"--{key} {','.join(unknown)}: not in the grid; valid values: {', '.join(values[key])}")
+    if problems:
+        raise FilterError("\n".join(problems))
+
+
 def plan_runs(grid: list[dict], bench: dict, clusters: dict, data_paths: dict, only: dict) -> list[Run]:
     """Every (cell, strategy) of the grid that passes the filters in `only`, in the grid's order."""
+    check_filters(grid, clusters, only)
     runs = []
     for cell in grid:
         cluster = cluster_of(cell["gpus"], clusters)
@@ -239,6 +277,10 @@ def plan_runs(grid: list[dict], bench: dict, clusters: dict, data_paths: dict, o
                 continue
             data_path = data_paths.get(cell["dataset"]) or f"<DATA_PATH:{cell['dataset']}>"
             runs.append(plan_run(cell, strategy, bench, clusters, data_path))
+    if not runs:
+        chosen = " ".join(f"--{key} {','.join(only[key])}" for key in FILTERS if only.get(key))
+        raise FilterError(f"no cell of the grid has {chosen}: each value exists, but not together "
+                          "(benchmarks/results/paper_table.json lists the cells)")
     return runs
 
 
@@ -257,6 +299,7 @@ def launch(run: Run, clusters: dict, launcher: str, log: Path) -> tuple[list[str
     cluster = clusters[run.cluster]
     env = {key: str(value) for key, value in (cluster.get("env") or {}).items()}
     env["SLIMPACK_DIR"] = str(ROOT)
+    env["PYTHON"] = sys.executable  # the launchers run this interpreter, never another python on PATH
     if launcher == "slurm":
         command = ["sbatch", "--wait", f"--nodes={cluster['nodes']}", f"--job-name={run.strategy}",
                    f"--output={log.resolve()}", str(ROOT / "scripts" / "slurm_h100.sbatch")]
@@ -271,6 +314,28 @@ def mean_iteration_ms(text: str, skip: int) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+TAIL_LINES = 60
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else ["(no log written)"]
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def failed_log(log: Path) -> Path:
+    return log.with_name(log.name[:-len(".log")] + ".failed.log")
+
+
+def check_log(log: Path, skip: int) -> float | None:
+    """A kept log's mean ms/iteration; a log without iteration times is moved to NAME.failed.log (None)."""
+    if not log.exists():
+        return None
+    ms = mean_iteration_ms(log.read_text(errors="replace"), skip)
+    if ms is None:
+        log.replace(failed_log(log))
+    return ms
+
+
 def dry_run_text(run: Run, command: list[str], env: dict, log: Path, launcher: str) -> str:
     lines = [f"# {run.name}: grid layout {run.cell['strategies'][run.strategy]['layout']}"]
     if run.skip:
@@ -283,7 +348,8 @@ def dry_run_text(run: Run, command: list[str], env: dict, log: Path, launcher: s
     return "\n".join(lines)
 
 
-def table(runs: list[Run], times: dict) -> str:
+def table(runs: list[Run], times: dict, failed: dict | None = None) -> str:
+    failed = failed or {}
     lines = ["| model | context | GPUs | dataset | strategy | layout | ms/iter | speedup vs megatron-fixed | note |",
              "|---|---:|---:|---|---|---|---:|---:|---|"]
     for run in runs:
@@ -292,6 +358,8 @@ def table(runs: list[Run], times: dict) -> str:
         reference = times.get(run.name.rsplit(".", 1)[0] + "." + REFERENCE)
         speedup = f"{reference / ms:.2f}x" if ms and reference else "-"
         note = f"not run: {run.skip}" if run.skip else ("cross-document attention" if run.note else "")
+        if run.name in failed:
+            note = f"FAILED: {failed[run.name]}"
         lines.append(f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | "
                      f"{run.strategy} | {cell['strategies'][run.strategy]['layout']} | "
                      f"{f'{ms:.1f}' if ms else '-'} | {speedup} | {note} |")
@@ -308,9 +376,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print every run's command line, run nothing")
     parser.add_argument("--launcher", choices=["torchrun", "slurm"], default="slurm")
     parser.add_argument("--megatron-dir", default=os.environ.get("MEGATRON_DIR"))
-    parser.add_argument("--logs", default="out/paper", help="one log per run here; existing logs are reused")
+    parser.add_argument("--logs", default="out/paper",
+                        help="one log per run here: NAME.log of a successful run is reused, NAME.failed.log never")
     parser.add_argument("--parse-only", action="store_true", help="only parse existing logs and print the table")
-    for key in ("models", "contexts", "clusters", "datasets", "strategies"):
+    parser.add_argument("--keep-going", action="store_true",
+                        help="after a failed run, run the others before exiting with status 1")
+    for key in FILTERS:
         parser.add_argument(f"--{key}", default="", help=f"comma-separated subset of the grid's {key}")
     for dataset in ("wikipedia", "commoncrawl", "github"):
         parser.add_argument(f"--data-path-{dataset}", default=None, help=f"Megatron dataset prefix for {dataset}")
@@ -318,40 +389,95 @@ def main(argv=None) -> int:
     bench, clusters, data_paths = load_bench(Path(args.config))
     for dataset in data_paths:
         data_paths[dataset] = getattr(args, f"data_path_{dataset.replace('-', '_')}", None) or data_paths[dataset]
-    only = {k: [x for x in getattr(args, k).split(",") if x]
-            for k in ("models", "contexts", "clusters", "datasets", "strategies")}
-    runs = plan_runs(json.loads(Path(args.grid).read_text()), bench, clusters, data_paths, only)
+    only = {k: [x for x in getattr(args, k).split(",") if x] for k in FILTERS}
+    try:
+        runs = plan_runs(json.loads(Path(args.grid).read_text()), bench, clusters, data_paths, only)
+    except FilterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     logs = Path(args.logs)
     skip = int(bench.get("skip_first_iters", 0))
     times: dict = {}
+    failed: dict = {}  # run name -> what went wrong
     for run in runs:
         log = logs / f"{run.name}.log"
-        command, env = launch(run, clusters, args.launcher, log)
         if args.dry_run:
+            command, env = launch(run, clusters, args.launcher, log)
             env = {"MEGATRON_DIR": args.megatron_dir or "<MEGATRON_DIR>", **env}
             print(dry_run_text(run, command, env, log, args.launcher))
             continue
         if run.skip:
             print(f"[paper] {run.name} not run: {run.skip}", file=sys.stderr)
             continue
-        if not log.exists() and not args.parse_only:
-            if not args.megatron_dir:
-                raise SystemExit("set --megatron-dir or MEGATRON_DIR (a Megatron-LM checkout, patched for --slimpack)")
-            if "<DATA_PATH" in " ".join(command):
-                dataset = run.cell["dataset"]
-                raise SystemExit(f"{dataset}: give --data-path-{dataset} (a Megatron dataset prefix)")
-            logs.mkdir(parents=True, exist_ok=True)
-            print(f"[paper] {run.name} ...", file=sys.stderr, flush=True)
-            environment = {**os.environ, **env, "MEGATRON_DIR": args.megatron_dir}
-            if args.launcher == "slurm":  # Slurm writes the job's output to the log (--output)
-                subprocess.run(command, check=False, env=environment)
-            else:
-                with open(log, "w") as handle:
-                    subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, check=False, env=environment)
-        times[run.name] = mean_iteration_ms(log.read_text(), skip) if log.exists() else None
+        if args.parse_only:
+            if log.exists():
+                times[run.name] = mean_iteration_ms(log.read_text(errors="replace"), skip)
+                if times[run.name] is None:
+                    failed[run.name] = "its log has no iteration times"
+                    report_failure(run, failed[run.name], log)
+            elif failed_log(log).exists():
+                failed[run.name] = f"failed (its log: {failed_log(log)})"
+                report_failure(run, failed[run.name], failed_log(log))
+            continue
+        times[run.name] = check_log(log, skip)  # a kept log without iteration times is moved aside
+        if times[run.name] is None:
+            times[run.name], problem = execute(run, clusters, args, log, skip)
+            if problem:
+                failed[run.name] = problem
+                report_failure(run, problem, failed_log(log))
+                if not args.keep_going:
+                    break
     if not args.dry_run:
-        print(table(runs, times))
+        print(table(runs, times, failed))
+    if failed:
+        print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; their logs are the *.failed.log files in "
+              f"{logs} (a new call runs them again)", file=sys.stderr)
+        return 1
     return 0
+
+
+def execute(run: Run, clusters: dict, args, log: Path, skip: int) -> tuple[float | None, str | None]:
+    """Run `run` with its output in NAME.log.part, kept as NAME.log when it succeeded (exit status 0 and
+    iteration times), else as NAME.failed.log. Returns (mean ms/iteration, None) or (None, what failed)."""
+    partial = log.with_name(log.name + ".part")
+    command, env = launch(run, clusters, args.launcher, partial)
+    if not args.megatron_dir:
+        raise SystemExit("error: set --megatron-dir or MEGATRON_DIR (a Megatron-LM checkout, patched for --slimpack)")
+    if "<DATA_PATH" in " ".join(command):
+        dataset = run.cell["dataset"]
+        raise SystemExit(f"error: {dataset}: give --data-path-{dataset} (a Megatron dataset prefix)")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
+    print(f"[paper] {run.name} ...", file=sys.stderr, flush=True)
+    environment = {**os.environ, **env, "MEGATRON_DIR": args.megatron_dir}
+    try:
+        if args.launcher == "slurm":  # Slurm writes the job's output to the log (--output)
+            status = subprocess.run(command, check=False, env=environment).returncode
+        else:
+            with open(partial, "w") as handle:
+                status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, check=False,
+                                        env=environment).returncode
+    except OSError as error:  # the launcher itself could not start
+        partial.write_text(f"{shlex.join(command[:1])}: {error}\n")
+        status = 127
+    text = partial.read_text(errors="replace") if partial.exists() else ""
+    ms = mean_iteration_ms(text, skip)
+    if status == 0 and ms is not None:
+        partial.replace(log)
+        failed_log(log).unlink(missing_ok=True)
+        return ms, None
+    if partial.exists():
+        partial.replace(failed_log(log))
+    else:
+        failed_log(log).write_text("(the launcher wrote no log)\n")
+    if status != 0:
+        return None, f"exit status {status}"
+    return None, "no \"elapsed time per iteration (ms)\" line in its log"
+
+
+def report_failure(run: Run, problem: str, log: Path) -> None:
+    print(f"error: {run.name} failed: {problem}. The last {TAIL_LINES} lines of {log}:\n{log_tail(log)}",
+          file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,16 @@
 #
 # --launcher slurm (default) submits scripts/slurm_h100.sbatch with sbatch --wait, one job at a time;
 # --launcher torchrun runs scripts/launch_torchrun.sh here (one node per call: set NNODES, NODE_RANK,
-# MASTER_ADDR and run the same command on every node). --strategies NAME,... picks strategies.
+# MASTER_ADDR and run the same command on every node). --models, --contexts, --clusters, --datasets and
+# --strategies pick a part of the grid (a value the grid lacks is an error listing the valid ones).
+#
+# Failures stop the script: a run that exits non-zero or prints no iteration time ends it with exit
+# status 1 and the tail of the run's log (--keep-going runs the rest first). A run writes NAME.log.part
+# while it runs; a successful log becomes NAME.log (reused by later calls), a failed one NAME.failed.log
+# (never reused: the run is repeated).
+#
+# Python: PYTHON if set, otherwise the project's .venv (scripts/python.sh); the launchers run the same one.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PYTHON="${PYTHON:-$( [[ -x "$here/../.venv/bin/python" ]] && echo "$here/../.venv/bin/python" || echo python3)}"
+source "$here/python.sh"
 exec "$PYTHON" "$here/reproduce_paper.py" "$@"

@@ -63,3 +63,34 @@ def test_the_torch_kernel_passes_its_own_probe(dtype, megatron_cpu):
 
     module = SlicedDotProductAttention(_config(), layer_number=1, attn_mask_type=None, backend="torch")
     assert backend_probe.probe(module, dtype, heads=4, groups=2, head_dim=16, device="cpu") is None
+
+
+@pytest.mark.parametrize("tp, heads, groups", [(1, 64, 8), (2, 32, 4), (8, 8, 1), (16, 4, 1), (32, 2, 1)])
+def test_heads_per_rank_for_every_tp(tp, heads, groups):
+    """64 heads in 8 query groups: below 8 ranks the groups are split; above, every rank holds one."""
+    from megatron_slimpack.runtime.model import tiny_config
+
+    config = tiny_config(num_layers=1, hidden_size=64 * 8, num_attention_heads=64, num_query_groups=8,
+                         tensor_model_parallel_size=tp)
+    assert backend_probe.heads_per_rank(config) == (heads, groups)
+
+
+def test_the_probe_runs_with_fewer_query_groups_than_tp_ranks(monkeypatch, megatron_cpu):
+    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.model import tiny_config
+
+    config = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                         tensor_model_parallel_size=4)
+    seen = []
+
+    def recording_kernel(q, k, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1]))
+        return kernels.torch_kernel(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(backend_probe, "available_backends", lambda: ["flash", "torch"])
+    monkeypatch.setitem(kernels.KERNELS, "flash", recording_kernel)
+    single = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2)
+    choice = backend_probe.choose_backend(
+        config, torch.device("cpu"),
+        lambda name: SlicedDotProductAttention(single, layer_number=1, attn_mask_type=None, backend=name))
+    assert choice.backend == "flash" and seen and set(seen) == {(2, 1)}

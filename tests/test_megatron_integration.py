@@ -34,6 +34,10 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-format", dest="fp8", default=None)
     parser.add_argument("--qk-clip", action="store_true")
     parser.add_argument("--log-max-attention-logit", action="store_true")
+    parser.add_argument("--tp-comm-overlap", action="store_true")
+    parser.add_argument("--enable-cuda-graph", action="store_true")
+    parser.add_argument("--external-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph-impl", default="none")
     return parser
 
 
@@ -105,6 +109,14 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--qk-clip"), "--qk-clip"),
     (("--calculate-per-token-loss", "--log-max-attention-logit"), "--log-max-attention-logit"),
     (("--calculate-per-token-loss", "--seq-length", "0"), "--seq-length must be a positive integer"),
+    # Megatron features built for one fixed activation shape:
+    (("--calculate-per-token-loss", "--tp-comm-overlap"), "--tp-comm-overlap: .*remove --tp-comm-overlap"),
+    (("--calculate-per-token-loss", "--enable-cuda-graph"), "--enable-cuda-graph: .*use --cuda-graph-impl none"),
+    (("--calculate-per-token-loss", "--external-cuda-graph"), "--external-cuda-graph: .*use --cuda-graph-impl none"),
+    (("--calculate-per-token-loss", "--cuda-graph-impl", "local"),
+     "--cuda-graph-impl local: .*use --cuda-graph-impl none"),
+    (("--calculate-per-token-loss", "--cuda-graph-impl", "transformer_engine"),
+     "--cuda-graph-impl transformer_engine: .*remove --enable-cuda-graph"),
 ])
 def test_validation_errors_name_the_flag(argv, message):
     from megatron_slimpack.megatron import SlimPackArgumentError, validate_slimpack_args

@@ -11,8 +11,10 @@ import copy
 import importlib.util
 import io
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -324,3 +326,237 @@ def test_the_checks_catch_a_command_line_that_does_not_run_the_grid_layout(print
         with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(error, match=match):
             with contextlib.redirect_stderr(io.StringIO()):
                 check_run(megatron_arguments, monkeypatch, cell, strategy, run)
+
+
+# ---- running the grid: failures are loud, one Python, filters checked -------------------------
+CELL = ["--models", "llama-7b", "--contexts", "65536", "--clusters", "h100-128", "--datasets", "wikipedia"]
+FIXED_RUN = "llama-7b_64k_h100-128_wikipedia.megatron-fixed"
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+FIXED_LAYOUT = next(cell["strategies"]["megatron-fixed"]["layout"] for cell in GRID
+                    if f"{cell_name(cell)}.megatron-fixed" == FIXED_RUN)
+
+
+def fake_trainer(directory: Path, body: str) -> Path:
+    """A Megatron-LM directory whose pretrain_gpt.py is `body` (torchrun starts it as the trainer)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pretrain_gpt.py").write_text("import os, sys\n" + body)
+    return directory
+
+
+def system_python(directory: Path) -> Path:
+    """A `python` for the front of PATH that fails like a system Python without torch."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fake = directory / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch' (system python)\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    return directory
+
+
+def run_grid(tmp_path: Path, trainer: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """reproduce_paper.sh with the torchrun launcher (one local rank) on megatron-fixed of one cell."""
+    from megatron_slimpack.runtime.processes import free_port
+
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    environment.update({"MEGATRON_DIR": str(trainer), "GPUS_PER_NODE": "1", "MASTER_PORT": str(free_port()),
+                        "PATH": f"{system_python(tmp_path / 'bin')}:{os.environ['PATH']}", **(env or {})})
+    return subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_paper.sh"), "--launcher", "torchrun", *CELL,
+                           "--strategies", "megatron-fixed", "--data-path-wikipedia", str(tmp_path / "data"),
+                           "--logs", str(tmp_path / "logs"), *argv],
+                          capture_output=True, text=True, timeout=180, env=environment)
+
+
+ITERATIONS = "".join(f"print(' iteration {i}/8 | elapsed time per iteration (ms): 100.0 |')\n" for i in range(8))
+
+
+def test_a_failed_run_exits_non_zero_with_its_log_tail_and_is_run_again(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # a log without iteration times (a run that died) is not a result: it is run again
+    (logs / f"{FIXED_RUN}.log").write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
+    trainer = fake_trainer(tmp_path / "megatron", "print('loading the data set'); print('boom: NCCL timeout')\n"
+                                                  "sys.exit(3)\n")
+    result = run_grid(tmp_path, trainer)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{FIXED_RUN} failed: exit status" in result.stderr and "boom: NCCL timeout" in result.stderr
+    assert "FAILED" in result.stdout
+    assert not (logs / f"{FIXED_RUN}.log").exists() and not (logs / f"{FIXED_RUN}.log.part").exists()
+    assert "boom: NCCL timeout" in (logs / f"{FIXED_RUN}.failed.log").read_text()
+
+    # the failed log is not reused: the next call runs it again
+    fake_trainer(trainer, ITERATIONS)
+    result = run_grid(tmp_path, trainer)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"| megatron-fixed | {FIXED_LAYOUT} | 100.0 | 1.00x |" in result.stdout
+    assert "elapsed time per iteration" in (logs / f"{FIXED_RUN}.log").read_text()
+    assert not (logs / f"{FIXED_RUN}.failed.log").exists()
+
+
+def test_a_run_that_prints_no_iteration_time_fails(tmp_path):
+    trainer = fake_trainer(tmp_path / "megatron", "print('> building GPT model ...'); print('exiting early')\n")
+    result = run_grid(tmp_path, trainer)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "no \"elapsed time per iteration (ms)\" line" in result.stderr and "exiting early" in result.stderr
+    assert (tmp_path / "logs" / f"{FIXED_RUN}.failed.log").exists()
+    # --parse-only says so as well, for a log kept under the successful name
+    (tmp_path / "logs" / f"{FIXED_RUN}.failed.log").rename(tmp_path / "logs" / f"{FIXED_RUN}.log")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = reproduce_paper.main(["--parse-only", "--launcher", "torchrun", "--logs", str(tmp_path / "logs"),
+                                       *CELL])
+    assert status == 1 and "its log has no iteration times" in err.getvalue() and "FAILED" in out.getvalue()
+
+
+def test_the_launcher_runs_the_python_of_reproduce_paper_never_the_system_python(tmp_path):
+    body = "print('trainer python:', sys.executable, os.environ.get('WRAPPED', '-'))\n" + ITERATIONS
+    trainer = fake_trainer(tmp_path / "megatron", body)
+    # `python` on PATH is a system Python without torch: the project's .venv runs everything
+    result = run_grid(tmp_path, trainer)
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "logs" / f"{FIXED_RUN}.log").read_text()
+    assert f"trainer python: {VENV_PYTHON} -" in log
+    # PYTHON overrides it, for reproduce_paper.sh and the launcher alike
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\nWRAPPED=yes exec {VENV_PYTHON} \"$@\"\n")
+    wrapper.chmod(0o755)
+    (tmp_path / "logs" / f"{FIXED_RUN}.log").unlink()
+    result = run_grid(tmp_path, trainer, env={"PYTHON": str(wrapper)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"trainer python: {VENV_PYTHON} yes" in (tmp_path / "logs" / f"{FIXED_RUN}.log").read_text()
+    # a PYTHON that does not exist is an error naming it, not a fall back to another interpreter
+    result = run_grid(tmp_path, trainer, "--dry-run", env={"PYTHON": str(tmp_path / "nowhere" / "python")})
+    assert result.returncode == 1 and "PYTHON=" in result.stderr and "nowhere" in result.stderr
+
+
+def fake_slurm(directory: Path) -> Path:
+    """sbatch/srun/scontrol for the front of PATH that run the batch script on this machine, one node."""
+    directory.mkdir(parents=True, exist_ok=True)
+    scripts = {
+        "sbatch": """#!/bin/bash
+output=slurm.out; args=()
+for arg in "$@"; do
+  case "$arg" in --output=*) output="${arg#--output=}" ;; --wait|--nodes=*|--job-name=*) ;; *) args+=("$arg") ;; esac
+done
+export SLURM_JOB_ID=1 SLURM_JOB_NUM_NODES=1 SLURM_JOB_NODELIST=localhost
+bash "${args[@]}" > "$output" 2>&1
+""",
+        "srun": """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+SLURM_NODEID=0 exec "$@"
+""",
+        "scontrol": "#!/bin/sh\necho localhost\n",
+    }
+    for name, text in scripts.items():
+        (directory / name).write_text(text)
+        (directory / name).chmod(0o755)
+    return directory
+
+
+def test_the_slurm_job_runs_the_same_python_and_its_failure_is_loud(tmp_path):
+    slurm = f"{fake_slurm(tmp_path / 'slurm')}:{tmp_path / 'bin'}:{os.environ['PATH']}"
+    trainer = fake_trainer(tmp_path / "megatron", "print('trainer python:', sys.executable)\n" + ITERATIONS)
+    result = run_grid(tmp_path, trainer, "--launcher", "slurm", env={"PATH": slurm})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"trainer python: {VENV_PYTHON}" in (tmp_path / "logs" / f"{FIXED_RUN}.log").read_text()
+    assert "| 100.0 | 1.00x |" in result.stdout
+    fake_trainer(trainer, "print('boom: rank 3 lost its GPU'); sys.exit(1)\n")
+    (tmp_path / "logs" / f"{FIXED_RUN}.log").unlink()
+    result = run_grid(tmp_path, trainer, "--launcher", "slurm", env={"PATH": slurm})
+    assert result.returncode == 1 and "boom: rank 3 lost its GPU" in result.stderr
+    assert (tmp_path / "logs" / f"{FIXED_RUN}.failed.log").exists()
+
+
+def test_dry_run_lines_name_the_python_the_launchers_run(printed):
+    runs = [run for run in printed.values() if run["args"]]
+    assert runs and all(run["env"]["PYTHON"] == sys.executable for run in runs)
+
+
+@pytest.mark.parametrize("argv, valid", [
+    (["--models", "llama-8b"], "llama-7b, llama-13b, llama-70b, llama-150b"),
+    (["--strategies", "slimpack,slimpak"], "megatron-fixed"),
+    (["--contexts", "64k"], "65536, 131072, 262144"),
+    (["--clusters", "h100-64"], "h100-128"),
+    (["--datasets", "wiki"], "wikipedia"),
+])
+def test_a_filter_value_outside_the_grid_is_an_error_listing_the_valid_ones(argv, valid, capsys):
+    assert reproduce_paper.main(["--dry-run", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"--{argv[0][2:]} {argv[1].split(',')[-1]}: not in the grid; valid values: " in captured.err
+    assert valid in captured.err
+
+
+def test_the_shell_wrapper_exits_non_zero_on_a_filter_typo():
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_paper.sh"), "--dry-run", "--models",
+                             "llama-8b"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stdout == ""
+    assert "llama-8b: not in the grid; valid values: llama-7b" in result.stderr
+
+
+# ---- apply_patches.sh with the megatron-core wheel -----------------------------------------------
+def apply_patches(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "apply_patches.sh"), *argv], capture_output=True,
+                          text=True, timeout=120, env={**environment, **(env or {})})
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
+def test_apply_patches_reads_the_release_of_the_installed_megatron_core(tmp_path):
+    """A Megatron-LM checkout without megatron/core (the trainer extract of ../shared/megatron-lm, as used
+    with the megatron-core wheel): the release is the venv's megatron-core."""
+    import megatron.core.package_info as info
+
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    shutil.copyfile(harness.megatron_lm() / "pretrain_gpt.py", checkout / "pretrain_gpt.py")
+    version = f"{info.MAJOR}.{info.MINOR}"
+    result = apply_patches("--check", str(checkout))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "applies cleanly" in result.stdout and f"megatron-core {version}" in result.stdout
+    result = apply_patches(str(checkout))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "install_slimpack(" in (checkout / "pretrain_gpt.py").read_text()
+    # an installed release without a patch is named, with where it was found
+    site = tmp_path / "site" / "megatron" / "core"
+    site.mkdir(parents=True)
+    (site / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
+    result = apply_patches("--check", str(checkout), env={"PYTHONPATH": str(tmp_path / "site")})
+    assert result.returncode == 1 and "megatron-core 0.12" in result.stderr and "supported" in result.stderr
+    assert str(site / "package_info.py") in result.stderr
+    # a Python without megatron-core: said so, with the fix
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S -I \"$@\"\n")  # no site-packages, no PYTHONPATH
+    bare.chmod(0o755)
+    result = apply_patches("--check", str(checkout), env={"PYTHON": str(bare)})
+    assert result.returncode == 1 and "finds no installed megatron-core" in result.stderr
+    assert "set PYTHON" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
+def test_apply_patches_prints_every_flag_slimpack_requires(tmp_path, megatron_arguments):
+    """The "train with:" flags, added to a command line without them, pass validate_slimpack_args (here
+    a checkout with its own megatron/core/package_info.py, as the real-trainer harness builds one)."""
+    import megatron.core.package_info as info
+
+    checkout = tmp_path / "Megatron-LM"
+    (checkout / "megatron" / "core").mkdir(parents=True)
+    shutil.copyfile(harness.megatron_lm() / "pretrain_gpt.py", checkout / "pretrain_gpt.py")
+    shutil.copyfile(info.__file__, checkout / "megatron" / "core" / "package_info.py")
+    result = apply_patches(str(checkout))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (hint,) = [line for line in result.stdout.splitlines() if line.startswith("train with:")]
+    flags = shlex.split(hint.split("pretrain_gpt.py ...", 1)[1])
+    assert "--micro-batch-size" in flags and "--no-rope-fusion" in flags
+    assert apply_patches("--check", str(checkout)).stdout.count(hint) == 1  # said again when already applied
+    from megatron_slimpack.megatron import add_slimpack_args, validate_slimpack_args
+
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "512",
+             "--max-position-embeddings", "512", "--global-batch-size", "8", "--position-embedding-type", "rope",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--mock-data"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *model, *flags])
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = megatron_arguments.validate_args(megatron_arguments.parse_args(
+                extra_args_provider=add_slimpack_args, ignore_unknown_args=False))
+        validate_slimpack_args(args)

@@ -158,6 +158,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         problems.append("--slimpack cannot be combined with --hybrid-context-parallel")
     if getattr(args, "apply_rope_fusion", False):
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
+    problems += _fixed_shape_problems(args)
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
         problems.append("--slimpack needs --micro-batch-size 1 (a MicroPack is one packed THD sequence)")
     for flag in ("fp8", "fp4"):
@@ -193,6 +194,29 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
                             "--no-slimpack-dp-merge")
     if problems:
         raise SlimPackArgumentError("invalid SlimPack arguments:\n  - " + "\n  - ".join(problems))
+
+
+_GRAPH_FIX = ("use --cuda-graph-impl none (the default) and remove --enable-cuda-graph / "
+              "--external-cuda-graph")
+
+
+def _fixed_shape_problems(args) -> list[str]:
+    """Megatron features built once for one activation shape (--seq-length x --micro-batch-size
+    tokens): every MicroPack has its own token count, so they would fail or read past buffers."""
+    problems = []
+    if getattr(args, "tp_comm_overlap", False):
+        problems.append("--slimpack cannot be combined with --tp-comm-overlap: Transformer Engine's userbuffers are "
+                        "allocated once for --seq-length x --micro-batch-size tokens and MicroPacks vary in size; "
+                        "remove --tp-comm-overlap (tensor parallelism still runs, without the overlap)")
+    for flag in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(args, flag, False):
+            problems.append(f"--slimpack cannot be combined with --{flag.replace('_', '-')}: a CUDA graph replays "
+                            f"fixed tensor shapes and every MicroPack has its own token count; {_GRAPH_FIX}")
+    impl = getattr(args, "cuda_graph_impl", None) or "none"
+    if impl != "none":
+        problems.append(f"--slimpack cannot be combined with --cuda-graph-impl {impl}: a CUDA graph replays fixed "
+                        f"tensor shapes and every MicroPack has its own token count; {_GRAPH_FIX}")
+    return problems
 
 
 def virtual_stages_of_args(args) -> int:

@@ -30,16 +30,19 @@ from .kernels import (  # noqa: F401  (re-exported: the runtime's public names)
     available_backends,
     resolve_backend,
     segment_attention,
+    takes_host_bounds,
     torch_kernel,
 )
 from .kv_store import KVStore, stored_and_prefixed  # noqa: F401
+from .rope import apply_rotary_rows
 from .seq_params import PositionRuns, SlicedSeqParams
 
 
 # ---- the core attention --------------------------------------------------------------------
 class SlicedAttentionMixin:
     """Backend-independent part: segments, KV prefix look-up/storage, gradient hand-off.
-    A backend class provides `_attend(q, k, v, cu_q, cu_kv, max_q, max_kv) -> [Tq, H*D]`."""
+    A backend class provides `_attend(q, k, v, cu_q, cu_kv, max_q, max_kv, bounds=None) -> [Tq, H*D]`
+    (`bounds`: cu_q and cu_kv as host ints, where known)."""
 
     layer_number: int
 
@@ -50,6 +53,7 @@ class SlicedAttentionMixin:
         if attention_bias is not None:
             raise NotImplementedError("sliced attention does not support an attention bias")
         if isinstance(packed_seq_params, SlicedSeqParams):
+            query, key = self._rotated(query, key, packed_seq_params)
             return self._sliced(query, key, value, packed_seq_params)
         if packed_seq_params is not None:  # stock THD packing: whole sequences, causal
             cu = packed_seq_params.cu_seqlens_q
@@ -61,9 +65,17 @@ class SlicedAttentionMixin:
         def to_thd(x):
             return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
 
+        bounds = list(range(0, (b + 1) * s, s))
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
-        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu, cu, s, s)
+        out = self._attend(to_thd(query), to_thd(key), to_thd(value), cu, cu, s, s, bounds=(bounds, bounds))
         return out.view(b, s, -1).transpose(0, 1).contiguous()
+
+    def _rotated(self, query, key, params: SlicedSeqParams):
+        """RoPE at the tokens' absolute positions (the model leaves it to us: rope.py)."""
+        if params.rotary_freqs is None:
+            return query, key
+        return apply_rotary_rows(query, params.rotary_freqs, self.config), apply_rotary_rows(
+            key, params.rotary_freqs, self.config)
 
     def _attend_positions(self, q, k, v, cu_q, cu_kv, q_positions, runs=None):
         """Local queries at arbitrary absolute positions against natural-order keys (DP-Merge):
@@ -84,11 +96,11 @@ class SlicedAttentionMixin:
             return cp_sliced_attention(self, query, key, value, params)
         if params.cu_seqlens_attn_kv is None:
             raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with runtime.batch)")
-        cu_q = params.slice_cu_seqlens
+        bounds = params.slice_bounds
         keys, values = stored_and_prefixed(params.kv_store, self.layer_number, key, value,
-                                           cu_q.tolist(), params.sample_ids, params.starts, params.keeps_kv)
-        return self._attend(query, keys, values, cu_q, params.cu_seqlens_attn_kv,
-                            params.max_seqlen_q, params.max_seqlen_attn_kv)
+                                           bounds, params.sample_ids, params.starts, params.keeps_kv)
+        return self._attend(query, keys, values, params.slice_cu_seqlens, params.cu_seqlens_attn_kv,
+                            params.max_seqlen_q, params.max_seqlen_attn_kv, bounds=(bounds, params.attn_kv_bounds))
 
 
 class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
@@ -106,15 +118,17 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
                                       "(runtime/merge.py)")
         self.layer_number = max(1, layer_number)
         self.kernel = KERNELS[backend]
+        self.kernel_options = {"bounds": None} if takes_host_bounds(self.kernel) else None
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv):
+    def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv, bounds=None):
         dropout = self.dropout_p if self.training else 0.0
+        options = dict(self.kernel_options, bounds=bounds) if self.kernel_options is not None else {}
         # Attention dropout draws from Megatron's model-parallel RNG stream (as its own core
         # attention does): each TP rank holds other heads, so their masks must differ.
         with get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
-            out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout)
+            out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout, **options)
         return out.reshape(out.shape[0], -1)
 
 
@@ -127,7 +141,7 @@ try:  # pragma: no cover - needs TE and a GPU
         """TE's fused attention on [prefix + slice] keys. megatron's `AttnMaskType` has no
         bottom-right padding mask, so TE's own forward is called with TE's mask name."""
 
-        def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv):
+        def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv, bounds=None):
             import transformer_engine.pytorch as te
 
             out = te.DotProductAttention.forward(

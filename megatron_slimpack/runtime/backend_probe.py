@@ -75,12 +75,18 @@ def probe(module, dtype: torch.dtype, heads: int, groups: int, head_dim: int, de
     return None
 
 
+def heads_per_rank(config) -> tuple[int, int]:
+    """(query heads, K/V groups) one TP rank's core attention sees. With fewer groups than TP
+    ranks, megatron-core gives every rank one group (replicated) and its share of the heads."""
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    groups = config.num_query_groups or config.num_attention_heads
+    return config.num_attention_heads // tp, max(1, groups // tp)
+
+
 def choose_backend(config, device, build) -> BackendChoice:
     """The first available backend (fastest first) whose module, `build(name)`, passes `probe`
     with the model's dtype and this TP rank's heads; torch when none does."""
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    heads = config.num_attention_heads // tp
-    groups = (config.num_query_groups or config.num_attention_heads) // tp
+    heads, groups = heads_per_rank(config)
     head_dim = config.kv_channels
     dtype = config.params_dtype if (config.bf16 or config.fp16) else torch.float32
     passed_over = {}

@@ -11,6 +11,7 @@ tokens (`SlicedSeqParams.padding`), so real tokens' outputs and every gradient a
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
@@ -75,6 +76,11 @@ def append_padding(rows: int, tokens: list, labels: list, loss_mask: list, posit
     positions.append(torch.arange(rows))
 
 
+def host_cu_seqlens(lengths: Sequence[int]) -> list[int]:
+    """Cumulative segment boundaries [0, l0, l0 + l1, ...] as host ints."""
+    return [0, *itertools.accumulate(lengths)]
+
+
 def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | None,
                 device: torch.device | str = "cpu", pad_to: int = 1) -> MicroPackBatch:
     """The MicroPack's slices as one packed batch, padded to a multiple of `pad_to` rows."""
@@ -103,13 +109,15 @@ def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | N
         append_padding(padding, tokens, labels, loss_mask, positions)
     segments = lengths + [padding] * bool(padding)
     cu_q = cu_seqlens(segments, device)
+    position_ids = torch.cat(positions).to(device=device, dtype=torch.long).unsqueeze(0)
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
         max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
         sample_ids=[s.sample_id for s in micropack.slices], starts=[s.start for s in micropack.slices],
         keeps_kv=keeps_kv, kv_store=kv_store,
         cu_seqlens_attn_kv=cu_seqlens(kv_lengths, device), max_seqlen_attn_kv=max(kv_lengths),
-        padding=padding,
+        padding=padding, token_positions=position_ids[0],
+        host_cu_seqlens_q=host_cu_seqlens(segments), host_cu_seqlens_attn_kv=host_cu_seqlens(kv_lengths),
     )
 
     def as_row(parts, dtype):
@@ -117,6 +125,6 @@ def build_batch(micropack: MicroPack, source: TokenSource, kv_store: KVStore | N
 
     return MicroPackBatch(
         tokens=as_row(tokens, torch.long), labels=as_row(labels, torch.long),
-        loss_mask=as_row(loss_mask, torch.float32), position_ids=as_row(positions, torch.long),
+        loss_mask=as_row(loss_mask, torch.float32), position_ids=position_ids,
         packed_seq_params=params,
     )

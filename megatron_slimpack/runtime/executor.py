@@ -88,8 +88,8 @@ def forward_step(model, batch: MicroPackBatch, input_tensor: Optional[Tensor] = 
 def backward_step(output: Tensor, output_grad: Tensor | float,
                   input_tensor: Optional[Tensor] = None) -> Optional[Tensor]:
     """Backward of one MicroPack; returns the gradient for the previous stage (or None)."""
-    if not isinstance(output_grad, Tensor):
-        output_grad = torch.tensor(output_grad, dtype=output.dtype, device=output.device)
+    if not isinstance(output_grad, Tensor):  # a fill on the device: no copy from the host
+        output_grad = torch.full((), output_grad, dtype=output.dtype, device=output.device)
     torch.autograd.backward(output, grad_tensors=output_grad)
     return input_tensor.grad if input_tensor is not None else None
 
@@ -164,6 +164,16 @@ class UnitReport:
     loss_sum: Optional[float] = None  # forward units on the last stage: the summed per-token loss
     detail: str = ""  # "merge group [ranks]" for a DP-Merge group's units
     chunk: int = 0  # the model chunk it ran on (virtual pipeline stages; 0 without)
+
+
+def _read_losses(reports: list[UnitReport]) -> None:
+    """The forward units' loss sums, device scalars until now, as floats: one host read for all."""
+    with_loss = [report for report in reports if report.loss_sum is not None]
+    if not with_loss:
+        return
+    values = torch.stack([report.loss_sum for report in with_loss]).tolist()
+    for report, value in zip(with_loss, values):
+        report.loss_sum = value
 
 
 # ---- the executor --------------------------------------------------------------------------
@@ -318,6 +328,7 @@ class StageExecutor:
                     sum(replica.micropacks[mp].attention_pairs for mp in members),
                     time.perf_counter() - began, loss_sum, detail, chunk))
             self._post(calls.get(len(tasks)), tokens_of)
+        _read_losses(reports)
         remaining = sum(len(chunk_held.outputs) for chunk_held in held)
         if not self.forward_only and remaining:
             raise RuntimeError(f"after the step {remaining} MicroPack outputs remain: some backward did not run")
@@ -382,10 +393,10 @@ class StageExecutor:
 
     # ---- units -----------------------------------------------------------------------------
     def _forward_unit(self, unit, chunk, members, sizes, batches, held: _HeldTensors, detail,
-                      buffer: Optional[Tensor]) -> tuple[Optional[float], Optional[Tensor]]:
+                      buffer: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """Forward of one unit on `chunk`, on its received activation `buffer` (None on the first
-        virtual stage); returns (its loss sum on the last virtual stage, the activation to send on
-        the others)."""
+        virtual stage); returns (its loss sum on the last virtual stage, a device scalar; the
+        activation to send on the others)."""
         leaves = [None] * len(members)
         if not self.is_input_chunk(chunk):
             leaves = split_into_leaves(buffer, sizes)
@@ -393,11 +404,12 @@ class StageExecutor:
                 self.meter.shared = {buffer.untyped_storage().data_ptr()}
         task_start = self.timeline.now() if self.timeline else 0.0
         computes_loss = self.is_loss_chunk(chunk)
-        sent, unit_loss = [], 0.0
+        sent, unit_loss = [], None
         for mp, leaf in zip(members, leaves):
             output = self._metered_forward(mp, chunk, batches[mp], leaf, detail)
-            if computes_loss:
-                unit_loss += float(output.detach())
+            if computes_loss:  # summed on the device: read once per run (`_read_losses`)
+                loss = output.detach().double()
+                unit_loss = loss if unit_loss is None else unit_loss + loss
             else:
                 sent.append(output.detach())
             if not self.forward_only:
@@ -417,7 +429,7 @@ class StageExecutor:
     def _loss_seed(self, like: Tensor) -> Tensor:
         """The last stage's backward seed: 1 / global loss tokens, times the loss scale when the
         optimizer has one (fp16; Megatron's backward_step applies config.grad_scale_func the same way)."""
-        seed = torch.tensor(1.0 / self.num_loss_tokens, dtype=like.dtype, device=like.device)
+        seed = torch.full((), 1.0 / self.num_loss_tokens, dtype=like.dtype, device=like.device)
         if self.grad_scale_func is None:
             return seed
         return self.grad_scale_func(seed).to(like.dtype).reshape(like.shape)  # Megatron's scale is a [1] tensor

@@ -12,6 +12,7 @@ document's prefix and, causally, their own tokens):
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from typing import Callable, Sequence
 
 import torch
@@ -49,9 +50,12 @@ def segment_attention(qs: Tensor, ks: Tensor, vs: Tensor, mask: Tensor | None, s
     return out.squeeze(0).transpose(0, 1)
 
 
-def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
-    """Reference: one scaled_dot_product_attention per segment (CPU and tests)."""
-    bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None):
+    """Reference: one scaled_dot_product_attention per segment (CPU and tests). `bounds`: cu_q
+    and cu_kv as host ints where the caller has them (reading them back is a host sync)."""
+    bounds_q, bounds_kv = bounds if bounds is not None else (None, None)
+    bounds_q = bounds_q if bounds_q is not None else cu_q.tolist()
+    bounds_kv = bounds_kv if bounds_kv is not None else cu_kv.tolist()
     outputs = []
     for i in range(len(bounds_q) - 1):
         qs = q[bounds_q[i]:bounds_q[i + 1]]
@@ -63,8 +67,9 @@ def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
     return torch.cat(outputs)
 
 
-def flash_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
-    """flash-attn 2: `causal=True` is bottom-right aligned since 2.1; GQA native."""
+def flash_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None):
+    """flash-attn 2: `causal=True` is bottom-right aligned since 2.1; GQA native. It reads the
+    boundaries on the device (`bounds` unused)."""
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
@@ -74,6 +79,14 @@ def flash_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
 
 
 KERNELS: dict[str, Kernel] = {"torch": torch_kernel, "flash": flash_kernel}
+
+
+def takes_host_bounds(kernel: Kernel) -> bool:
+    """Whether `kernel` accepts the boundaries as host ints (`bounds=`)."""
+    try:
+        return "bounds" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ---- backend choice ------------------------------------------------------------------------

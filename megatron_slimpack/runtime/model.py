@@ -1,7 +1,8 @@
 """A megatron-core GPTModel that runs SlimPack MicroPacks.
 
 Two changes to `GPTModel`: for a sliced THD batch (`SlicedSeqParams`) the rotary table is
-built from each token's absolute position (see rope.py) instead of restarting per segment; and
+built from each token's absolute position (see rope.py) instead of restarting per segment, and
+handed to the SlimPack core attention, which applies it; and
 under sequence parallelism torch norms are swapped for ones that support it (norm.py).
 Everything else, weights and state-dict keys included, is megatron's, so a checkpoint moves
 freely between this model and a stock one.
@@ -31,8 +32,11 @@ class SlimPackGPTModel(GPTModel):
         if self.position_embedding_type == "rope" and isinstance(packed_seq_params, SlicedSeqParams):
             if self.config.apply_rope_fusion:
                 raise ValueError("SlimPack needs apply_rope_fusion=False: the fused THD RoPE restarts at 0 per slice")
-            freqs = rotary_freqs_at(self.rotary_pos_emb, slice_positions(packed_seq_params))
-            outputs = (outputs[0], freqs, *outputs[2:])
+            # The core attention applies RoPE (rope.py): megatron's THD RoPE reads every segment's
+            # boundaries back to the host, in every layer.
+            packed_seq_params.rotary_freqs = rotary_freqs_at(self.rotary_pos_emb, slice_positions(packed_seq_params),
+                                                             packed_seq_params.rotary_rows)
+            outputs = (outputs[0], None, *outputs[2:])
         return outputs
 
 

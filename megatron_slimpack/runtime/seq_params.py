@@ -34,10 +34,17 @@ class SlicedSeqParams(PackedSeqParams):
     kv_store: Optional[KVStore] = None
     cu_seqlens_attn_kv: Optional[Tensor] = None  # prefix + slice per segment: the kernel's keys
     max_seqlen_attn_kv: Optional[int] = None
-    # DP-Merge (context_parallel.py): the current tokens are this member's share of the
-    # MicroPack; their absolute positions, and how the shares fit together.
+    # The current tokens' absolute positions (RoPE follows them; under DP-Merge, context_parallel.py,
+    # the tokens are this member's share of the MicroPack), and how the shares fit together.
     token_positions: Optional[Tensor] = None
     cp: Optional["CPLayout"] = None  # how a merged MicroPack's tokens are shared
+    # The same boundaries as host ints, from the plan: reading them back from the device would
+    # stall the stream once per layer and MicroPack.
+    host_cu_seqlens_q: Optional[list[int]] = None
+    host_cu_seqlens_attn_kv: Optional[list[int]] = None
+    # Set by the model per forward (model.py): one rotary table row per current token, applied by
+    # the core attention (rope.py).
+    rotary_freqs: Optional[Tensor] = None
     # Sequence parallelism: trailing rows that pad the tokens to a multiple of the TP size. They
     # are the last segment of cu_seqlens_q/kv (megatron's reshapes and RoPE see every row), have
     # no slice (sample_ids, starts, keeps_kv, cu_seqlens_attn_kv list only slices), no loss, and
@@ -52,6 +59,25 @@ class SlicedSeqParams(PackedSeqParams):
     def slice_cu_seqlens(self) -> Tensor:
         """cu_seqlens_q of the slices alone (the padding segment left out)."""
         return self.cu_seqlens_q[:-1] if self.padding else self.cu_seqlens_q
+
+    @property
+    def slice_bounds(self) -> list[int]:
+        """`slice_cu_seqlens` as host ints."""
+        bounds = self.host_cu_seqlens_q if self.host_cu_seqlens_q is not None else self.cu_seqlens_q.tolist()
+        return bounds[:-1] if self.padding else list(bounds)
+
+    @property
+    def attn_kv_bounds(self) -> Optional[list[int]]:
+        """`cu_seqlens_attn_kv` as host ints (None where only the device copy exists)."""
+        return self.host_cu_seqlens_attn_kv
+
+    @property
+    def rotary_rows(self) -> Optional[int]:
+        """Rows of a rotary table that covers every current token's position, known on the host:
+        slices end by the longest prefix + slice, padding rows count from 0."""
+        if self.max_seqlen_attn_kv is None:
+            return None
+        return max(self.max_seqlen_attn_kv, self.padding, 1)
 
 
 @dataclass
