@@ -126,8 +126,8 @@ def _worker(rank, world_size, port, model, plans_json, batch_data, warmup, pairs
     from megatron_slimpack.plan import Plan
     from megatron_slimpack.runtime import compat
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
-    from megatron_slimpack.runtime.timing import Timeline
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.timing import Timeline
     from megatron_slimpack.workload import GlobalBatch, TextCorpus
 
     compat.apply()

@@ -1,6 +1,8 @@
 """Module paths that moved: `megatron_slimpack.solver.*` is now `megatron_slimpack.planner.*`
-(SlimPack's own phases under `planner.slimpack`), and the applications (`cli`, `demo`,
-`profiler`, `fidelity`, `comparison`, `selftest`, ...) are under `megatron_slimpack.apps`.
+(SlimPack's own phases under `planner.slimpack`), the applications (`cli`, `demo`, `profiler`,
+`fidelity`, `comparison`, `selftest`, ...) are under `megatron_slimpack.apps`, and the runtime's
+modules under `runtime.attention` (kernels, kv_store, seq_params, batch, context_parallel,
+backend_probe, rope) and `runtime.pipeline` (schedule, executor, p2p, timing, merge).
 Importing an old path still works for this release, with a DeprecationWarning naming the new one.
 """
 from __future__ import annotations
@@ -16,7 +18,12 @@ _SLIMPACK_PHASES = ("search", "dp_phase", "replica", "pack_phase", "memory", "la
 _PLANNER = ("registry", "strategies", "layouts", "orders", "work", "outcomes", "baselines")
 _APPS = ("cli", "cli_options", "demo", "profiler", "fidelity", "comparison", "library_noise", "selftest")
 
+_ATTENTION = ("kernels", "kv_store", "seq_params", "batch", "context_parallel", "backend_probe", "rope")
+_PIPELINE = ("schedule", "executor", "p2p", "timing", "merge")
+
 MOVED = {
+    **{f"runtime.{name}": f"runtime.attention.{name}" for name in _ATTENTION},
+    **{f"runtime.{name}": f"runtime.pipeline.{name}" for name in _PIPELINE},
     **{f"solver.{name}": f"planner.slimpack.{name}" for name in _SLIMPACK_PHASES},
     **{f"solver.{name}": f"planner.{name}" for name in _PLANNER},
     **{name: f"apps.{name}" for name in _APPS},

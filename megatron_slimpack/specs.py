@@ -101,7 +101,7 @@ class ParallelConfig:
     # (--num-virtual-stages-per-pipeline-rank). Chunk c of rank s is virtual stage c * pp + s.
     vpp: int = 1
     recompute: str = "none"  # none | selective | full
-    # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/batch.py)
+    # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/attention/batch.py)
     sequence_parallel: bool = True
     zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
 
@@ -148,7 +148,7 @@ class ParallelConfig:
     def padded_tokens(self, tokens):
         """Rows a MicroPack of `tokens` occupies once padded for sequence parallelism: the runtime
         pads each of its cp shares (the largest is ceil(tokens / cp)) to a multiple of tp
-        (runtime/batch.py, runtime/context_parallel.py). Scalars and numpy arrays alike."""
+        (runtime/attention/batch.py, runtime/attention/context_parallel.py). Scalars and numpy arrays alike."""
         if not (self.sequence_parallel and self.tp > 1):
             return tokens
         share = np.ceil(np.asarray(tokens, dtype=float) / self.cp)

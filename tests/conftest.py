@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_slimpack.plan import last_forward_needed
+from megatron_slimpack.runtime.pipeline.timing import SavedBytesMeter
 from megatron_slimpack.runtime.processes import SpawnError, free_port, spawn
-from megatron_slimpack.runtime.timing import SavedBytesMeter
 
 torch.set_num_threads(1)
 

@@ -1,10 +1,10 @@
-"""The start-up probe of attention backends (runtime/backend_probe.py), on CPU with stand-in
+"""The start-up probe of attention backends (runtime/attention/backend_probe.py), on CPU with stand-in
 kernels: a backend that imports but computes wrongly, raises, or cannot be built is passed over,
 with the reason; one that agrees with the torch reference is chosen."""
 import pytest
 import torch
 
-from megatron_slimpack.runtime import backend_probe, kernels
+from megatron_slimpack.runtime.attention import backend_probe, kernels
 from test_selftest import top_left_kernel  # what flash-attn < 2.1 computes
 
 
@@ -19,7 +19,7 @@ def _config():
 
 
 def _choose(monkeypatch, flash_kernel):
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
 
     monkeypatch.setattr(backend_probe, "available_backends", lambda: ["flash", "torch"])
     monkeypatch.setitem(kernels.KERNELS, "flash", flash_kernel)
@@ -59,7 +59,7 @@ def test_a_backend_that_cannot_be_built_is_passed_over(monkeypatch, megatron_cpu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_torch_kernel_passes_its_own_probe(dtype, megatron_cpu):
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
 
     module = SlicedDotProductAttention(_config(), layer_number=1, attn_mask_type=None, backend="torch")
     assert backend_probe.probe(module, dtype, heads=4, groups=2, head_dim=16, device="cpu") is None
@@ -76,7 +76,7 @@ def test_heads_per_rank_for_every_tp(tp, heads, groups):
 
 
 def test_the_probe_runs_with_fewer_query_groups_than_tp_ranks(monkeypatch, megatron_cpu):
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
     from megatron_slimpack.runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,

@@ -43,7 +43,7 @@ def test_gantt_tasks_and_stage_busy_from_timeline_records():
     """The schedule's timeline records -> the demo's Gantt records (compute only, unit tokens) and
     per-stage busy seconds of replica 0."""
     from megatron_slimpack.apps.demo import gantt_tasks, stage_busy_s
-    from megatron_slimpack.runtime.timing import TimedTask
+    from megatron_slimpack.runtime.pipeline.timing import TimedTask
 
     plan = _fixed_plan()
     replica = plan.replicas[0]

@@ -1,4 +1,4 @@
-"""DP-Merge at run time (runtime/merge.py, runtime/context_parallel.py): the replicas of a merge
+"""DP-Merge at run time (runtime/pipeline/merge.py, runtime/attention/context_parallel.py): the replicas of a merge
 group run the outlier's MicroPacks with context parallelism; loss and every parameter gradient
 equal the single-process whole-document run."""
 import random
@@ -17,7 +17,7 @@ LAYERS = 2
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("length", [1, 3, 7, 8, 9, 16, 37, 64])
 def test_split_covers_and_balances(k, length):
-    from megatron_slimpack.runtime.context_parallel import split_slice
+    from megatron_slimpack.runtime.attention.context_parallel import split_slice
 
     shares = split_slice(length, k)
     flat = sorted(j for share in shares for j in share)
@@ -36,7 +36,7 @@ def test_split_covers_and_balances(k, length):
 
 def test_every_member_gets_tokens():
     from megatron_slimpack.plan import MicroPack, Slice
-    from megatron_slimpack.runtime.context_parallel import build_layout
+    from megatron_slimpack.runtime.attention.context_parallel import build_layout
 
     pack = MicroPack([Slice(0, 0, 1), Slice(1, 3, 4), Slice(2, 0, 2)])  # only short slices, 4 tokens
     counts = [len(build_layout(pack, None, 4, r)[1]) for r in range(4)]
@@ -52,8 +52,8 @@ def test_position_runs_through_a_varlen_kernel_match_the_masked_reference(k):
     reference's outputs and gradients, for every member, with prefixes and short slices dealt
     round-robin."""
     from megatron_slimpack.plan import MicroPack, Slice
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
-    from megatron_slimpack.runtime.context_parallel import build_layout, torch_position_kernel
+    from megatron_slimpack.runtime.attention.context_parallel import build_layout, torch_position_kernel
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
     from megatron_slimpack.runtime.model import tiny_config
 
     heads, groups, dim = 4, 2, 8
@@ -85,7 +85,7 @@ def test_position_runs_through_a_varlen_kernel_match_the_masked_reference(k):
 
 
 def test_merge_layouts():
-    from megatron_slimpack.runtime.merge import merge_layouts
+    from megatron_slimpack.runtime.pipeline.merge import merge_layouts
 
     assert merge_layouts(1) == []
     assert merge_layouts(4) == [(0, 1), (2, 3), (0, 1, 2, 3)]
@@ -98,8 +98,8 @@ def _attention_worker(rank, world_size, port):
 
     from megatron_slimpack.plan import MicroPack, Slice
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, build_batch
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
-    from megatron_slimpack.runtime.context_parallel import build_cp_batch
+    from megatron_slimpack.runtime.attention.context_parallel import build_cp_batch
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
     from megatron_slimpack.runtime.model import tiny_config
 
     torch.set_num_threads(1)
@@ -258,8 +258,8 @@ def _merge_worker(rank, world_size, port, path, seed):
         compat,
         slimpack_forward_backward,
     )
-    from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.pipeline.merge import merge_groups
 
     torch.set_num_threads(1)
     compat.apply()
@@ -299,7 +299,7 @@ def _merge_worker(rank, world_size, port, path, seed):
 
 
 def _reference(plan, documents, path):
-    from megatron_slimpack.runtime.executor import global_loss_tokens
+    from megatron_slimpack.runtime.pipeline.executor import global_loss_tokens
 
     save_whole_document_reference(_config(), VOCAB, documents, global_loss_tokens(plan), path)
 
@@ -325,7 +325,7 @@ def _groups_worker(rank, world_size, port):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_slimpack.runtime.merge import merge_groups
+    from megatron_slimpack.runtime.pipeline.merge import merge_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -353,8 +353,8 @@ def _schedule_worker(rank, world_size, port, path, seed, pp, shared=False, tp=1)
     from megatron.core import parallel_state
 
     from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, slimpack_forward_backward
-    from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_gpt_model
+    from megatron_slimpack.runtime.pipeline.merge import merge_groups
     from test_schedule import _global_name, _shard, _unshard
 
     init_megatron(rank, world_size, tp=tp, pp=pp, port=port)
@@ -433,7 +433,7 @@ def test_dp2_pp2_merge_group_with_tensor_and_sequence_parallelism(tmp_path, mega
     """TP=2 + sequence parallelism x PP=2 x DP=2 (8 processes) with a DP-Merge group: each
     member's share of a merged MicroPack is padded to an even row count (the padding rows stay
     out of the K/V gathered over the merge group)."""
-    from megatron_slimpack.runtime.context_parallel import build_layout
+    from megatron_slimpack.runtime.attention.context_parallel import build_layout
 
     plan, _ = make_case(2, seed=3, pp=2)
     merged = [r for r in plan.replicas if r.is_merge_group]

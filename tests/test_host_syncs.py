@@ -119,8 +119,8 @@ def test_rope_of_packed_rows_is_megatrons_thd_rope_without_its_host_reads(megatr
 
     from megatron_slimpack.plan import MicroPack, Slice
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, build_batch
+    from megatron_slimpack.runtime.attention.rope import apply_rotary_rows, rotary_freqs_at, slice_positions
     from megatron_slimpack.runtime.model import tiny_config
-    from megatron_slimpack.runtime.rope import apply_rotary_rows, rotary_freqs_at, slice_positions
 
     config = tiny_config(hidden_size=32, num_attention_heads=4)
     source = InMemoryTokenSource({0: torch.arange(40), 1: torch.arange(9)})

@@ -310,8 +310,8 @@ def test_convention_by_version():
 def test_sliced_layer_spec_replaces_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
-    from megatron_slimpack.runtime.attention import with_sliced_core_attention as sliced_layer_spec
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
+    from megatron_slimpack.runtime.attention.core import with_sliced_core_attention as sliced_layer_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     sliced = sliced_layer_spec(spec)

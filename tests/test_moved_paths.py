@@ -1,4 +1,5 @@
-"""Modules that moved (`solver.*` -> `planner.*`, the applications -> `apps.*`) still import
+"""Modules that moved (`solver.*` -> `planner.*`, the applications -> `apps.*`, runtime modules ->
+`runtime.attention.*` / `runtime.pipeline.*`) still import
 under their old paths, as the same module objects, with a DeprecationWarning naming the new path."""
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ OLD_AND_NEW = [
     ("megatron_slimpack.cli", "megatron_slimpack.apps.cli"),
     ("megatron_slimpack.demo", "megatron_slimpack.apps.demo"),
     ("megatron_slimpack.selftest.report", "megatron_slimpack.apps.selftest.report"),
+    ("megatron_slimpack.runtime.schedule", "megatron_slimpack.runtime.pipeline.schedule"),
+    ("megatron_slimpack.runtime.kernels", "megatron_slimpack.runtime.attention.kernels"),
 ]
 
 

@@ -116,7 +116,7 @@ def overlap_worker(rank, world_size, port, pp, steps, seeds, paths, variant_name
     from megatron.core import parallel_state
 
     from megatron_slimpack.runtime import InMemoryTokenSource
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
 
     init_megatron(rank, world_size, pp=pp, port=port)
     stage = parallel_state.get_pipeline_model_parallel_rank()

@@ -1,4 +1,4 @@
-"""Pipeline point-to-point programs (runtime/p2p.py): every stage posts its transfers in one
+"""Pipeline point-to-point programs (runtime/pipeline/p2p.py): every stage posts its transfers in one
 global order, so no pipeline deadlocks even where every send blocks until its receive is posted
 (NCCL). Multi-process runs of the programs are in test_schedule.py and test_real_megatron.py."""
 from __future__ import annotations

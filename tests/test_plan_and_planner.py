@@ -470,7 +470,7 @@ def test_a_shortened_chain_lead_still_orders_every_unit_without_deadlock(chain_l
     """Chains of slices back to back (each backward-reversed): whatever the chain lead, every stage
     runs every unit once, in sequence order, after the forwards it needs, and the orders replay."""
     from megatron_slimpack.planner.orders import peak_in_flight, stage_orders
-    from megatron_slimpack.runtime.schedule import check_stage_orders
+    from megatron_slimpack.runtime.pipeline.schedule import check_stage_orders
 
     micropacks, forward_units, backward_units = [], [], []
     for sample, length in enumerate(chain_lengths):

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from megatron_slimpack.runtime import attention, kernels
-from megatron_slimpack.runtime.kernels import BackendUnavailable, resolve_backend, torch_kernel
+from megatron_slimpack.runtime.attention import core as attention
+from megatron_slimpack.runtime.attention import kernels
+from megatron_slimpack.runtime.attention.kernels import BackendUnavailable, resolve_backend, torch_kernel
 
 
 def test_torch_kernel_is_bottom_right_causal():

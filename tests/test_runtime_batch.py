@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_slimpack.plan import MicroPack, Slice
-from megatron_slimpack.runtime.attention import KVStore
-from megatron_slimpack.runtime.batch import InMemoryTokenSource, build_batch
+from megatron_slimpack.runtime.attention.batch import InMemoryTokenSource, build_batch
+from megatron_slimpack.runtime.attention.core import KVStore
 
 
 def test_batch_fields():

@@ -9,8 +9,8 @@ def test_continuation_slice_gets_whole_document_phases(megatron_cpu):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, build_batch
+    from megatron_slimpack.runtime.attention.rope import rotary_freqs_at, slice_positions
     from megatron_slimpack.runtime.model import tiny_config
-    from megatron_slimpack.runtime.rope import rotary_freqs_at, slice_positions
 
     config = tiny_config(hidden_size=32, num_attention_heads=4)
     rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)

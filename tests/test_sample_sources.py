@@ -16,7 +16,7 @@ import megatron_slimpack as ms
 from megatron_slimpack.megatron.data import BatchTokenSource, PlannedBatch, fast_forward, plan_function
 from megatron_slimpack.plan import Plan, PlanError, SampleSource
 from megatron_slimpack.planner.strategies import StepPlanner, new_planner, strategy_names, strategy_spec
-from megatron_slimpack.runtime.batch import build_batch
+from megatron_slimpack.runtime.attention.batch import build_batch
 from megatron_slimpack.workload import GlobalBatchSampler
 
 CONTEXT = 1024

@@ -1,4 +1,4 @@
-"""Pipeline schedule (runtime/schedule.py): PP and DP runs give the whole-document gradients.
+"""Pipeline schedule (runtime/pipeline/schedule.py): PP and DP runs give the whole-document gradients.
 
 The reference (a stock megatron-core GPTModel, every document run whole) is computed once in the
 test process; each worker loads the matching weights into its stage's chunk, runs its stage of
@@ -94,7 +94,7 @@ CASES = {"random": make_case, "interleaved": make_interleaved_case}
 
 def reference(plan, documents, path):
     """Whole-document step on a stock model (single process); saves weights, grads and loss."""
-    from megatron_slimpack.runtime.executor import global_loss_tokens
+    from megatron_slimpack.runtime.pipeline.executor import global_loss_tokens
 
     return save_whole_document_reference(_config(), VOCAB, documents, global_loss_tokens(plan), path)
 
@@ -156,7 +156,7 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
 
     from megatron_slimpack.runtime import InMemoryTokenSource
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
 
     options = options or {}
     tp = options.get("tp", 1)
@@ -336,7 +336,7 @@ def test_one_stage_call_reports_units(megatron_cpu):
     stage order."""
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, ScheduleGroups, UnitReport
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
 
     plan, documents = make_case(2, pp=1, dp=1)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
@@ -361,7 +361,7 @@ def test_unknown_keywords_are_refused(megatron_cpu):
     trainer's adapter absorbs those), is a TypeError, never a silent default."""
     from megatron_slimpack.runtime import InMemoryTokenSource
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
 
     plan, documents = make_case(1, pp=1, dp=1)
     model = build_gpt_model(_config(), vocab_size=VOCAB, max_sequence_length=64, backend="torch")
@@ -375,7 +375,7 @@ def test_merge_groups_are_required(megatron_cpu):
     """A rank that belongs to a DP-Merge group needs the merge process groups, before anything runs."""
     from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError, slimpack_forward_backward
     from test_dp_merge import make_case as merge_case
 
     plan, documents = merge_case(2)
@@ -388,7 +388,7 @@ def test_merge_groups_are_required(megatron_cpu):
 
 # ---- checks that need no processes ----------------------------------------------------------
 def test_deadlocking_orders_are_refused():
-    from megatron_slimpack.runtime.schedule import ScheduleError, check_stage_orders
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError, check_stage_orders
 
     plan, _ = make_case(1, pp=2, dp=1)
     replica = plan.replicas[0]
@@ -406,7 +406,7 @@ def test_deadlocking_orders_are_refused():
 def _mismatch_worker(rank, world_size, port):
     import torch.distributed as dist
 
-    from megatron_slimpack.runtime.schedule import ScheduleError, check_same_plan
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError, check_same_plan
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     plan, _ = make_case(10 + rank, pp=1, dp=1)

@@ -28,7 +28,7 @@ def checks_of(report: dict, section: str) -> dict[str, dict]:
 
 def top_left_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p):
     """A wrong kernel: causal masks aligned top-left, so a slice's queries miss most of their prefix."""
-    from megatron_slimpack.runtime.kernels import segment_attention
+    from megatron_slimpack.runtime.attention.kernels import segment_attention
 
     bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
     outputs = []
@@ -112,7 +112,7 @@ def test_text_report_exits_0_on_cpu():
 
 
 def test_a_wrong_mask_fails_the_attention_check_with_exit_1(monkeypatch):
-    from megatron_slimpack.runtime import kernels
+    from megatron_slimpack.runtime.attention import kernels
 
     monkeypatch.setitem(kernels.KERNELS, "torch", top_left_kernel)
     code, out = run_cli("--json", "--quick", "--device", "cpu")
@@ -131,7 +131,7 @@ def test_a_nan_kernel_fails_and_the_report_stays_valid_json(monkeypatch):
     from megatron_slimpack.apps.profiler import ensure_megatron
     from megatron_slimpack.apps.selftest.attention_checks import check_attention
     from megatron_slimpack.apps.selftest.common import CPU_SETUP
-    from megatron_slimpack.runtime import kernels
+    from megatron_slimpack.runtime.attention import kernels
 
     ensure_megatron()
     monkeypatch.setitem(kernels.KERNELS, "torch", lambda *a: kernels.torch_kernel(*a) * float("nan"))

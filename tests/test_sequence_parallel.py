@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_slimpack.plan import MicroPack, Slice
-from megatron_slimpack.runtime.batch import InMemoryTokenSource, build_batch
-from megatron_slimpack.runtime.kv_store import KVStore
+from megatron_slimpack.runtime.attention.batch import InMemoryTokenSource, build_batch
+from megatron_slimpack.runtime.attention.kv_store import KVStore
 
 DOCUMENTS = {0: list(range(1, 12)), 1: list(range(20, 27))}  # 11 and 7 tokens
 
@@ -27,13 +27,13 @@ def test_batches_are_padded_to_a_multiple_with_a_segment_of_their_own(pad_to, pa
     assert params.slice_cu_seqlens.tolist() == [0, 5, 12]
     assert params.sample_ids == [0, 1] and params.cu_seqlens_attn_kv.tolist() == [0, 5, 12]
     assert batch.loss_mask[0, 12:].sum() == 0 and batch.num_loss_tokens == 11  # document 1's last token: none
-    from megatron_slimpack.runtime.rope import slice_positions
+    from megatron_slimpack.runtime.attention.rope import slice_positions
 
     assert slice_positions(params).tolist() == list(range(5)) + list(range(7)) + list(range(padding))
 
 
 def _attention():
-    from megatron_slimpack.runtime.attention import SlicedDotProductAttention
+    from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
     from megatron_slimpack.runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2)
@@ -69,7 +69,7 @@ def test_norms_are_swapped_only_under_sequence_parallelism(megatron_cpu):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_slimpack.runtime.attention import slimpack_layer_spec
+    from megatron_slimpack.runtime.attention.core import slimpack_layer_spec
     from megatron_slimpack.runtime.model import tiny_config
     from megatron_slimpack.runtime.norm import SequenceParallelTorchNorm, sequence_parallel_spec
 

@@ -77,7 +77,7 @@ def tied_worker(rank, world_size, port, vpp, paths):
     from megatron.core import parallel_state
 
     from megatron_slimpack.runtime import InMemoryTokenSource
-    from megatron_slimpack.runtime.schedule import slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import slimpack_forward_backward
 
     init_megatron(rank, world_size, pp=PP, port=port)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -99,7 +99,7 @@ def tied_worker(rank, world_size, port, vpp, paths):
 
 
 def _run(tmp_path, vpp: int):
-    from megatron_slimpack.runtime.executor import global_loss_tokens
+    from megatron_slimpack.runtime.pipeline.executor import global_loss_tokens
 
     plan, documents = make_case(vpp)
     paths = {}
@@ -133,7 +133,7 @@ def _one_stage_model():
 ])
 def test_fallback_refuses_what_it_cannot_reduce(megatron_cpu, setting, message):
     from megatron_slimpack.runtime import InMemoryTokenSource
-    from megatron_slimpack.runtime.schedule import FallbackReductionError, slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import FallbackReductionError, slimpack_forward_backward
 
     plan, documents = make_case(1)
     plan = plan.__class__([plan.replicas[0]], plan.samples, plan.parallel.with_(pp=1), 16, "test")
@@ -148,7 +148,8 @@ def test_fallback_refuses_what_it_cannot_reduce(megatron_cpu, setting, message):
 
 def test_fallback_refuses_a_reduction_it_does_not_know(megatron_cpu, monkeypatch):
     """A later release's finalize_model_grads that calls a reduction the fallback does not take."""
-    from megatron_slimpack.runtime import InMemoryTokenSource, schedule
+    from megatron_slimpack.runtime import InMemoryTokenSource
+    from megatron_slimpack.runtime.pipeline import schedule
 
     monkeypatch.setattr(schedule, "_finalize_steps", lambda: {"_allreduce_word_embedding_grads",
                                                               "_allreduce_new_thing_grads"})

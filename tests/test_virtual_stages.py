@@ -209,10 +209,10 @@ def _worker(rank, world_size, port, path, case, seed, options):
     from megatron.core import parallel_state
 
     from megatron_slimpack.runtime import InMemoryTokenSource, ScheduleGroups, slimpack_forward_backward
-    from megatron_slimpack.runtime.merge import merge_groups
     from megatron_slimpack.runtime.model import build_stage_chunks
-    from megatron_slimpack.runtime.schedule import ScheduleError
-    from megatron_slimpack.runtime.timing import Timeline
+    from megatron_slimpack.runtime.pipeline.merge import merge_groups
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError
+    from megatron_slimpack.runtime.pipeline.timing import Timeline
 
     tp = options.get("tp", 1)
     init_megatron(rank, world_size, tp=tp, pp=PP, port=port)
@@ -321,7 +321,7 @@ def _check_step(result, plan, stage, dp_rank, saved, chunks, rank, main_grad, sh
 
 
 def _run(tmp_path, case, seed, dp=1, timeout_s=180, **options):
-    from megatron_slimpack.runtime.executor import global_loss_tokens
+    from megatron_slimpack.runtime.pipeline.executor import global_loss_tokens
 
     plan, documents = make_case(case, seed)
     path = tmp_path / "reference.pt"
@@ -404,7 +404,7 @@ def test_interleaved_programs_are_deadlock_free_and_match_per_peer(case, seed):
     """Every transfer is posted once at each end; between two ranks both ends post them in the same
     order (gloo matches per peer in posting order, NCCL needs it), and both kinds go both ways."""
     from megatron_slimpack.runtime import p2p
-    from megatron_slimpack.runtime.schedule import check_stage_orders
+    from megatron_slimpack.runtime.pipeline.schedule import check_stage_orders
 
     plan, _ = make_case(case, seed)
     for replica in plan.replicas:
@@ -428,7 +428,7 @@ def test_a_deadlocking_interleaved_order_is_refused():
     from chunk 1's backward, which needs rank 0's chunk 1 forward, and rank 1 waits for that forward.
     Every chunk's own order is fine (Plan.validate accepts it), the pipeline is not."""
     from megatron_slimpack.plan import MicroPack, ReplicaPlan, Slice
-    from megatron_slimpack.runtime.schedule import ScheduleError, check_stage_orders
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError, check_stage_orders
 
     good = [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]
     bad = [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]
@@ -462,7 +462,7 @@ def test_vpp1_transfers_and_messages_unchanged():
 def test_chunk_count_must_match_the_plan(megatron_cpu):
     from megatron_slimpack.runtime import InMemoryTokenSource
     from megatron_slimpack.runtime.model import build_gpt_model
-    from megatron_slimpack.runtime.schedule import ScheduleError, slimpack_forward_backward
+    from megatron_slimpack.runtime.pipeline.schedule import ScheduleError, slimpack_forward_backward
     from test_schedule import make_case as plain_case
 
     plan, documents = plain_case(1, pp=1, dp=1)
@@ -522,7 +522,7 @@ def test_parameter_gathers_are_launched_chunk_by_chunk():
     with its own parameters; plain 1F1B (one chunk) leaves it to DDP's forward pre-hooks."""
     from types import SimpleNamespace
 
-    from megatron_slimpack.runtime.schedule import _ParamSync
+    from megatron_slimpack.runtime.pipeline.schedule import _ParamSync
 
     chunks = [torch.nn.Linear(2, 2) for _ in range(4)]
     launched = []

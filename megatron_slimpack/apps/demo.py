@@ -22,7 +22,7 @@ own planner); the loss check compares megatron-fixed and slimpack.
 Structure: each process builds a `DemoRunner`, which holds one `StrategyRun` per strategy (model
 chunk, optimizer, planner, measured figures) and steps them in turn (`_train`). What is measured:
 a step's wall time (schedule + optimizer step, the maximum over ranks) and every forward/backward
-task's compute interval, recorded by the schedule itself (`timeline=`, runtime/timing.py), from
+task's compute interval, recorded by the schedule itself (`timeline=`, runtime/pipeline/timing.py), from
 which come the per-stage busy times (PP imbalance) and the Gantt charts. What is predicted: the
 simulator's step time for each plan with the demo's cost model: by default the analytic CPU model,
 which is not calibrated to the machine (the table says so, with the measured/predicted ratio;
@@ -315,7 +315,7 @@ class DemoRunner:
     (`train_step`) and hands rank 0 the figures (`finish`).
 
     Task times come from the schedule's own timeline (`slimpack_forward_backward(...,
-    timeline=...)`, runtime/timing.py): every F/B task's compute interval on every rank, against a
+    timeline=...)`, runtime/pipeline/timing.py): every F/B task's compute interval on every rank, against a
     clock the ranks start together. They are gathered to rank 0 after the step, outside the timed
     interval; the step time is the wall time of schedule + optimizer step, the maximum over ranks.
     """
@@ -387,8 +387,8 @@ class DemoRunner:
         """One training step of `run` on its next planned batch, timed; rank 0 records and logs it."""
         import torch.distributed as dist
 
-        from ..runtime.schedule import slimpack_forward_backward
-        from ..runtime.timing import Timeline
+        from ..runtime.pipeline.schedule import slimpack_forward_backward
+        from ..runtime.pipeline.timing import Timeline
 
         planned = next(run.planner)
         plan = planned.plan

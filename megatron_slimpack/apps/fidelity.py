@@ -94,8 +94,8 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
 
     from ..runtime import compat
     from ..runtime.model import build_gpt_model
-    from ..runtime.schedule import ScheduleGroups, slimpack_forward_backward
-    from ..runtime.timing import Timeline
+    from ..runtime.pipeline.schedule import ScheduleGroups, slimpack_forward_backward
+    from ..runtime.pipeline.timing import Timeline
     from ..specs import model_from_dict
     from .profiler import transformer_config
 
@@ -125,7 +125,7 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
         corpus = TextCorpus(text_dir or None)
     merge = None
     if world_size // pp > 1:  # DP-Merge process groups, created once (collective, every rank)
-        from ..runtime.merge import merge_groups
+        from ..runtime.pipeline.merge import merge_groups
 
         merge = merge_groups(world_size // pp, dist.get_process_group_ranks(parallel_state.get_data_parallel_group()))
     groups = ScheduleGroups.from_parallel_state(merge_groups=merge)
@@ -225,7 +225,7 @@ class StepComparison:
 def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *,
             out_dir: Optional[str | Path] = None) -> list[StepComparison]:
     """Simulate each plan with `cost` and compare it with its measured steps."""
-    from ..runtime.timing import overlay_records, write_overlay_gantt
+    from ..runtime.pipeline.timing import overlay_records, write_overlay_gantt
     from ..simulator.dag import simulate
     from ..simulator.report import write_chrome_trace
 

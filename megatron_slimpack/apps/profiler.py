@@ -140,10 +140,10 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     import torch
 
     from ..plan import MicroPack, Slice
-    from ..runtime.batch import build_batch
-    from ..runtime.executor import backward_step, forward_step
-    from ..runtime.kv_store import KVStore
-    from ..runtime.timing import SavedBytesMeter
+    from ..runtime.attention.batch import build_batch
+    from ..runtime.attention.kv_store import KVStore
+    from ..runtime.pipeline.executor import backward_step, forward_step
+    from ..runtime.pipeline.timing import SavedBytesMeter
 
     length = max(1, tokens // slices)
     generator = torch.Generator().manual_seed(tokens * 31 + slices * 7 + prefix)
@@ -197,7 +197,7 @@ def measure_head(model, spec: ModelSpec, tokens: int, repeats: int) -> dict:
     """Output layer + loss (final norm, output layer, cross-entropy, masked sum) on `tokens` tokens."""
     import torch
 
-    from ..runtime.timing import SavedBytesMeter
+    from ..runtime.pipeline.timing import SavedBytesMeter
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     labels = torch.randint(0, spec.vocab_size, (1, tokens))

@@ -14,7 +14,7 @@ Megatron's own flags, and the configs' own checks (`__post_init__`), and raises
 
 Virtual pipeline stages (`--num-virtual-stages-per-pipeline-rank` /
 `--num-layers-per-virtual-pipeline-stage`, Megatron's interleaved 1F1B): the SlimPack schedule
-runs the trainer's model chunks (runtime/schedule.py), so they are accepted with pipeline
+runs the trainer's model chunks (runtime/pipeline/schedule.py), so they are accepted with pipeline
 parallelism and a strategy that plans them (its registry's `LayoutConstraints.vpp`);
 `virtual_stages_of_args` is the vpp the planner's `ParallelConfig` gets.
 """

@@ -216,7 +216,7 @@ def slimpack_forward_backward_func(*, data_iterator, model, forward_only: bool =
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime.schedule import ScheduleGroups, slimpack_forward_backward
+    from ..runtime.pipeline.schedule import ScheduleGroups, slimpack_forward_backward
 
     iterator = data_iterator[0] if isinstance(data_iterator, (list, tuple)) else data_iterator
     chunks = model if isinstance(model, (list, tuple)) else [model]  # every virtual stage's chunk
@@ -251,7 +251,7 @@ def _merge_process_groups(plan) -> Optional[dict]:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from ..runtime.merge import merge_groups
+        from ..runtime.pipeline.merge import merge_groups
 
         dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
         _merge_groups_by_dp[plan.parallel.dp] = merge_groups(plan, dp_ranks)
@@ -284,7 +284,7 @@ def sliced_model_problems(chunks) -> list[str]:
     """What in `chunks` is not SlimPack's model: one line per chunk or layer (empty: all sliced)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from ..runtime.attention import SlicedAttentionMixin
+    from ..runtime.attention.core import SlicedAttentionMixin
     from ..runtime.model import SlimPackGPTModel
 
     problems = []
@@ -488,7 +488,7 @@ def slimpack_gpt_model(*args, **kwargs):
     --slimpack is off)."""
     if not _enabled():
         return _original("GPTModel")(*args, **kwargs)
-    from ..runtime.attention import with_sliced_core_attention
+    from ..runtime.attention.core import with_sliced_core_attention
     from ..runtime.model import SlimPackGPTModel
 
     config = args[0] if args else kwargs.pop("config")

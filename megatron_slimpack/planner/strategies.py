@@ -49,7 +49,7 @@ def plan_slimpack(
     return with_input_sources(plan, sources, len(lengths))
 
 
-# The SlimPack runtime runs virtual pipeline stages (runtime/schedule.py): its layouts include vpp.
+# The SlimPack runtime runs virtual pipeline stages (runtime/pipeline/schedule.py): its layouts include vpp.
 INTERLEAVED = LayoutConstraints(vpp=None, reason="the SlimPack schedule runs any vpp dividing the layers per stage")
 
 

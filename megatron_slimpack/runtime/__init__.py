@@ -11,14 +11,15 @@ The names below load on first use (PEP 562), so that importing a light submodule
 from importlib import import_module
 
 _HOME = {
-    "attention": ("BACKENDS", "BackendUnavailable", "KVStore", "SlicedDotProductAttention", "SlicedSeqParams",
-                  "available_backends", "resolve_backend", "slimpack_layer_spec"),
-    "batch": ("InMemoryTokenSource", "MicroPackBatch", "TokenSource", "build_batch"),
-    "executor": ("StageExecutor", "UnitReport", "backward_step", "forward_step", "global_loss_tokens",
-                 "split_into_leaves"),
-    "schedule": ("ScheduleError", "ScheduleGroups", "ScheduleResult", "check_same_plan", "check_stage_orders",
-                 "slimpack_forward_backward"),
-    "timing": ("SavedBytesMeter", "StageMemory", "TimedTask", "Timeline", "overlay_records", "write_overlay_gantt"),
+    "attention.core": ("BACKENDS", "BackendUnavailable", "KVStore", "SlicedDotProductAttention", "SlicedSeqParams",
+                       "available_backends", "resolve_backend", "slimpack_layer_spec"),
+    "attention.batch": ("InMemoryTokenSource", "MicroPackBatch", "TokenSource", "build_batch"),
+    "pipeline.executor": ("StageExecutor", "UnitReport", "backward_step", "forward_step", "global_loss_tokens",
+                          "split_into_leaves"),
+    "pipeline.schedule": ("ScheduleError", "ScheduleGroups", "ScheduleResult", "check_same_plan",
+                          "check_stage_orders", "slimpack_forward_backward"),
+    "pipeline.timing": ("SavedBytesMeter", "StageMemory", "TimedTask", "Timeline", "overlay_records",
+                        "write_overlay_gantt"),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 

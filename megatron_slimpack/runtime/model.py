@@ -14,9 +14,9 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .attention import SlicedSeqParams, slimpack_layer_spec
+from .attention.core import SlicedSeqParams, slimpack_layer_spec
+from .attention.rope import rotary_freqs_at, slice_positions
 from .norm import sequence_parallel_spec
-from .rope import rotary_freqs_at, slice_positions
 
 
 class SlimPackGPTModel(GPTModel):

@@ -688,7 +688,7 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
 
 def _last_micropack_start(graph: _Graph, task: int, start: float, end: float) -> float:
     """When the last MicroPack of backward `task` starts. The runtime runs a unit's earlier
-    MicroPacks inside DDP's no_sync (runtime/schedule.py), so only the last one's backward makes
+    MicroPacks inside DDP's no_sync (runtime/pipeline/schedule.py), so only the last one's backward makes
     gradients ready for the overlapped reduction."""
     rc = graph.replicas[graph.replica_of[task]]
     last_stage = graph.stage_of[task] == graph.vstages - 1

@@ -56,7 +56,7 @@ def release_te_layer_spec(config):
 def main() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_slimpack.runtime.attention import SlicedAttentionMixin, with_sliced_core_attention
+    from megatron_slimpack.runtime.attention.core import SlicedAttentionMixin, with_sliced_core_attention
 
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                transformer_impl="transformer_engine")

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from ...plan import MicroPack, Slice
-from ...runtime.attention import build_core_attention
-from ...runtime.context_parallel import build_layout
-from ...runtime.kernels import cu_seqlens
+from ...runtime.attention.context_parallel import build_layout
+from ...runtime.attention.core import build_core_attention
+from ...runtime.attention.kernels import cu_seqlens
 from ...runtime.model import tiny_config
 from .common import FAIL, MEASURED, PASS, Check, Setup, finite, median_seconds
 

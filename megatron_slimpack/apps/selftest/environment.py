@@ -86,12 +86,12 @@ def backend_reasons() -> dict[str, str]:
 
 
 def probed_backend():
-    """On a GPU: the runtime's start-up probe (runtime/backend_probe.py) for a bf16 GQA attention,
+    """On a GPU: the runtime's start-up probe (runtime/attention/backend_probe.py) for a bf16 GQA attention,
     as a model's layers would run it; None without a GPU (only the torch kernel runs)."""
     if not torch.cuda.is_available():
         return None
-    from ...runtime.attention import build_core_attention
-    from ...runtime.backend_probe import choose_backend
+    from ...runtime.attention.backend_probe import choose_backend
+    from ...runtime.attention.core import build_core_attention
     from ...runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,

@@ -35,7 +35,7 @@ def resolve_device(requested: Optional[str]) -> tuple[str, str]:
 # ---- sections --------------------------------------------------------------------------------
 def backends_to_run(setup: Setup) -> tuple[list[str], dict[str, str]]:
     """(backends run here, {backend not run: why}). On the CPU only the torch kernel runs."""
-    from ...runtime.kernels import available_backends
+    from ...runtime.attention.kernels import available_backends
 
     reasons = backend_reasons()
     if setup.is_gpu:

@@ -39,7 +39,7 @@ def layer_spec(setup: Setup):
     """(spec, description): what `slimpack_layer_spec("auto")` gives (TE layers on a GPU where TE
     imports, the local spec with the torch kernel on a machine without one); with --device cpu on
     a GPU machine, the local spec with the torch kernel."""
-    from ...runtime.attention import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
+    from ...runtime.attention.core import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
 
     if setup.is_gpu or not torch.cuda.is_available():
         te_layers = torch.cuda.is_available() and TESlicedDotProductAttention is not None

@@ -115,7 +115,7 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
         if config.context_parallel_size != 1:
             raise NotImplementedError("sliced attention runs with context_parallel_size=1: SlimPack replaces "
                                       "Megatron's context parallelism with slicing and DP-Merge groups "
-                                      "(runtime/merge.py)")
+                                      "(runtime/pipeline/merge.py)")
         self.layer_number = max(1, layer_number)
         self.kernel = KERNELS[backend]
         self.kernel_options = {"bounds": None} if takes_host_bounds(self.kernel) else None

@@ -18,7 +18,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from ..plan import MicroPack
+from ...plan import MicroPack
 from .kernels import cu_seqlens
 from .kv_store import KVStore
 from .seq_params import SlicedSeqParams

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..plan import task_chunk
+from ...plan import task_chunk
 
 Task = tuple  # ("F", unit) or ("B", unit); with virtual stages ("F", unit, chunk) / ("B", unit, chunk)
 

@@ -59,10 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import Plan, ReplicaPlan, task_chunk
+from ...plan import Plan, ReplicaPlan, task_chunk
+from ..attention.batch import MicroPackBatch
+from ..attention.kv_store import KVStore
 from . import p2p
-from .batch import MicroPackBatch
-from .kv_store import KVStore
 
 
 # ---- per-MicroPack steps -------------------------------------------------------------------

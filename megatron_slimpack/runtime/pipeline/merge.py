@@ -30,9 +30,9 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..plan import Plan, ReplicaPlan
-from .context_parallel import build_cp_batch
-from .kv_store import KVStore
+from ...plan import Plan, ReplicaPlan
+from ..attention.context_parallel import build_cp_batch
+from ..attention.kv_store import KVStore
 
 
 def merge_layouts(dp: int) -> list[tuple[int, ...]]:

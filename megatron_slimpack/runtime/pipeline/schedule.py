@@ -102,11 +102,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import Plan, PlanError, ReplicaPlan, last_forward_needed, task_chunk, tasks_of_chunk
+from ...plan import Plan, PlanError, ReplicaPlan, last_forward_needed, task_chunk, tasks_of_chunk
+from ..attention.batch import TokenSource, build_batch
+from ..attention.kv_store import KVStore
 from . import p2p
-from .batch import TokenSource, build_batch
 from .executor import StageExecutor, global_loss_tokens, inner_module, megatron_config
-from .kv_store import KVStore
 from .merge import member_batches
 
 
@@ -286,7 +286,7 @@ def _check_virtual_stages(chunks: list, groups: ScheduleGroups) -> None:
     """Chunk c of stage s must be virtual stage c * pp + s: embedding only on the first, loss only
     on the last, and layers numbered globally (the KV store keys K/V by layer number, so two chunks
     with the same numbers would read each other's K/V)."""
-    from .attention import SlicedAttentionMixin
+    from ..attention.core import SlicedAttentionMixin
 
     owner: dict[int, int] = {}
     for index, chunk in enumerate(chunks):
@@ -311,8 +311,8 @@ def _check_virtual_stages(chunks: list, groups: ScheduleGroups) -> None:
 def _check_replicas(plan: Plan, replicas: list[ReplicaPlan], groups: ScheduleGroups, check_plan: bool) -> None:
     if any(r.is_merge_group for r in replicas) and groups.merge_groups is None:
         raise ScheduleError("the plan has DP-Merge groups: create their process groups once at start-up with "
-                            "megatron_slimpack.runtime.merge.merge_groups(plan_or_dp_size, dp_group_ranks) and pass "
-                            "them as groups=ScheduleGroups(..., merge_groups=...)")
+                            "megatron_slimpack.runtime.pipeline.merge.merge_groups(plan_or_dp_size, dp_group_ranks) "
+                            "and pass them as groups=ScheduleGroups(..., merge_groups=...)")
     for replica in replicas:
         if len(replica.stage_orders) != groups.pp_size:
             raise PlanError(f"the plan has {len(replica.stage_orders)} stage orders but the pipeline group has "

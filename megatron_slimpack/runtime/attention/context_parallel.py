@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..plan import MicroPack
+from ...plan import MicroPack
 from .batch import MicroPackBatch, append_padding, build_batch, padding_rows
 from .kernels import cu_seqlens, segment_attention
 from .kv_store import stored_and_prefixed
