@@ -115,8 +115,8 @@ def option_fields(cls: type, surface: Surface) -> list[Field]:
 
 def not_options(cls: type, surface: Surface) -> dict[str, str]:
     """field -> why it is not an option on `surface`."""
-    return {item.name: option_of(item).why_not(surface) for item in fields(cls)
-            if option_of(item).why_not(surface) is not None}
+    return {item.name: reason for item in fields(cls)
+            if (reason := option_of(item).why_not(surface)) is not None}
 
 
 def option_name(cls: type, name: str, surface: Surface) -> str:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, cast
 
 import numpy as np
 
@@ -351,6 +351,10 @@ class Plan:
             self.sample_sources = _sources_of(map(tuple.__getitem__, self.samples, repeat(0)), repeat(0))
 
     # ---- queries -------------------------------------------------------------------------
+    def _sources(self) -> list[SampleSource]:
+        # A constructed plan always has them: __post_init__ replaces None.
+        return cast("list[SampleSource]", self.sample_sources)
+
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.samples)
@@ -362,7 +366,7 @@ class Plan:
         """sample id -> (document, offset, length): the sample is tokens [offset, offset + length)
         of corpus document `document`."""
         return {sample.sample_id: (source.document, source.offset, sample.length)
-                for sample, source in zip(self.samples, self.sample_sources)}
+                for sample, source in zip(self.samples, self._sources())}
 
     def replicas_of_rank(self, dp_rank: int) -> list[ReplicaPlan]:
         """What data-parallel rank `dp_rank` runs, in order: merge groups first, then its own."""
@@ -383,7 +387,7 @@ class Plan:
             "max_micropack_tokens": self.max_micropack_tokens,
             "parallel": self.parallel.to_dict(),
             "samples": [[s.sample_id, s.length] for s in self.samples],
-            "sample_sources": [[d, o] for d, o in self.sample_sources],
+            "sample_sources": [[d, o] for d, o in self._sources()],
             "replicas": [r.to_dict() for r in self.replicas],
         }
         if self.repeated_documents:

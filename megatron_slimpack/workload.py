@@ -29,7 +29,7 @@ import sysconfig
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterator, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -109,7 +109,7 @@ def _one_length(value, index: int, what: str) -> int:
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-        return int(value)
+        return int(math.trunc(value))  # numbers.Real guarantees __trunc__, not __int__; the value is whole
     raise WorkloadError(
         f"{what}[{index}] = {value!r} ({type(value).__name__}) is not an integer; lengths are positive token counts"
     )
@@ -396,7 +396,7 @@ def read_length_file(path: str | Path) -> np.ndarray:
     return lengths
 
 
-def _raise_first_bad_line(path: Path, lines: list[bytes]) -> None:
+def _raise_first_bad_line(path: Path, lines: list[bytes]) -> NoReturn:
     for number, raw in enumerate(lines, start=1):
         text = raw.strip()
         if not text:
@@ -406,7 +406,7 @@ def _raise_first_bad_line(path: Path, lines: list[bytes]) -> None:
     raise AssertionError("unreachable: the fast path rejected a well-formed file")
 
 
-def _raise_bad_line(path: Path, number: int, raw: bytes, problem: str) -> None:
+def _raise_bad_line(path: Path, number: int, raw: bytes, problem: str) -> NoReturn:
     shown = raw.decode("utf-8", errors="replace")
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     raise WorkloadError(f"{path}:{number}: {shown!r} {problem}; "
@@ -709,8 +709,8 @@ class GlobalBatchSampler:
         self.global_batch_size = _positive_int(global_batch_size, "global_batch_size")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise WorkloadError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = int(seed)
-        self.token_budget = self.context_length * self.global_batch_size
+        self.seed: int = int(seed)
+        self.token_budget: int = self.context_length * self.global_batch_size
         self._reset()
 
     # ---- position -----------------------------------------------------------------------
@@ -727,25 +727,25 @@ class GlobalBatchSampler:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng(self.seed + epoch).permutation(self.lengths.size)
 
-    def _draw_document(self) -> None:
+    def _draw_document(self) -> int:
         if self._cursor == self.lengths.size:
             self.epoch += 1
             self._cursor = 0
             self._order = self._epoch_order(self.epoch)
-        self._document = int(self._order[self._cursor])
+        document = self._document = int(self._order[self._cursor])
         self._cursor += 1
         self._offset = 0
-        length = int(self.lengths[self._document])
+        length = int(self.lengths[document])
         if length > self.context_length:
             self.split_documents += 1
             self.split_pieces += -(-length // self.context_length)
+        return document
 
     def _next_piece(self) -> tuple[int, int, int]:
         """(document, start, length) of the next piece, without consuming it."""
-        if self._document is None:
-            self._draw_document()
-        remaining = int(self.lengths[self._document]) - self._offset
-        return self._document, self._offset, min(self.context_length, remaining)
+        document = self._draw_document() if self._document is None else self._document
+        remaining = int(self.lengths[document]) - self._offset
+        return document, self._offset, min(self.context_length, remaining)
 
     def _consume(self, length: int) -> None:
         self._offset += length

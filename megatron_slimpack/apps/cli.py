@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
@@ -144,7 +145,7 @@ def replica_summary(plan: Plan, cost: CostModel) -> list[dict]:
     its own pipeline and the groups it belongs to (`rank_s`), and that over the mean of the ranks
     (`rank_s_over_mean`); a group has no such figures (its ranks' rows count it)."""
     predicted = predicted_makespans(plan)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for index, replica in enumerate(plan.replicas):
         slices = [s for m in replica.micropacks for s in m.slices]
         merged = plan.parallel.with_(cp=plan.parallel.cp * len(replica.dp_ranks))

@@ -65,7 +65,7 @@ def add_megatron_spellings(parser: argparse.ArgumentParser) -> list[str]:
         if taken is not None and taken is not action:
             raise ValueError(f"{theirs} already names another option of {parser.prog}")
         if theirs not in action.option_strings:
-            action.option_strings.append(theirs)
+            action.option_strings.append(theirs)  # type: ignore[attr-defined]  # a list; typeshed says Sequence
             parser._option_string_actions[theirs] = action
             added.append(theirs)
     return added

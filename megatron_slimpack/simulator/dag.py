@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import asdict, dataclass, field, replace
+from typing import cast
 
 import numpy as np
 
@@ -302,12 +303,14 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_fig
         return seconds
 
     kinds = (False, True) if parallel.pp > 1 else (True,)
-    forward_mp, backward_mp = [None, None], [None, None]
+    forward_mp: list[np.ndarray] = []
+    backward_mp: list[np.ndarray] = []
     for last in kinds:
-        forward_mp[last] = per_mp(cost.forward_time, last, False)
-        backward_mp[last] = per_mp(cost.backward_time, last, True)
-    if parallel.pp == 1:
-        forward_mp[0], backward_mp[0] = forward_mp[1], backward_mp[1]
+        forward_mp.append(per_mp(cost.forward_time, last, False))
+        backward_mp.append(per_mp(cost.backward_time, last, True))
+    if parallel.pp == 1:  # the only stage is also the last: both indices name it
+        forward_mp.insert(0, forward_mp[0])
+        backward_mp.insert(0, backward_mp[0])
     num_forward, num_backward = len(replica.forward_units), len(replica.backward_units)
 
     def unit_sums(values, unit_of, units):
@@ -379,7 +382,7 @@ class _Graph:
             releases: list[list[int]] = [[] for _ in range(rc.num_forward)]
             for unit, needed in enumerate(rc.needs_forward):
                 releases[needed].append(rc.num_forward - needed + unit)
-            no_releases = [[]] * rc.num_backward
+            no_releases: list[list[int]] = [[]] * rc.num_backward
             for vstage in range(vstages):
                 last = vstage == vstages - 1
                 for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
@@ -605,14 +608,16 @@ def _dp_reduction(parts: list[tuple[list[float], list[float]]], seconds: float, 
     """
     per_part = max(1, math.ceil(buckets / len(parts)))
     share = seconds / (len(parts) * per_part)
-    began = finished = None
+    began: float | None = None
+    finished: float | None = None
     for starts, ends in sorted(parts, key=lambda part: max(part[1])):
         for bucket in range(1, per_part + 1):
             ready = max(b + bucket / per_part * (e - b) for b, e in zip(starts, ends))
             bucket_start = ready if finished is None else max(ready, finished)
             began = bucket_start if began is None else began
             finished = bucket_start + share
-    return began, finished
+    # `parts` is never empty (the caller skips a stage without any), so the loop set both.
+    return cast(float, began), cast(float, finished)
 
 
 def _bucket_count(cost, plan: Plan) -> int:
@@ -636,9 +641,9 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     overlap, exposed, reduce_windows = [0.0] * pp, [0.0] * pp, []
     for stage in range(pp):
         lasts = [_last_backwards(graph, r * pp + stage) for r in range(dp)]
-        parts = [[row[chunk] for row in lasts if chunk in row] for chunk in range(graph.vpp)]
+        chunk_tasks = [[row[chunk] for row in lasts if chunk in row] for chunk in range(graph.vpp)]
         parts = [([_last_micropack_start(graph, t, start[t], end[t]) for t in tasks], [end[t] for t in tasks])
-                 for tasks in parts if tasks]
+                 for tasks in chunk_tasks if tasks]
         if reduce_seconds <= 0 or not parts:
             continue
         last_end = max(max(ends) for _, ends in parts)
