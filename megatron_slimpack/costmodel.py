@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,6 +28,10 @@ from .specs import (
     hardware_from_dict,
     model_from_dict,
 )
+
+# A token or pair count, or an array of them: the formulas work elementwise, and the planner prices
+# whole tables of MicroPacks at once. A figure that does not depend on the counts stays a scalar.
+Amount = TypeVar("Amount", float, np.ndarray)
 
 # Backward/forward FLOP ratios (paper notes): linear layers 2x; FlashAttention's backward
 # recomputes the scores, 2.5x.
@@ -363,12 +368,12 @@ class CostModel:
         return packs * seconds
 
     # ---- communication ------------------------------------------------------------------------
-    def activation_transfer_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+    def activation_transfer_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
         """Bytes one pipeline p2p send moves per device (sequence-parallel: the TP shard)."""
         shard = parallel.tp if parallel.sequence_parallel else 1
         return tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes / shard
 
-    def p2p_time(self, tokens: float, parallel: ParallelConfig) -> float:
+    def p2p_time(self, tokens: Amount, parallel: ParallelConfig) -> Amount | float:
         if parallel.pp == 1:
             return 0.0
         bandwidth = self._group_bandwidth(parallel.tp * parallel.cp * parallel.pp)
@@ -400,9 +405,9 @@ class CostModel:
         return params * (self.dtype_bytes + 4.0) + optimizer
 
     def activation_bytes(
-        self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False,
-        prefix_tokens: float = 0.0, masked_entries: float = 0.0,
-    ) -> float:
+        self, tokens: Amount, pairs: Amount, parallel: ParallelConfig, last_stage: bool = False,
+        prefix_tokens: Amount | float = 0.0, masked_entries: Amount | float = 0.0,
+    ) -> Amount:
         """Bytes one in-flight MicroPack (or unit) holds on one stage until its backward.
         `prefix_tokens`: KV-prefix tokens its slices read; `masked_entries`: query x key entries of
         its slices that read a prefix (both matter only where the kernel copies keys or keeps a mask)."""
@@ -422,17 +427,17 @@ class CostModel:
             total += self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards
         return total
 
-    def logits_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+    def logits_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
         """fp32 logits kept for the cross-entropy backward (vocab split across TP)."""
         return 4.0 * tokens / parallel.cp * self.model.vocab_size / parallel.tp
 
-    def recompute_peak_bytes(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
+    def recompute_peak_bytes(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig) -> Amount | float:
         """With full recompute, one layer's full activations exist again during its backward."""
         if parallel.recompute != "full":
             return 0.0
         return self.activation_bytes(tokens, pairs, parallel.with_(recompute="none")) / self.layers_per_stage(parallel)
 
-    def kv_cache_bytes(self, tokens: float, parallel: ParallelConfig) -> float:
+    def kv_cache_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
         """K/V leaves of a sample's finished slices plus their accumulating gradients, one stage."""
         per_layer = 2 * tokens * self.model.kv_hidden_size / (parallel.tp * parallel.cp) * self.dtype_bytes
         return 2 * self.layers_per_stage(parallel) * per_layer

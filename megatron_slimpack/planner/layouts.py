@@ -53,6 +53,7 @@ import math
 import pickle
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
@@ -368,6 +369,11 @@ class _Run:
     reports: list[SimulationReport] = field(default_factory=list)
     shelved: bytes | None = None  # `plans`, pickled while the run is not among the fastest screened
 
+    @property
+    def active_planner(self) -> StepPlanner:
+        """`planner`, once the run is evaluated (it is set before the first batch is planned)."""
+        return cast(StepPlanner, self.planner)
+
     def shelve(self) -> None:
         """Keep the plans pickled, about 8x smaller (one llama-13b 256K plan of 64 replicas: 50 MiB
         as objects, 6 MiB pickled): a search screens hundreds of layouts, and only its finalists'
@@ -386,11 +392,12 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
     started = time.perf_counter()
     try:
         if step is None:
-            plan = run.planner.flush(run.parallel, cost, run.config)
+            # An optional method of stateful planners, called only where there is one (`_flushes`).
+            plan = run.active_planner.flush(run.parallel, cost, run.config)  # type: ignore[attr-defined]
             if plan is None:
                 return None
         else:
-            plan = run.planner.plan(lengths, run.parallel, cost, run.config)
+            plan = run.active_planner.plan(lengths, run.parallel, cost, run.config)
         plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
         plan.validate()
         report = simulate(plan, cost, detail=False)
@@ -420,7 +427,7 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining:
             return stop
         if step < len(batches):
             rejection = _plan_and_simulate(run, batches[step], cost, step)
-        elif _flushes(run.planner):
+        elif _flushes(run.active_planner):
             rejection = _plan_and_simulate(run, [], cost, None)
         else:
             return None
@@ -462,7 +469,7 @@ class _RemainingWork:
     def mean_at_least(self, run: _Run) -> float:
         """Seconds per batch the run's plans so far and the rest take at least."""
         planned = len(run.reports)
-        delayed = run.planner.untrained_lengths()
+        delayed = run.active_planner.untrained_lengths()
         tokens = self.tokens_from[planned] + sum(delayed)
         pairs = self.pairs_from[planned] + attention_pairs_bound(self.spec, delayed)
         rest = work_lower_bound(self.spec, tokens, pairs, self.cost, run.parallel, run.config)

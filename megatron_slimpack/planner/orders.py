@@ -194,6 +194,7 @@ def orders_of_targets(targets: np.ndarray, forwards: list | None = None,
     targets = np.asarray(targets)
     if forwards is None:
         forwards = [("F", unit) for unit in range(int(targets.max()) if targets.size else 0)]
+    if backwards is None:
         backwards = [("B", unit) for unit in range(targets.shape[1])]
     orders = []
     for row in targets.tolist():
@@ -248,6 +249,7 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
     backward_end: list[list[float | None]] = [[None] * len(work.backward_transfer) for _ in range(pp)]
     free_at = [0.0] * pp
     position = [0] * pp
+    ready: float | None  # when a task's input arrives; None: not yet
     # A stage runs until it waits on a neighbour; only a neighbour's progress can unblock it, so
     # only those are revisited (a sweep over all stages per step is quadratic on deep pipelines).
     pending = list(range(pp - 1, -1, -1))
@@ -433,6 +435,7 @@ class InterleavedSchedule:
         forward_count = len(forwards) // vpp
         forward_end: list[list[float | None]] = [[None] * forward_count for _ in range(virtual)]
         backward_end: list[list[float | None]] = [[None] * len(needs) for _ in range(virtual)]
+        ready: float | None  # when a task's input arrives; None: not yet
         if work is None:
             zeros = [0.0] * max(forward_count, len(needs))
             forward_rows = backward_rows = [zeros] * virtual

@@ -8,9 +8,12 @@ only reports them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from ..plan import Plan, PlanError
+
+# `kept` gives back the failure it was given, of its own class.
+PlanErrorT = TypeVar("PlanErrorT", bound=PlanError)
 
 
 class DoesNotFit(PlanError):
@@ -34,14 +37,14 @@ class DoesNotFit(PlanError):
         return _restored, (type(self), self.args, self.__dict__)
 
 
-def _restored(cls: type, args: tuple, state: dict) -> DoesNotFit:
+def _restored(cls: type[DoesNotFit], args: tuple, state: dict) -> DoesNotFit:
     error = cls.__new__(cls)
     error.args = args
     error.__dict__.update(state)
     return error
 
 
-def kept(error: PlanError) -> PlanError:
+def kept(error: PlanErrorT) -> PlanErrorT:
     """A caught failure to keep past its `except` block (the first of several attempts, a
     replica's), without its traceback: the traceback holds the catching frame, whose locals hold
     the failure, a cycle that kept every plan in those frames alive while a layout search pauses

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..costmodel import CostModel
+from ..costmodel import Amount, CostModel
 from ..specs import ParallelConfig
 
 
@@ -49,13 +49,13 @@ class WorkRates:
         half = 0.0 if cost.profiled_forward is not None else cost.hardware.half_efficiency_tokens * parallel.cp
         return cls(forward[0], forward[1], backward[0], backward[1], float(tokens), float(half))
 
-    def forward(self, tokens: float, pairs: float) -> float:
+    def forward(self, tokens: Amount, pairs: Amount) -> Amount:
         return self.forward_per_token * tokens + self.forward_per_pair * pairs
 
-    def backward(self, tokens: float, pairs: float) -> float:
+    def backward(self, tokens: Amount, pairs: Amount) -> Amount:
         return self.backward_per_token * tokens + self.backward_per_pair * pairs
 
-    def total(self, tokens: float, pairs: float) -> float:
+    def total(self, tokens: Amount, pairs: Amount) -> Amount:
         return self.forward(tokens, pairs) + self.backward(tokens, pairs)
 
     def size_penalty(self, tokens):

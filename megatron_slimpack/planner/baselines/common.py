@@ -4,6 +4,7 @@ replicas, and assembling the plan."""
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 from ...config import SlimPackConfig
 from ...costmodel import CostModel
@@ -22,6 +23,8 @@ from ...plan import (
 from ...specs import ParallelConfig
 from ..orders import interleaved_microbatch_error, interleaved_orders, stage_orders
 from ..registry import LayoutConstraints
+
+T = TypeVar("T")
 
 # Megatron-LM's schedules run these strategies: interleaved 1F1B is theirs to use (v searched).
 INTERLEAVED = LayoutConstraints(vpp=None, reason="Megatron-LM's interleaved 1F1B runs any vpp dividing the "
@@ -46,8 +49,8 @@ def schedule_1f1b(micropacks: list[MicroPack], parallel: ParallelConfig, dp_rank
         refused = interleaved_microbatch_error(len(micropacks), parallel.pp)
         if refused:
             raise PlanError(f"data-parallel ranks {list(dp_ranks)}: {refused}")
-        orders = interleaved_orders(forward_units, backward_units, parallel.pp, parallel.vpp)
-        return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
+        chunk_orders = interleaved_orders(forward_units, backward_units, parallel.pp, parallel.vpp)
+        return ReplicaPlan(micropacks, forward_units, backward_units, chunk_orders, list(dp_ranks))
     warmups = [min(parallel.pp - stage - 1, len(micropacks)) for stage in range(parallel.pp)]
     orders = stage_orders(forward_units, backward_units, warmups)
     return ReplicaPlan(micropacks, forward_units, backward_units, orders, list(dp_ranks))
@@ -111,7 +114,7 @@ def whole_documents(samples: list[Sample]) -> MicroPack:
     return MicroPack([Slice(s.sample_id, 0, s.length) for s in samples])
 
 
-def deal_contiguous(items: list, dp: int) -> list[list]:
+def deal_contiguous(items: list[T], dp: int) -> list[list[T]]:
     """Rank r gets a contiguous block; with a remainder the first ranks get one more."""
     base, extra = divmod(len(items), dp)
     blocks, start = [], 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def cut_cached(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Pie
     return tuple(tuple(sequence) for sequence in sequences if sequence)
 
 
-def piece_metadata(sequences: list[list[Piece]]) -> dict:
+def piece_metadata(sequences: Sequence[Sequence[Piece]]) -> dict:
     return {
         "num_sequences": len(sequences),
         # sample id -> [index of its length in the batch, first token of the piece in it] (read by

@@ -23,7 +23,8 @@ def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[Micro
     a slice holds the parts of the pieces it overlaps, each attending to its piece's prefix."""
     total = sum(piece.sample.length for piece in sequence)
     options = PackOptions(token_cap=slice_tokens, slice_tokens=slice_tokens, cost_balanced_slices=False)
-    bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates=None)]
+    # Uniform slices (no cost balancing, no cost cap) never read the rates.
+    bounds = [(s.start, s.end) for s in cut_document(Sample(-1, total), options, rates=None)]  # type: ignore[arg-type]
     micropacks, offset, starts = [], 0, []
     for piece in sequence:
         starts.append(offset)
@@ -60,7 +61,8 @@ def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
     sequences = concatenate_and_cut(lengths, config.context_length)
     samples = [piece.sample for sequence in sequences for piece in sequence]
     sliced = _sliced_sequences(tuple(lengths), config.context_length, slice_tokens)
-    per_rank = [[mp for micropacks in block for mp in micropacks] for block in deal_contiguous(sliced, parallel.dp)]
+    blocks = deal_contiguous(list(sliced), parallel.dp)
+    per_rank = [[mp for micropacks in block for mp in micropacks] for block in blocks]
     metadata = {**piece_metadata(sequences), "slice_tokens": slice_tokens}
     return assemble_plan(per_rank, samples, parallel, cost, config, slice_tokens, metadata,
                          piece_sources(sequences, lengths, sources))

@@ -17,7 +17,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -70,6 +70,7 @@ def assign_to_replicas(
     merged = {i for group in merge_groups for i in group.sample_indices}
     free = np.array([i for i in np.argsort(-costs, kind="stable") if i not in merged], dtype=int)
 
+    solver: dict[str, Any]  # the solver's report, with its time and the resulting imbalance
     if dp == 1:
         replicas, solver = [free.tolist()], {"status": "trivial"}
     else:

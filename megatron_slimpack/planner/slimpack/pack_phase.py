@@ -409,7 +409,7 @@ class UnitCandidate:
         return float(sum(first[:len(self.work.forward_bytes)]))
 
     def order(self, dp_ranks: list[int], budget_bytes: float | None = None, schedules: str = "megatron"
-              ) -> "OrderedCandidate":
+              ) -> OrderedCandidate | InterleavedCandidate:
         """Stage orders, the makespan of their replay (no DP reduction) and their peak memory.
 
         Running a chain's forwards ahead, one per backward, keeps the pipeline full but holds them

@@ -102,7 +102,7 @@ class ReplicaSearch:
         eighth session: 13B tp2 pp2 cp4 runs whole documents in 64K MicroPacks, more than 5%
         faster than half-size ones)."""
         if self.best is not None and packing_bound_s(self.ordered, micropack_tokens, self.cost,
-                                                     self.parallel) >= self.best_makespan_s:
+                                                     self.parallel) >= self.best[1].makespan_s:
             return True
         even = self.parallel.pp > 1
         micropacks = self._pack(micropack_tokens, even_costs=even)
@@ -127,12 +127,12 @@ class ReplicaSearch:
         fast on paper and not fit: candidates are replayed best estimate first, those that fit
         only, `replayed_candidates` at most."""
         costs = MicroPackCosts.of(micropacks, self.cost, self.parallel)
-        if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best_makespan_s:
+        if self.best is not None and costs.busiest_stage_s(self.parallel.pp) >= self.best[1].makespan_s:
             return True
         # Asymmetric planning also tries the symmetric segmentation of each unit count: its search
         # is then a superset of slimpack-sym's on these MicroPacks, never worse for lack of a candidate.
         kinds = (True,) if self.symmetric else (False, True)
-        candidates = []
+        candidates: list[tuple[UnitCandidate, int]] = []
         for units in unit_candidates(self.parallel.pp, len(micropacks)):
             for symmetric in kinds:
                 candidate = UnitCandidate.of(micropacks, costs, units, symmetric, self.cost, self.parallel, self.budget)
@@ -174,7 +174,7 @@ class ReplicaSearch:
 
     def _can_win(self, candidate: UnitCandidate) -> bool:
         """Whether `candidate` may beat the best schedule so far (its pipeline's lower bound)."""
-        return self.best is None or candidate.lower_bound_s < self.best_makespan_s
+        return self.best is None or candidate.lower_bound_s < self.best[1].makespan_s
 
     def _replay(self, candidate: UnitCandidate, units: int, costs: MicroPackCosts, micropack_tokens: int,
                 leaner_level: int = 0) -> bool:
@@ -194,7 +194,7 @@ class ReplicaSearch:
         if peak > self.budget:
             return False
         self.fitting_levels.add(leaner_level)
-        if self.best is None or result.makespan_s < self.best_makespan_s:
+        if self.best is None or result.makespan_s < self.best[1].makespan_s:
             outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
             self.best = (result.replica, outcome)
         return True

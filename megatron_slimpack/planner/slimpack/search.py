@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterator
+from typing import Iterator, cast
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class SlimPackSearch:
 
     def plan(self) -> Plan:
         """The fastest plan of the first base merge that fits; else the first failure."""
-        first_error = None
+        first_error: PlanError | None = None
         for base_merge, attempts in itertools.groupby(self.attempts(), key=lambda attempt: attempt.base_merge):
             try:
                 best = self.best_at(base_merge, [attempt.sizing for attempt in attempts])
@@ -105,7 +105,7 @@ class SlimPackSearch:
                 first_error = first_error or kept(error)
                 if not isinstance(error, DoesNotFit):
                     break
-        raise first_error from None
+        raise cast(PlanError, first_error) from None  # attempts() yields one at least: it failed
 
     def view(self, base_merge: int) -> ParallelConfig:
         """The layout a base merge is planned on: dp / base_merge replicas, base_merge-fold more CP."""
@@ -126,7 +126,7 @@ class SlimPackSearch:
         token_cap = auto_token_cap(self.cost, view, self.config)
         planned: list[PlannedBatch] = []
         seen: list[GroupSizing] = []
-        first_error = None
+        first_error: PlanError | None = None
         for sizing in sizings:
             try:
                 groups = self.size_groups(sizing, view, token_cap)
@@ -146,7 +146,7 @@ class SlimPackSearch:
                 planned.append(batch)
                 level = batch.leaner_level_needed - 1  # -1: no replica needed one, planned as without them
         if not planned:
-            raise first_error
+            raise cast(PlanError, first_error)  # each sizing was planned or failed, so one failed
         return min(planned, key=lambda batch: batch.predicted_iteration_s)
 
     def size_groups(self, sizing: Sizing, view: ParallelConfig, token_cap: int) -> GroupSizing:
@@ -285,7 +285,8 @@ class _BatchPlanning:
                 self.failures.append(kept(failure))
                 continue
             if members and ladder is None:
-                chosen = own[rank][1].micropack_tokens  # may lie between two rungs (bisected)
+                # May lie between two rungs (bisected); never None, since the rank has documents.
+                chosen = cast(int, own[rank][1].micropack_tokens)
                 ladder = SizeLadder.below_cap(self.token_cap, self.config).starting_at(chosen)
         return own
 
