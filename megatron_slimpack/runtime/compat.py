@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 from functools import lru_cache, wraps
+from typing import Any
 
 import torch
 
-_originals: dict[str, object] = {}
+_originals: dict[str, Any] = {}  # what `apply` replaced, of as many kinds as it patches
 
 
 def needed() -> bool:
@@ -132,7 +133,7 @@ def apply(force: bool = False) -> bool:
     # 2. torch.cuda.current_device() raises "Torch not compiled with CUDA" on CPU; megatron uses
     #    it only as a `device=` argument (RoPE inv_freq, p2p buffers, DDP), so "cpu" is right.
     _originals["current_device"] = torch.cuda.current_device
-    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]  # a device where an index was
     # 3. The default causal mask of the local (non-TE) softmax is allocated on "cuda".
     #    fused_softmax imported the function by name, so both references are replaced.
     _originals["causal_mask"] = (transformer_utils.get_default_causal_mask, fused_softmax.get_default_causal_mask)

@@ -69,9 +69,9 @@ def probe(module, dtype: torch.dtype, heads: int, groups: int, head_dim: int, de
                              tensors, torch.float32)
     names = ("output", "dq", "dk", "dv")
     for name, g, w in zip(names, got, want):
-        error = float((g - w).norm() / w.norm().clamp_min(1e-30))
-        if not error <= TOLERANCE.get(dtype, 3e-2):
-            return f"{name} differs from the torch reference by {error:.1e} (relative) at {dtype}"
+        deviation = float((g - w).norm() / w.norm().clamp_min(1e-30))
+        if not deviation <= TOLERANCE.get(dtype, 3e-2):
+            return f"{name} differs from the torch reference by {deviation:.1e} (relative) at {dtype}"
     return None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -45,6 +45,8 @@ class SlicedAttentionMixin:
     (`bounds`: cu_q and cu_kv as host ints, where known)."""
 
     layer_number: int
+    config: Any  # the Megatron TransformerConfig, set by the attention module it is mixed into
+    _attend: Callable[..., torch.Tensor]  # the backend's kernel call (above)
 
     def forward(
         self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
@@ -152,7 +154,7 @@ try:  # pragma: no cover - needs TE and a GPU
             return out.reshape(out.shape[0], -1)
 
 except ImportError:
-    TESlicedDotProductAttention = None
+    TESlicedDotProductAttention = None  # type: ignore[misc,assignment]  # a class only with Transformer Engine
 
 
 # ---- layer specs ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ member's share) run per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -134,7 +134,8 @@ def stored_and_prefixed(store: Optional[KVStore], layer: int, key: Tensor, value
         begin, end = bounds[i], bounds[i + 1]
         prefixes.append(slice_prefix(store, sample_id, layer, start))
         if keeps_kv[i]:
-            entry = store.put(sample_id, layer, start, key[begin:end], value[begin:end])
+            # Slices that keep their keys and values come with a store.
+            entry = cast(KVStore, store).put(sample_id, layer, start, key[begin:end], value[begin:end])
             owners.append((begin, end, sample_id, start, entry))
     if owners and torch.is_grad_enabled():
         key, value = KVGradHandOff.apply(key, value, store, layer, owners)

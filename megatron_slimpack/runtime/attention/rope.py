@@ -23,8 +23,9 @@ from .seq_params import SlicedSeqParams
 def slice_positions(params: SlicedSeqParams) -> Tensor:
     """Absolute position of every packed token: start..end-1 for each slice, in pack order (the
     batch's own `token_positions` where it has them: batch.py, context_parallel.py)."""
-    if getattr(params, "token_positions", None) is not None:
-        return params.token_positions
+    positions = getattr(params, "token_positions", None)
+    if positions is not None:
+        return positions
     lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
     starts = list(params.starts) + [0] * (len(lengths) - len(params.starts))  # padding: positions 0..
     device = params.cu_seqlens_q.device

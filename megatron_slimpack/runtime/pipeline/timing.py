@@ -130,7 +130,7 @@ class Timeline:
         size = dist.get_world_size(self.group)
         mine = ([r.to_dict() for r in self.records], [m.to_dict() for m in self.memory])
         dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        everyone = [None] * size if dist.get_rank() == dst else None
+        everyone: list[Any] | None = [None] * size if dist.get_rank() == dst else None
         dist.gather_object(mine, everyone, dst=dst, group=self.group)
         if everyone is None:
             return
