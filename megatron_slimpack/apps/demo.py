@@ -37,7 +37,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, cast
 
 DEFAULT_STEPS = 10
 DEFAULT_CONTEXT = 2048
@@ -401,16 +401,17 @@ class DemoRunner:
         run.optimizer.step()
         elapsed = time.perf_counter() - began
         mine = (elapsed, result.loss, [r.to_dict() for r in timeline.compute_records()])
-        everyone = [None] * self.world_size if self.show else None
+        everyone: list[Any] | None = [None] * self.world_size if self.show else None
         dist.gather_object(mine, everyone, dst=0)
-        if not self.show:
+        if everyone is None:  # not self.show
             return
         step_s = max(elapsed for elapsed, _, _ in everyone)
         loss = everyone[self.pp - 1][1]  # the last pipeline stage of replica 0 (dp=1 here)
         tasks = gantt_tasks([r for _, _, records in everyone for r in records], plan)
         entry = run.record_step(planned, step_s, loss, tasks, self.pp)
-        self.log.line(step_line(run.strategy, entry, self.options.steps, self.predicted_tag))
-        self.log.advance()
+        log = cast(StepLog, self.log)  # there is one where the steps are shown
+        log.line(step_line(run.strategy, entry, self.options.steps, self.predicted_tag))
+        log.advance()
 
     def finish(self) -> dict | None:
         """Stop the planners and the process group; rank 0's result (None elsewhere)."""
@@ -484,7 +485,7 @@ class StepLog:
     def __init__(self, total: int, *, progress: bool = True, stream=None, desc: str = "demo steps"):
         self.stream = stream if stream is not None else sys.stderr
         self.bar = None
-        self._showwarning = None
+        self._showwarning: Callable[..., None] | None = None
         if progress and _is_terminal(self.stream):
             from tqdm import tqdm
 

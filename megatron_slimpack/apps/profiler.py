@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -306,7 +306,7 @@ def fit_profile(spec: ModelSpec, layers: int, points: list[Point], head_points: 
     pairs = np.array([p.pairs for p in points], dtype=float)
     prefix = np.array([p.prefix_tokens for p in points], dtype=float)
     ones = np.ones_like(tokens)
-    fit = {}
+    fit: dict[str, Any] = {}
     coefficients = {}
     for name, target in (("forward", [p.forward_s for p in points]), ("backward", [p.backward_s for p in points])):
         result = least_squares([ones, tokens, pairs], np.array(target), ["c0", "per_token", "per_pair"])
@@ -494,7 +494,8 @@ def describe_fit(fit: dict) -> str:
 
 def predict_point(cost: CostModel, point: Point, layers: int) -> tuple[float, float, float]:
     """(forward s, backward s, saved bytes) the fitted model predicts for a chunk measurement."""
-    f, b = cost.profiled_forward, cost.profiled_backward
+    # A fitted cost model has both.
+    f, b = cast(TimeCoefficients, cost.profiled_forward), cast(TimeCoefficients, cost.profiled_backward)
     a = cost.activation
     return (layers * f(point.tokens, point.pairs), layers * b(point.tokens, point.pairs),
             layers * (a.per_token * point.tokens + a.per_pair * point.pairs + a.per_prefix_token * point.prefix_tokens

@@ -108,7 +108,7 @@ def parse_version(text: str) -> tuple[int, int, int]:
     '+<git hash>' megatron-core appends inside a git work tree ('0.19.2+a7fe95f') is ignored."""
     parts = []
     for piece in re.split(r"[.+]", str(text))[:3]:
-        digits = re.match(r"\d*", piece).group()
+        digits = re.match(r"\d*", piece).group()  # type: ignore[union-attr]  # \d* matches every string
         parts.append(int(digits) if digits else 0)
     while len(parts) < 3:
         parts.append(0)
@@ -182,8 +182,8 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     config = _checked(slimpack_config_from_args, SlimPackConfig, args, problems)
     _checked(integration_config_from_args, MegatronIntegrationConfig, args, problems)
     dump = getattr(args, "slimpack_dump_plans", None)
-    if dump and (why := _unwritable(dump)):
-        problems.append(f"--slimpack-dump-plans {dump}: {why}; name a directory this process can write (it is "
+    if dump and (unwritable := _unwritable(dump)):
+        problems.append(f"--slimpack-dump-plans {dump}: {unwritable}; name a directory this process can write (it is "
                         "created if missing)")
     if config is not None and config.base_merge > 1:
         dp = getattr(args, "data_parallel_size", None)

@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import SlimPackError
 from ..plan import Plan, Sample
@@ -217,7 +217,7 @@ class PlannerIterator:
         self._state = sampler.state_dict()  # after the last consumed batch
         self._planner_state = _planner_state_of(plan_fn)  # likewise
         self.history: list[PlannedBatch] = []
-        self._worker = None  # _ThreadPlanner or planner_process.PlannerProcess
+        self._worker: Any = None  # _ThreadPlanner or planner_process.PlannerProcess (get, close, name)
         self._worker_name: Optional[str] = None  # the last worker's backend, kept after close()
         self.fallback_reason: Optional[str] = None  # why no worker process is used (then threads only)
 
@@ -315,7 +315,8 @@ class PlannerIterator:
 
     def __next__(self) -> PlannedBatch:
         began = time.perf_counter()
-        item, pickled = None, None
+        item: Any = None  # a PlannedBatch, or the worker's _DONE
+        pickled = None
         if self.is_source:
             if not self._remaining(self._consumed):
                 item = _DONE
@@ -345,6 +346,7 @@ class PlannerIterator:
 
         from .planner_process import dump_planned, load_planned
 
+        payload: list[Any]  # "done", the two pickles, or (on other ranks) None until received
         if self.is_source:
             payload = ["done" if item is _DONE else (pickled if pickled is not None else dump_planned(item))]
         else:
@@ -402,7 +404,7 @@ SAMPLER_STATE_KEYS = ("fingerprint", "step", "epoch", "cursor", "document", "off
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def _entry_of(state, key: str, kind: type, where: str):

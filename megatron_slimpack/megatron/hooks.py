@@ -46,7 +46,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from .args import SlimPackArgumentError, mcore_version, validate_slimpack_args
 
@@ -101,17 +101,22 @@ def _mark_used(name: str) -> None:
         _state.used.add(name)
 
 
+def _installed() -> _Installation:
+    """`_state`, for the helpers that run only while the hooks are installed."""
+    return cast(_Installation, _state)
+
+
 def _swap(module, name: str, replacement) -> None:
     if not hasattr(module, name):
         raise SlimPackInstallError(
             f"{module.__name__} has no attribute {name!r}: this Megatron-LM checkout does not match the "
             f"supported versions (see patches/README.md)")
-    _state.swapped.append((module, name, getattr(module, name)))
+    _installed().swapped.append((module, name, getattr(module, name)))
     setattr(module, name, replacement)
 
 
 def _original(name: str):
-    for _module, attribute, original in _state.swapped:
+    for _module, attribute, original in _installed().swapped:
         if attribute == name:
             return original
     raise KeyError(name)
@@ -324,7 +329,7 @@ def _rerun_data_iterator():
     return RerunDataIterator
 
 
-class MegatronPlannerIterator(_rerun_data_iterator()):
+class MegatronPlannerIterator(_rerun_data_iterator()):  # type: ignore[misc]  # Megatron's class, imported lazily
     """The planner iterator plus the corpus its token sources read (see megatron/data.py), as a
     Megatron `RerunDataIterator` (replay of a step's planned batch works as for any iterator).
     `planner_state_dict()` is the sampler position for an exact resume."""
@@ -434,6 +439,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     from .args import integration_config_from_args, slimpack_config_from_args, virtual_stages_of_args
     from .data import PlannerIterator, fast_forward, plan_function
 
+    corpus: MockCorpus | IndexedCorpus
     if getattr(args, "mock_data", False):
         corpus = MockCorpus(getattr(args, "padded_vocab_size", 32000), seed=getattr(args, "seed", 0) or 0)
     else:
@@ -448,7 +454,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
         cost = CostModel.analytic(model, options.hardware)
     else:
         cost = CostModel.from_profile(options.cost_model)
-    recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", None), "none")
+    recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", ""), "none")
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               vpp=virtual_stages_of_args(args), tp=args.tensor_model_parallel_size,
                               recompute=recompute)

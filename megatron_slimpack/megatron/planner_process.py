@@ -43,7 +43,8 @@ import traceback
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from multiprocessing.process import BaseProcess
+from typing import Any, Optional, cast
 
 from ..planner.strategies import cyclic_gc_paused
 from .planned import _DONE, PlannedBatch, PlannerError, _plan_one, _restore_position
@@ -185,8 +186,8 @@ class PlannerProcess:
         self.results = context.Queue(maxsize=max(1, int(plan_ahead)))
         self.stop = context.Event()
         self.started = context.Event()
-        self.process = context.Process(target=worker_main, args=(job, self.results, self.stop, self.started),
-                                       name="slimpack-planner", daemon=True)
+        self.process: Optional[BaseProcess] = context.Process(  # None once closed
+            target=worker_main, args=(job, self.results, self.stop, self.started), name="slimpack-planner", daemon=True)
         with _environment(WORKER_ENVIRONMENT):
             self.process.start()  # pickles the job: raises here if a piece does not pickle
         self.pid = self.process.pid
@@ -197,6 +198,11 @@ class PlannerProcess:
             writer.close()
         self._finalizer = weakref.finalize(self, _terminate, self.process)
 
+    @property
+    def _worker(self) -> BaseProcess:
+        """`process`, for the methods that run only before `close`."""
+        return cast(BaseProcess, self.process)
+
     def get(self, timeout_s: Optional[float] = None):
         """The worker's next message; PlannerError when it died without one, or sent none within
         `timeout_s` (then it is terminated: a hung worker)."""
@@ -206,7 +212,7 @@ class PlannerProcess:
                 message = self.results.get(timeout=_POLL_S)
                 break
             except queue.Empty:
-                if self.process.is_alive():
+                if self._worker.is_alive():
                     if timeout_s is not None and time.monotonic() - began > timeout_s:
                         raise self._hung(timeout_s) from None
                     continue
@@ -236,8 +242,8 @@ class PlannerProcess:
     def _died(self) -> Exception:
         """The error for a worker that exited without its next message."""
 
-        self.process.join(1.0)
-        code = self.process.exitcode
+        self._worker.join(1.0)
+        code = self._worker.exitcode
         if not self.started.is_set():
             return WorkerStartError(f"the planner worker process (pid {self.pid}) exited with code {code} before it "
                                     "started (see its traceback above)")

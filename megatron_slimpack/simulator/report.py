@@ -218,8 +218,8 @@ def gantt_figure(report_or_records, title: str | None = None, horizon_s: float |
 
     rows = max(1, len(devices))
     tasks_of_row = [0] * rows
-    for (kind, _), spans in bars.items():
-        for row, _, _ in spans:
+    for (kind, _), kind_bars in bars.items():
+        for row, _, _ in kind_bars:
             tasks_of_row[row] += kind in COMPUTE_KINDS
     per_row = max(tasks_of_row)
     width = min(20.0, max(12.0, 2.2 * per_row / GANTT_DPI))  # about 2 px per task of the busiest row
