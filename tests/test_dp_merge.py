@@ -84,6 +84,32 @@ def test_position_runs_through_a_varlen_kernel_match_the_masked_reference(k):
             torch.testing.assert_close(runs, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_member_batches_carry_their_boundaries_and_runs_on_the_host(k):
+    """A member's batch holds, as host ints from the plan, the same boundaries as its device
+    tensors, and position runs equal to those built by reading the device tensors back."""
+    from megatron_slimpack.plan import MicroPack, Slice
+    from megatron_slimpack.runtime import InMemoryTokenSource, KVStore
+    from megatron_slimpack.runtime.attention.context_parallel import build_cp_batch
+    from megatron_slimpack.runtime.attention.seq_params import PositionRuns
+
+    pack = MicroPack([Slice(0, 9, 30), Slice(1, 0, 3), Slice(2, 4, 5), Slice(3, 0, 17)])
+    source = InMemoryTokenSource({0: torch.arange(40), 1: torch.arange(3), 2: torch.arange(9), 3: torch.arange(17)})
+    for rank in range(k):
+        params = build_cp_batch(pack, source, KVStore(), group=None, group_size=k, group_rank=rank,
+                                pad_to=4).packed_seq_params
+        assert params.host_cu_seqlens_q == params.cu_seqlens_q.tolist()
+        assert params.host_cu_seqlens_attn_kv == params.cu_seqlens_attn_kv.tolist()
+        assert params.cp.full_bounds == [0, 21, 24, 25, 42]
+        assert params.cp.host_positions == params.cp.local_positions.tolist()
+        read_back = PositionRuns.of(params.slice_cu_seqlens, params.cu_seqlens_attn_kv, params.cp.local_positions)
+        for name, value in vars(read_back).items():
+            ours = getattr(params.cp.runs, name)
+            assert torch.equal(ours, value) if isinstance(value, torch.Tensor) else ours == value, name
+        runs = params.cp.runs
+        assert (runs.bounds_q, runs.bounds_kv) == (runs.cu_q.tolist(), runs.cu_kv.tolist())
+
+
 def test_merge_layouts():
     from megatron_slimpack.runtime.pipeline.merge import merge_layouts
 

@@ -3,6 +3,8 @@ slices, layers and MicroPacks it runs: every call that makes the host read a dev
 (`item`, `tolist`, `cpu`, `numpy`, `bool`/`int`/`float`/`index` of a tensor,
 `torch.cuda.synchronize`) drains the GPU's stream, so the runtime may make only a few per step."""
 import collections
+import contextlib
+import json
 import random
 import traceback
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import random_segmentation, random_stage_order
+from conftest import init_megatron, random_segmentation, random_stage_order, run_multiprocess
 
 VOCAB = 64
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -45,47 +47,76 @@ def caller_outside_torch() -> str:
     return "?"
 
 
-def sliced_plan(num_docs: int, slices_per_doc: int, num_micropacks: int, doc_length: int = 24):
-    """`num_docs` documents, each cut into `slices_per_doc` equal slices; slice i of a document
-    goes to one of the i-th group of MicroPacks, so every MicroPack holds slices and each
+def sliced_replica(rng: random.Random, sample_ids: range, slices_per_doc: int, num_micropacks: int,
+                   doc_length: int, dp_ranks: list[int]):
+    """The documents `sample_ids`, each cut into `slices_per_doc` equal slices; slice i of a
+    document goes to one of the i-th group of MicroPacks, so every MicroPack holds slices and each
     document's slices run in order. Random asymmetric units and task order."""
-    from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
-    from megatron_slimpack.specs import ParallelConfig
+    from megatron_slimpack.plan import MicroPack, ReplicaPlan, Slice
 
-    rng = random.Random(num_docs * 1000 + slices_per_doc * 10 + num_micropacks)
     group, step = num_micropacks // slices_per_doc, doc_length // slices_per_doc
     packs: list[list] = [[] for _ in range(num_micropacks)]
-    for sid in range(num_docs):
+    for sid in sample_ids:
         for i in range(slices_per_doc):
             end = (i + 1) * step if i < slices_per_doc - 1 else doc_length
             packs[i * group + sid % group].append(Slice(sid, i * step, end))
-    replica = ReplicaPlan([MicroPack(p) for p in packs], [], [], [], dp_ranks=[0])
+    replica = ReplicaPlan([MicroPack(p) for p in packs], [], [], [], dp_ranks=dp_ranks)
     replica.forward_units = random_segmentation(rng, list(range(num_micropacks)))
     replica.backward_units = random_segmentation(rng, replica.backward_sequence())
     replica.stage_orders = [random_stage_order(rng, replica)]
+    return replica
+
+
+def documents_of(num_docs: int, doc_length: int) -> dict:
+    return {sid: torch.randint(0, VOCAB, (doc_length,), generator=torch.Generator().manual_seed(sid))
+            for sid in range(num_docs)}
+
+
+def sliced_plan(num_docs: int, slices_per_doc: int, num_micropacks: int, doc_length: int = 24):
+    """One replica plan of `num_docs` sliced documents (`sliced_replica`)."""
+    from megatron_slimpack.plan import Plan, Sample
+    from megatron_slimpack.specs import ParallelConfig
+
+    rng = random.Random(num_docs * 1000 + slices_per_doc * 10 + num_micropacks)
+    replica = sliced_replica(rng, range(num_docs), slices_per_doc, num_micropacks, doc_length, [0])
     plan = Plan([replica], [Sample(sid, doc_length) for sid in range(num_docs)], ParallelConfig(), doc_length,
                 "test").validate()
-    documents = {sid: torch.randint(0, VOCAB, (doc_length,), generator=torch.Generator().manual_seed(sid))
-                 for sid in range(num_docs)}
-    return plan, documents
+    return plan, documents_of(num_docs, doc_length)
 
 
-def count_step_syncs(monkeypatch, *, num_docs, slices_per_doc, num_micropacks, num_layers) -> SyncCounter:
+@contextlib.contextmanager
+def counting_syncs():
+    """A `SyncCounter` active over the block, `torch.cuda.synchronize` counted too."""
+    counter, synchronize = SyncCounter(), torch.cuda.synchronize
+    torch.cuda.synchronize = counter.count_cuda_synchronize
+    try:
+        with counter:
+            yield counter
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def counted_step(plan, documents, num_layers: int, groups=None) -> SyncCounter:
+    """One training step of a fresh tiny model over `plan`, its host syncs counted."""
     from megatron_slimpack.runtime import InMemoryTokenSource, KVStore, slimpack_forward_backward
     from megatron_slimpack.runtime.model import build_gpt_model, tiny_config
 
-    plan, documents = sliced_plan(num_docs, slices_per_doc, num_micropacks)
-    assert len(plan.replicas[0].micropacks) == num_micropacks
     config = tiny_config(num_layers=num_layers, hidden_size=32, num_attention_heads=4, num_query_groups=2)
     torch.manual_seed(0)
     model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=64, backend="torch")
     source = InMemoryTokenSource(documents)
-    counter = SyncCounter()
-    monkeypatch.setattr(torch.cuda, "synchronize", counter.count_cuda_synchronize)
-    with counter:
-        result = slimpack_forward_backward(model=model, plan=plan, token_source=source, kv_store=KVStore())
-    assert result.loss is not None and all(p.grad is not None for p in model.parameters())
+    with counting_syncs() as counter:
+        result = slimpack_forward_backward(model=model, plan=plan, token_source=source, kv_store=KVStore(),
+                                           groups=groups)
+    assert all(p.grad is not None for p in model.parameters())
+    assert result.loss is not None
     return counter
+
+
+def count_step_syncs(*, num_docs, slices_per_doc, num_micropacks, num_layers) -> SyncCounter:
+    plan, documents = sliced_plan(num_docs, slices_per_doc, num_micropacks)
+    assert len(plan.replicas[0].micropacks) == num_micropacks
+    return counted_step(plan, documents, num_layers)
 
 
 BASE = dict(num_docs=4, slices_per_doc=2, num_micropacks=4, num_layers=1)
@@ -98,17 +129,88 @@ DOUBLED = {
 }
 
 
-def test_a_step_syncs_a_few_times(megatron_cpu, monkeypatch):
-    counter = count_step_syncs(monkeypatch, **BASE)
+def test_a_step_syncs_a_few_times(megatron_cpu):
+    counter = count_step_syncs(**BASE)
     assert counter.total <= MAX_SYNCS_PER_STEP, f"{counter.total} host syncs per step: {dict(counter.sites)}"
 
 
 @pytest.mark.parametrize("doubled", sorted(DOUBLED))
-def test_syncs_do_not_grow_with_the_plan(megatron_cpu, monkeypatch, doubled):
-    base = count_step_syncs(monkeypatch, **BASE)
-    bigger = count_step_syncs(monkeypatch, **DOUBLED[doubled])
+def test_syncs_do_not_grow_with_the_plan(megatron_cpu, doubled):
+    base = count_step_syncs(**BASE)
+    bigger = count_step_syncs(**DOUBLED[doubled])
     assert bigger.total == base.total, (f"doubling the {doubled}: {base.total} -> {bigger.total} host syncs per "
                                         f"step; {dict(bigger.sites)}")
+
+
+# ---- DP-Merge: every member of a merge group, the group's MicroPacks shared -----------------
+MERGE_DP = 2
+MERGE_BASE = dict(BASE, merge_groups=1)
+MERGE_DOUBLED = {**{name: dict(shape, merge_groups=1) for name, shape in DOUBLED.items()},
+                 "merge groups": dict(MERGE_BASE, merge_groups=2),
+                 "everything": dict(DOUBLED["everything"], merge_groups=2)}
+
+
+def merged_plan(*, num_docs, slices_per_doc, num_micropacks, merge_groups, doc_length: int = 24):
+    """`merge_groups` merge groups of all `MERGE_DP` ranks, each with `num_docs` sliced documents
+    of its own (`sliced_replica`), then one whole document per rank in its own replica plan."""
+    from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
+    from megatron_slimpack.specs import ParallelConfig
+
+    rng = random.Random(num_docs * 1000 + slices_per_doc * 10 + num_micropacks + merge_groups * 7)
+    everyone = list(range(MERGE_DP))
+    replicas = [sliced_replica(rng, range(g * num_docs, (g + 1) * num_docs), slices_per_doc, num_micropacks,
+                               doc_length, everyone) for g in range(merge_groups)]
+    merged_docs = merge_groups * num_docs
+    for rank in everyone:
+        own = ReplicaPlan([MicroPack([Slice(merged_docs + rank, 0, doc_length)])], [[0]], [[0]], [], [rank])
+        own.stage_orders = [[("F", 0), ("B", 0)]]
+        replicas.append(own)
+    num_docs_total = merged_docs + MERGE_DP
+    plan = Plan(replicas, [Sample(sid, doc_length) for sid in range(num_docs_total)], ParallelConfig(dp=MERGE_DP),
+                doc_length, "test").validate()
+    return plan, documents_of(num_docs_total, doc_length)
+
+
+def _merge_syncs_worker(rank, world_size, port, path):
+    """Every shape's step on this member; its sync counts written to `path`.<rank>."""
+    from megatron_slimpack.runtime import ScheduleGroups
+    from megatron_slimpack.runtime.pipeline.merge import merge_groups
+
+    init_megatron(rank, world_size, port=port)
+    groups = ScheduleGroups.from_parallel_state(merge_groups=merge_groups(world_size))
+    counts = {}
+    for name, shape in {"base": MERGE_BASE, **MERGE_DOUBLED}.items():
+        shape = dict(shape)
+        num_layers = shape.pop("num_layers")
+        plan, documents = merged_plan(**shape)
+        counter = counted_step(plan, documents, num_layers, groups)
+        counts[name] = {"total": counter.total, "sites": dict(counter.sites)}
+    with open(f"{path}.{rank}", "w") as out:
+        json.dump(counts, out)
+
+
+@pytest.fixture(scope="module")
+def merge_member_syncs(tmp_path_factory):
+    """{rank: {shape: {"total", "sites"}}}: host syncs per step on every member of the merge group."""
+    path = tmp_path_factory.mktemp("merge_syncs") / "counts"
+    run_multiprocess(_merge_syncs_worker, MERGE_DP, str(path), timeout_s=300)
+    return {rank: json.loads(open(f"{path}.{rank}").read()) for rank in range(MERGE_DP)}
+
+
+@pytest.mark.slow
+def test_a_merge_group_member_syncs_a_few_times(merge_member_syncs):
+    for rank, counts in merge_member_syncs.items():
+        base = counts["base"]
+        assert base["total"] <= MAX_SYNCS_PER_STEP, f"rank {rank}: {base['total']} host syncs per step: {base['sites']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doubled", sorted(MERGE_DOUBLED))
+def test_merge_group_syncs_do_not_grow_with_the_plan(merge_member_syncs, doubled):
+    for rank, counts in merge_member_syncs.items():
+        base, bigger = counts["base"], counts[doubled]
+        assert bigger["total"] == base["total"], (f"rank {rank}, doubling the {doubled}: {base['total']} -> "
+                                                  f"{bigger['total']} host syncs per step; {bigger['sites']}")
 
 
 def test_rope_of_packed_rows_is_megatrons_thd_rope_without_its_host_reads(megatron_cpu):

@@ -55,8 +55,9 @@ Kernels: what is and isn't supported
   attends keys [0, b) of the slice's natural-order (prefix + slice) keys, which is bottom-right
   causal for b - a queries against b keys, so one varlen call over all runs, with each run's keys
   gathered into its own key segment, computes the member's attention. The key copies cost memory
-  (about twice the slice's keys per member); the runs are built once per MicroPack and shared by
-  its layers. `torch_position_kernel` (one masked call per slice, any permutation of the tokens)
+  (about twice the slice's keys per member); the runs are built once per MicroPack, on the host
+  from the plan's boundaries (no layer reads a boundary back from the device), and shared by its
+  layers. `torch_position_kernel` (one masked call per slice, any permutation of the tokens)
   is the reference the tests check the runs and the key gathering against; the GPU kernels
   themselves are the ones the non-merged path uses.
 """
@@ -69,7 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...plan import MicroPack
-from .batch import MicroPackBatch, append_padding, build_batch, padding_rows
+from .batch import MicroPackBatch, append_padding, build_batch, host_cu_seqlens, padding_rows
 from .kernels import cu_seqlens, segment_attention
 from .kv_store import stored_and_prefixed
 from .seq_params import CPLayout, PositionRuns, SlicedSeqParams
@@ -123,7 +124,7 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
             f"a MicroPack of {micropack.num_tokens} tokens cannot be split over a merge group of {group_size} "
             "ranks (every member needs at least one token): the planner must not merge it")
     shares = split_micropack(lengths, group_size)
-    offsets = cu_seqlens(lengths, "cpu").tolist()
+    offsets = host_cu_seqlens(lengths)
     per_rank: list[list[int]] = [[] for _ in range(group_size)]
     for slice_index, by_rank in enumerate(shares):
         for rank, local in enumerate(by_rank):
@@ -134,12 +135,11 @@ def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
     for rank, indices in enumerate(per_rank):
         gather_index[torch.tensor(indices, dtype=torch.long)] = rank * padded + torch.arange(len(indices))
     starts = [s.start for s in micropack.slices]
-    positions = torch.tensor([starts[i] + j for i, by_rank in enumerate(shares) for j in by_rank[group_rank]],
-                             dtype=torch.long)
+    positions = [starts[i] + j for i, by_rank in enumerate(shares) for j in by_rank[group_rank]]
     layout = CPLayout(
         group=group, group_size=group_size, group_rank=group_rank, local_counts=counts,
-        gather_index=gather_index.to(device), full_cu_seqlens=cu_seqlens(lengths, device),
-        local_positions=positions.to(device),
+        gather_index=gather_index.to(device), full_bounds=offsets,
+        local_positions=torch.tensor(positions, dtype=torch.long, device=device), host_positions=positions,
     )
     local_per_slice = [len(by_rank[group_rank]) for by_rank in shares]
     return layout, torch.tensor(per_rank[group_rank], dtype=torch.long), local_per_slice
@@ -155,6 +155,9 @@ def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size:
     padding = padding_rows(len(local), pad_to)
     segments = local_per_slice + [padding] * bool(padding)
     cu_q = cu_seqlens(segments, device)
+    # Every boundary is known here, on the host, from the plan: the layers read none back.
+    layout.runs = PositionRuns.from_host(host_cu_seqlens(local_per_slice), fp.host_cu_seqlens_attn_kv,
+                                         layout.host_positions, device)
     rows = {name: [getattr(full, name)[0, local]] for name in ("tokens", "labels", "loss_mask", "position_ids")}
     if padding:
         append_padding(padding, rows["tokens"], rows["labels"], rows["loss_mask"], rows["position_ids"])
@@ -165,6 +168,7 @@ def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size:
         sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
         cu_seqlens_attn_kv=fp.cu_seqlens_attn_kv.to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
         token_positions=rows["position_ids"][0], cp=layout, padding=padding,
+        host_cu_seqlens_q=host_cu_seqlens(segments), host_cu_seqlens_attn_kv=list(fp.host_cu_seqlens_attn_kv),
     )
     return MicroPackBatch(packed_seq_params=params, **rows)
 
@@ -234,7 +238,7 @@ def runs_attention(attend, q: Tensor, k: Tensor, v: Tensor, runs: PositionRuns) 
     if runs.max_q == 0:
         return q.new_zeros((0, q.shape[1] * v.shape[-1]))
     return attend(q, k.index_select(0, runs.key_index), v.index_select(0, runs.key_index),
-                  runs.cu_q, runs.cu_kv, runs.max_q, runs.max_kv)
+                  runs.cu_q, runs.cu_kv, runs.max_q, runs.max_kv, bounds=(runs.bounds_q, runs.bounds_kv))
 
 
 # ---- the CP path of the sliced core attention ----------------------------------------------
@@ -248,11 +252,7 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
     # The hand-off acts on the gathered K/V, before the reduce-scatter: later slices' dK/dV
     # accumulated on this member reach the owning members together with this slice's own.
     keys, values = stored_and_prefixed(params.kv_store, module.layer_number, full[:, 0], full[:, 1],
-                                       layout.full_cu_seqlens.tolist(), params.sample_ids, params.starts,
-                                       params.keeps_kv)
-    cu_kv = params.cu_seqlens_attn_kv
-    if cu_kv is None:
-        raise ValueError("SlicedSeqParams.cu_seqlens_attn_kv is missing (build batches with build_cp_batch)")
-    if layout.runs is None:  # the same for every layer of the MicroPack
-        layout.runs = PositionRuns.of(params.slice_cu_seqlens, cu_kv, layout.local_positions)
+                                       layout.full_bounds, params.sample_ids, params.starts, params.keeps_kv)
+    if layout.runs is None:
+        raise ValueError("CPLayout.runs is missing (build batches with build_cp_batch)")
     return runs_attention(module._attend, query, keys, values, layout.runs)

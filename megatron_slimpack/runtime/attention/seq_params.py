@@ -12,7 +12,7 @@ Pure data: no module of the runtime is imported here, so every other one can imp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -89,9 +89,10 @@ class CPLayout:
     group_rank: int
     local_counts: list[int]  # tokens each member holds (all members)
     gather_index: Tensor  # natural pack order -> row of the padded, gathered buffer
-    full_cu_seqlens: Tensor  # slices' full lengths, cumulative (natural pack order)
+    full_bounds: list[int]  # slices' full lengths, cumulative (natural pack order), host ints
     local_positions: Tensor  # absolute position of each local token
-    runs: Optional["PositionRuns"] = None  # built on first use (GPU kernels)
+    host_positions: list[int]  # the same positions on the host (runs are built from them)
+    runs: Optional["PositionRuns"] = None  # set with the batch (context_parallel.build_cp_batch)
 
     @property
     def padded(self) -> int:
@@ -110,26 +111,36 @@ class PositionRuns:
     key_index: Tensor   # rows of the packed (prefix + slice) keys, run after run
     max_q: int
     max_kv: int
+    bounds_q: list[int]   # cu_q and cu_kv as host ints: kernels that cut segments on the host
+    bounds_kv: list[int]  # need not read them back
 
     @classmethod
     def of(cls, cu_q: Tensor, cu_kv: Tensor, q_positions: Tensor) -> "PositionRuns":
-        positions = q_positions.detach().cpu().numpy().astype(np.int64)
-        bounds_q = cu_q.detach().cpu().numpy().astype(np.int64)
-        key_starts = cu_kv.detach().cpu().numpy().astype(np.int64)[:-1]
-        segment = np.repeat(np.arange(len(bounds_q) - 1), np.diff(bounds_q))
+        """From device tensors: reads them back (one host sync each); the runtime uses `from_host`."""
+        return cls.from_host(*(t.detach().cpu().numpy() for t in (cu_q, cu_kv, q_positions)), q_positions.device)
+
+    @classmethod
+    def from_host(cls, bounds_q: Sequence[int], bounds_kv: Sequence[int], q_positions: Sequence[int],
+                  device: torch.device | str) -> "PositionRuns":
+        """From host ints: the local queries' segment bounds, the keys' (prefix + slice) segment
+        bounds and the local queries' absolute positions. Builds on the host, copies to `device`."""
+        positions = np.asarray(q_positions, dtype=np.int64)
+        bounds = np.asarray(bounds_q, dtype=np.int64)
+        key_starts = np.asarray(bounds_kv, dtype=np.int64)[:-1]
+        segment = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
         opens = np.ones(len(positions), dtype=bool)
         opens[1:] = (segment[1:] != segment[:-1]) | (positions[1:] != positions[:-1] + 1)
         first = np.flatnonzero(opens)
         last = np.concatenate([first[1:], [len(positions)]]) - 1
         keys = positions[last] + 1 if len(positions) else np.zeros(0, dtype=np.int64)  # b of each run
         run_key_start = key_starts[segment[first]] if len(positions) else keys
+        run_bounds = np.concatenate([first, [len(positions)]])
         offsets = np.concatenate([[0], np.cumsum(keys)])
         key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
-        device = q_positions.device
 
-        def to(a):
-            return torch.as_tensor(a, dtype=torch.int32, device=device)
+        def to(a, dtype=torch.int32):
+            return torch.as_tensor(a, dtype=dtype, device=device)
 
-        return cls(to(np.concatenate([first, [len(positions)]])), to(offsets),
-                   torch.as_tensor(key_index, dtype=torch.long, device=device),
-                   int((last - first + 1).max(initial=0)), int(keys.max(initial=0)))
+        return cls(to(run_bounds), to(offsets), to(key_index, torch.long),
+                   int((last - first + 1).max(initial=0)), int(keys.max(initial=0)),
+                   run_bounds.tolist(), offsets.tolist())

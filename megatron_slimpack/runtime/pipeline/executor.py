@@ -161,13 +161,15 @@ class UnitReport:
     tokens: int
     attention_pairs: int
     seconds: float  # wall time of the unit on this stage, its receive included
-    loss_sum: Optional[float] = None  # forward units on the last stage: the summed per-token loss
+    # forward units on the last stage: the summed per-token loss (a device scalar until `read_losses`)
+    loss_sum: Optional[float] = None
     detail: str = ""  # "merge group [ranks]" for a DP-Merge group's units
     chunk: int = 0  # the model chunk it ran on (virtual pipeline stages; 0 without)
 
 
-def _read_losses(reports: list[UnitReport]) -> None:
-    """The forward units' loss sums, device scalars until now, as floats: one host read for all."""
+def read_losses(reports: list[UnitReport]) -> None:
+    """The forward units' loss sums, device scalars until now, as floats: one host read for all
+    (the schedule reads once per step, after every replica plan has run)."""
     with_loss = [report for report in reports if report.loss_sum is not None]
     if not with_loss:
         return
@@ -328,7 +330,6 @@ class StageExecutor:
                     sum(replica.micropacks[mp].attention_pairs for mp in members),
                     time.perf_counter() - began, loss_sum, detail, chunk))
             self._post(calls.get(len(tasks)), tokens_of)
-        _read_losses(reports)
         remaining = sum(len(chunk_held.outputs) for chunk_held in held)
         if not self.forward_only and remaining:
             raise RuntimeError(f"after the step {remaining} MicroPack outputs remain: some backward did not run")
@@ -407,7 +408,7 @@ class StageExecutor:
         sent, unit_loss = [], None
         for mp, leaf in zip(members, leaves):
             output = self._metered_forward(mp, chunk, batches[mp], leaf, detail)
-            if computes_loss:  # summed on the device: read once per run (`_read_losses`)
+            if computes_loss:  # summed on the device: read once per step (`read_losses`)
                 loss = output.detach().double()
                 unit_loss = loss if unit_loss is None else unit_loss + loss
             else:

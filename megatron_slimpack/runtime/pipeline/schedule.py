@@ -106,7 +106,7 @@ from ...plan import Plan, PlanError, ReplicaPlan, last_forward_needed, task_chun
 from ..attention.batch import TokenSource, build_batch
 from ..attention.kv_store import KVStore
 from . import p2p
-from .executor import StageExecutor, global_loss_tokens, inner_module, megatron_config
+from .executor import StageExecutor, global_loss_tokens, inner_module, megatron_config, read_losses
 from .merge import member_batches
 
 
@@ -234,7 +234,8 @@ def check_same_plan(plan: Plan, group=None) -> None:
     mine = mine.to(device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    prints = [bytes(t.cpu().tolist()).decode(errors="replace") for t in everyone]
+    # one host read for all ranks' fingerprints, not one per rank
+    prints = [bytes(row).decode(errors="replace") for row in torch.stack(everyone).tolist()]
     if len(set(prints)) != 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
         raise ScheduleError(f"ranks run different plans (fingerprints differ: {listing})")
@@ -652,7 +653,6 @@ def slimpack_forward_backward(
                          reduce_grads=reduce_grads, force_all_reduce=force_all_reduce)
     result = ScheduleResult()
     result.num_loss_tokens = executor.num_loss_tokens
-    loss_sum = 0.0
     position_of = {id(r): i for i, r in enumerate(plan.replicas)}
     param_sync = None if forward_only else _ParamSync(chunks, config)
     if not forward_only:
@@ -666,7 +666,6 @@ def slimpack_forward_backward(
                 replica_index=position_of[id(replica)],
                 detail=f"merge group {list(replica.dp_ranks)}" if replica.is_merge_group else "",
                 grad_sync=None if replica.is_merge_group or forward_only else sync, param_sync=param_sync)
-            loss_sum += sum(r.loss_sum for r in reports if r.loss_sum is not None)
             result += reports
         executor.pending.wait_all()
         if not forward_only:
@@ -682,7 +681,10 @@ def slimpack_forward_backward(
             store.clear()
         executor.pending.wait_all()
     if executor.last:
-        _step_loss(result, loss_sum, groups.dp_group)
+        # Every replica plan's losses in one host read: a read per plan would stall the stream
+        # once per merge group.
+        read_losses(result)
+        _step_loss(result, sum((r.loss_sum for r in result if r.loss_sum is not None), 0.0), groups.dp_group)
     if timeline is not None:
         if memory_record is not None:
             timeline.memory.append(memory_record)
