@@ -28,7 +28,11 @@ Modules: common.py (what every baseline shares), sequences.py (GPTDataset's fixe
 sequences), fixed.py (megatron-fixed, megatron-stock), packing.py (bfd, sorted), wlb_llm.py,
 hybrid_cp.py (megatron-hybrid-cp), slimpipe.py. Importing the package registers every strategy.
 """
-from . import fixed, hybrid_cp, packing, slimpipe, wlb_llm  # noqa: F401  (each registers its strategies
+# Each module registers its strategies on import; the registry lists them in that order (CLI help,
+# comparison tables), so the imports keep the order of the list above.
+# isort: off
+from . import fixed, packing, wlb_llm, hybrid_cp, slimpipe  # noqa: F401
+# isort: on
 from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, schedule_1f1b, whole_documents
 from .fixed import STOCK_SEMANTICS, plan_megatron_fixed, plan_megatron_stock
 from .hybrid_cp import max_tokens_per_rank, plan_megatron_hybrid_cp
