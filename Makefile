@@ -31,9 +31,11 @@ $(VENV)/megatron-core/%: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/slimpack demo
 
-# pyproject.toml holds the rules; `make test` lints first and stops on a finding.
+# pyproject.toml holds the rules; `make test` lints first and stops on a finding. ruff: style,
+# imports, likely bugs; mypy: the package's types.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Two pytest workers (pytest-xdist): the real-trainer and gloo tests spend much of their time in
 # single-threaded imports and process start-up, so a 2-core machine runs two of them at once.

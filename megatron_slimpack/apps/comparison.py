@@ -77,7 +77,8 @@ class ComparisonResult:
         rows = []
         for name, result in self.results.items():
             report = per_batch_report(result.reports, result.best.num_batches)
-            planning = [p.metadata.get("planning_time_s") for p in result.plans if p.metadata.get("planning_time_s")]
+            planning: list[float] = [p.metadata["planning_time_s"] for p in result.plans
+                                     if p.metadata.get("planning_time_s")]
             rows.append(StrategyRow(
                 strategy=name, layout=result.parallel.describe(), report=report,
                 planning_time_s=sum(planning) / len(planning) if planning else None,

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class BatchTokens:
         self.where = {sid: (doc, offset, n)
                       for sid, (doc, offset), n in zip(batch.sample_ids, batch.sources, batch.lengths)}
         pieces = (plan.metadata or {}).get("pieces") if plan is not None else None
-        if pieces:
+        if plan is not None and pieces:
             # Baselines that re-cut documents (megatron-fixed's concatenate-and-cut) renumber samples:
             # metadata "pieces"[i] = (batch document, offset) of sample i.
             lengths = plan.sample_lengths()
@@ -173,7 +173,7 @@ def measure_plans(plans: Sequence[Plan], spec: ModelSpec, *, batches: Optional[S
     pp, dp, tp = layouts.pop()
     if tp != 1:
         raise ValueError("measure_plans runs tp=1 layouts")
-    batch_data = [None] * len(plans)
+    batch_data: list[Optional[dict[str, object]]] = [None] * len(plans)
     if batches is not None:
         batch_data = [{"lengths": list(map(int, b.lengths)), "sample_ids": list(map(int, b.sample_ids)),
                        "sources": [list(map(int, s)) for s in b.sources]} for b in batches]
@@ -250,8 +250,8 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *,
         measured_peak: dict[str, float] = {}
         for step in mine:
             for m in step.memory:
-                key = f"{m['rank']}/{m['stage']}"
-                measured_peak[key] = max(measured_peak.get(key, 0), m["peak_activation_bytes"])
+                stage_key = f"{m['rank']}/{m['stage']}"
+                measured_peak[stage_key] = max(measured_peak.get(stage_key, 0), m["peak_activation_bytes"])
         simulated_peak = {}
         for timeline in report.memory_timeline:
             simulated_peak[f"{timeline.rank}/{timeline.stage}"] = timeline.peak_bytes - static
@@ -289,7 +289,7 @@ def summary_table(comparisons: Sequence[StepComparison]) -> str:
         if c.drift:
             corrected = (f"{statistics.mean(c.drift):.2f}x | "
                          f"{100 * statistics.mean(c.corrected_iteration_errors):.1f}% | "
-                         f"{100 * c.corrected_task_mape:.1f}%")
+                         f"{100 * cast(float, c.corrected_task_mape):.1f}%")  # set with drift
         else:
             corrected = "- | - | -"
         lines.append(f"| {c.plan_index} | {c.strategy} | {c.median_iteration_s:.3f} | "

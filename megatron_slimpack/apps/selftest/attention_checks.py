@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -168,9 +169,10 @@ def merged_forward_backward(module, pack: MicroPack, case: VarlenCase, group_siz
         member_out = module._attend_positions(q, k, v, cu_seqlens(per_slice, device), case.cu_kv,
                                               layout.local_positions)
         member_out.backward(case.grad[local])
-        out[local], dq[local] = member_out.detach(), q.grad
-        dk += k.grad.float()
-        dv += v.grad.float()
+        grad_q, grad_k, grad_v = (cast(torch.Tensor, t.grad) for t in (q, k, v))  # set by backward()
+        out[local], dq[local] = member_out.detach(), grad_q
+        dk += grad_k.float()
+        dv += grad_v.float()
     return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 

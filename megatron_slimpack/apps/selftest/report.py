@@ -3,6 +3,7 @@ decides the exit code (0: every check that ran passed; 1: a check failed or rais
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def backends_to_run(setup: Setup) -> tuple[list[str], dict[str, str]]:
 
 def per_backend(check: Callable[[str, Setup], Check], section: str, setup: Setup) -> list[Check]:
     run, skip = backends_to_run(setup)
-    checks = [guarded(f"{section}[{name}]", lambda name=name: check(name, setup)) for name in run]
+    checks = [guarded(f"{section}[{name}]", functools.partial(check, name, setup)) for name in run]
     return checks + [skipped(f"{section}[{name}]", reason) for name, reason in skip.items()]
 
 

@@ -63,7 +63,7 @@ Kernels: what is and isn't supported
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -152,23 +152,25 @@ def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size:
     full = build_batch(micropack, source, kv_store, "cpu")
     layout, local, local_per_slice = build_layout(micropack, group, group_size, group_rank, device)
     fp = full.packed_seq_params
+    # build_batch sets every field read below (the KV boundaries, as tensors and as host ints)
+    host_attn_kv = cast(list, fp.host_cu_seqlens_attn_kv)
     padding = padding_rows(len(local), pad_to)
     segments = local_per_slice + [padding] * bool(padding)
     cu_q = cu_seqlens(segments, device)
     # Every boundary is known here, on the host, from the plan: the layers read none back.
-    layout.runs = PositionRuns.from_host(host_cu_seqlens(local_per_slice), fp.host_cu_seqlens_attn_kv,
-                                         layout.host_positions, device)
-    rows = {name: [getattr(full, name)[0, local]] for name in ("tokens", "labels", "loss_mask", "position_ids")}
+    layout.runs = PositionRuns.from_host(host_cu_seqlens(local_per_slice), host_attn_kv, layout.host_positions,
+                                         device)
+    parts = {name: [getattr(full, name)[0, local]] for name in ("tokens", "labels", "loss_mask", "position_ids")}
     if padding:
-        append_padding(padding, rows["tokens"], rows["labels"], rows["loss_mask"], rows["position_ids"])
-    rows = {name: torch.cat(parts).to(device).unsqueeze(0) for name, parts in rows.items()}
+        append_padding(padding, parts["tokens"], parts["labels"], parts["loss_mask"], parts["position_ids"])
+    rows = {name: torch.cat(pieces).to(device).unsqueeze(0) for name, pieces in parts.items()}
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
         max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
         sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
-        cu_seqlens_attn_kv=fp.cu_seqlens_attn_kv.to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
+        cu_seqlens_attn_kv=cast(Tensor, fp.cu_seqlens_attn_kv).to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
         token_positions=rows["position_ids"][0], cp=layout, padding=padding,
-        host_cu_seqlens_q=host_cu_seqlens(segments), host_cu_seqlens_attn_kv=list(fp.host_cu_seqlens_attn_kv),
+        host_cu_seqlens_q=host_cu_seqlens(segments), host_cu_seqlens_attn_kv=list(host_attn_kv),
     )
     return MicroPackBatch(packed_seq_params=params, **rows)
 
@@ -247,7 +249,7 @@ def cp_sliced_attention(module, query: Tensor, key: Tensor, value: Tensor, param
 
     query/key/value: the member's local tokens [T_local, heads, dim]. Returns [T_local, H*D].
     """
-    layout = params.cp
+    layout = cast(CPLayout, params.cp)  # a merge group's batches carry their layout (build_cp_batch)
     full = gather_full(torch.stack([key, value], dim=1), layout)  # [T, 2, G, D], natural order
     # The hand-off acts on the gathered K/V, before the reduce-scatter: later slices' dK/dV
     # accumulated on this member reach the owning members together with this slice's own.

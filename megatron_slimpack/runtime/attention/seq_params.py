@@ -117,7 +117,8 @@ class PositionRuns:
     @classmethod
     def of(cls, cu_q: Tensor, cu_kv: Tensor, q_positions: Tensor) -> "PositionRuns":
         """From device tensors: reads them back (one host sync each); the runtime uses `from_host`."""
-        return cls.from_host(*(t.detach().cpu().numpy() for t in (cu_q, cu_kv, q_positions)), q_positions.device)
+        bounds_q, bounds_kv, positions = (t.detach().cpu().tolist() for t in (cu_q, cu_kv, q_positions))
+        return cls.from_host(bounds_q, bounds_kv, positions, q_positions.device)
 
     @classmethod
     def from_host(cls, bounds_q: Sequence[int], bounds_kv: Sequence[int], q_positions: Sequence[int],

@@ -53,7 +53,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,7 @@ class UnitReport:
     attention_pairs: int
     seconds: float  # wall time of the unit on this stage, its receive included
     # forward units on the last stage: the summed per-token loss (a device scalar until `read_losses`)
-    loss_sum: Optional[float] = None
+    loss_sum: Optional[float | Tensor] = None
     detail: str = ""  # "merge group [ranks]" for a DP-Merge group's units
     chunk: int = 0  # the model chunk it ran on (virtual pipeline stages; 0 without)
 
@@ -173,7 +173,7 @@ def read_losses(reports: list[UnitReport]) -> None:
     with_loss = [report for report in reports if report.loss_sum is not None]
     if not with_loss:
         return
-    values = torch.stack([report.loss_sum for report in with_loss]).tolist()
+    values = torch.stack([cast(Tensor, report.loss_sum) for report in with_loss]).tolist()
     for report, value in zip(with_loss, values):
         report.loss_sum = value
 
@@ -398,11 +398,12 @@ class StageExecutor:
         """Forward of one unit on `chunk`, on its received activation `buffer` (None on the first
         virtual stage); returns (its loss sum on the last virtual stage, a device scalar; the
         activation to send on the others)."""
-        leaves = [None] * len(members)
+        leaves: list[Optional[Tensor]] = [None] * len(members)
         if not self.is_input_chunk(chunk):
-            leaves = split_into_leaves(buffer, sizes)
+            received = cast(Tensor, buffer)  # every chunk but the input one receives its activation
+            leaves = list(split_into_leaves(received, sizes))
             if self.meter is not None:
-                self.meter.shared = {buffer.untyped_storage().data_ptr()}
+                self.meter.shared = {received.untyped_storage().data_ptr()}
         task_start = self.timeline.now() if self.timeline else 0.0
         computes_loss = self.is_loss_chunk(chunk)
         sent, unit_loss = [], None
@@ -443,7 +444,7 @@ class StageExecutor:
         backward."""
         grads: list = [None] * len(members)
         if not self.is_loss_chunk(chunk):
-            grads = list(buffer.split(sizes, dim=0))
+            grads = list(cast(Tensor, buffer).split(sizes, dim=0))  # received: not the loss chunk
         task_start = self.timeline.now() if self.timeline else 0.0
         upstream = []
         for position, (mp, grad, size) in enumerate(zip(members, grads, sizes)):

@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -454,8 +454,10 @@ def _reduce_like_finalize(chunks: list, config, groups: ScheduleGroups) -> None:
 
 def _per_chunk(func, count: int) -> Optional[list]:
     """Megatron's config hooks may be one function or a list with one per model chunk."""
-    if func is None or isinstance(func, (list, tuple)):
-        return func
+    if func is None:
+        return None
+    if isinstance(func, (list, tuple)):
+        return list(func)
     return [func] * count
 
 
@@ -481,12 +483,12 @@ class _GradientSync:
         self.groups = groups
         no_sync_func = getattr(config, "no_sync_func", None) or contextlib.nullcontext
         self.no_sync_func = (no_sync_func if not isinstance(no_sync_func, (list, tuple))
-                             else lambda: _entered_all(no_sync_func))
+                             else lambda: _entered_all(list(no_sync_func)))
         self.grad_sync_funcs = _per_chunk(getattr(config, "grad_sync_func", None), len(chunks))
         self.finalize_func = getattr(config, "finalize_model_grads_func", None)
         # Megatron's train_step passes force_all_reduce (0.16+): forwarded as given.
         self.finalize_kwargs = {"force_all_reduce": force_all_reduce} if force_all_reduce is not None else {}
-        self.no_sync_context = None
+        self.no_sync_context: Optional[contextlib.AbstractContextManager] = None
         self.synchronized: set[int] = set()  # chunks whose gradient sync has been launched
 
     def disable(self) -> None:
@@ -598,7 +600,8 @@ def _batches(replica: ReplicaPlan, token_source: TokenSource, store: KVStore, gr
     padded to a multiple of `pad_to` rows (sequence parallelism)."""
     if not replica.is_merge_group:
         return [build_batch(mp, token_source, store, device, pad_to) for mp in replica.micropacks]
-    return member_batches(replica, token_source, store, groups.merge_groups[tuple(replica.dp_ranks)],
+    merge_groups = cast(dict, groups.merge_groups)  # checked present for a merge group (_check_replicas)
+    return member_batches(replica, token_source, store, merge_groups[tuple(replica.dp_ranks)],
                           replica.dp_ranks.index(groups.dp_rank), device, pad_to)
 
 
@@ -655,7 +658,7 @@ def slimpack_forward_backward(
     result.num_loss_tokens = executor.num_loss_tokens
     position_of = {id(r): i for i, r in enumerate(plan.replicas)}
     param_sync = None if forward_only else _ParamSync(chunks, config)
-    if not forward_only:
+    if param_sync is not None:
         param_sync.start()
         sync.disable()
     try:
