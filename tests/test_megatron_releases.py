@@ -9,19 +9,20 @@ loss and grad norm at every iteration (fp32, 1e-5 relative). Each launch checks 
 properties at once (CI time: a launch costs 10-60 s on 2 cores):
 
   dp2-pp2: DP=2 x PP=2, --use-distributed-optimizer --overlap-grad-reduce, selective recompute
-           (recompute once re-ran the KV store's side effects on sliced documents), each step's
+           (recomputing a sliced document's attention must not store its K/V twice), each step's
            last backward unit 3, 5, then 2 MicroPacks wide (Megatron's DDP counts gradient hooks
-           per backward call: a unit that changes between steps once gave wrong gradients);
+           per backward call and launches a bucket's reduce at the count it learned in step 1);
   tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP),
            full recompute of every layer;
   vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B);
   resume:  a run saved at iteration 2 and resumed gives the unbroken run's iteration 3;
   bf16:    --bf16 close to fp32.
 
-Two checks guard against a release building its model some other way (0.19's GPTModelBuilder
-once did, and trained with Megatron's own attention): a launch whose model builder is left alone
-must stop before its first step with SlimPack's named error, and the layer spec each release
-builds for `--transformer-impl transformer_engine` must carry the sliced core attention.
+Two checks guard against a release building its model some other way than the plugin expects
+(0.19 builds it through GPTModelBuilder, without the model provider 0.16-0.18 call): a launch
+whose model builder is left alone must stop before its first step with SlimPack's named error,
+and the layer spec each release builds for `--transformer-impl transformer_engine` must carry
+the sliced core attention.
 
 Tests of one release share one workspace (`xdist_group`: they run in one pytest worker).
 """
