@@ -1,41 +1,20 @@
-"""Workloads: where document lengths (and, for the CPU demo, real tokens) come from.
-
-A *length source* is named by a spec string and turned into a numpy int64 array of document
-lengths by `load_lengths(spec)`; `describe_sources()` prints every form. The sources:
-
-    lognormal[:min=..,max=..,mean=..,sigma=..,n=..]     synthetic, Megatron-mock style
-    uniform[:min=..,max=..,n=..]                         megatron-core 0.16's mock distribution
-    longtail[:median=..,sigma=..,tail=..,tail_start=..,alpha=..,min=..,max=..,n=..]
-    commoncrawl[:...] / github[:...]                     long-tail presets (synthetic stand-ins)
-    file:PATH                                            one positive integer per line
-    jsonl:PATH[:FIELD]                                   an int field, or a string's UTF-8 bytes
-    megatron:PREFIX                                      a Megatron indexed dataset PREFIX.bin/.idx
-    text[:DIR]                                           real text files, byte-level tokens
-
-A `GlobalBatchSampler` turns lengths into global batches the way a trainer sees them: a token
-budget of `global_batch_size * context_length` per step, documents in seeded random order,
-documents longer than the context split at the context length, nothing dropped or truncated.
-`check_lengths()` is the input check the planner uses.
-"""
+"""Length sources: document lengths from a spec string (`load_lengths`), their registry,
+the synthetic generators, file and Megatron-dataset readers, and the input check the planner
+uses (`check_lengths`). The `text` source is registered by corpus.py."""
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import json
 import math
 import numbers
-import os
-import sysconfig
-from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Protocol, runtime_checkable
+from typing import Callable, NoReturn
 
 import numpy as np
 
-from .errors import SlimPackError
+from ..errors import SlimPackError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkloadError(SlimPackError):
@@ -54,9 +33,9 @@ def check_lengths(lengths, context_length: int | None = None) -> list[int]:
     `context_length`, a length above it is an error too: documents are split at the context
     length by `GlobalBatchSampler`, before planning, never by the planner.
     """
-    array = _as_length_array(lengths, what="lengths")
+    array = as_length_array(lengths, what="lengths")
     if context_length is not None:
-        context_length = _positive_int(context_length, "context_length")
+        context_length = positive_int(context_length, "context_length")
         too_long = np.flatnonzero(array > context_length)
         if too_long.size:
             index = int(too_long[0])
@@ -71,7 +50,7 @@ def check_lengths(lengths, context_length: int | None = None) -> list[int]:
     return array.tolist()
 
 
-def _as_length_array(lengths, what: str) -> np.ndarray:
+def as_length_array(lengths, what: str) -> np.ndarray:
     """Validate document lengths and return them as an int64 array (vectorized for arrays)."""
     if isinstance(lengths, (str, bytes)):
         raise WorkloadError(f"{what} must be a sequence of positive integers, got the string {lengths!r}")
@@ -115,7 +94,7 @@ def _one_length(value, index: int, what: str) -> int:
     )
 
 
-def _positive_int(value, name: str) -> int:
+def positive_int(value, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value <= 0:
         raise WorkloadError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
@@ -167,7 +146,7 @@ def load_lengths(spec: str, *, seed: int = 0, count: int | None = None) -> np.nd
     if not isinstance(spec, str) or not spec.strip():
         raise WorkloadError(f"a length source spec must be a non-empty string, got {spec!r}; {_valid_forms()}")
     if count is not None:
-        count = _positive_int(count, "count")
+        count = positive_int(count, "count")
     name, _, argument = spec.strip().partition(":")
     source = _SOURCES.get(name.strip().lower())
     if source is None:
@@ -176,7 +155,7 @@ def load_lengths(spec: str, *, seed: int = 0, count: int | None = None) -> np.nd
     return source.load(argument, seed, count)
 
 
-def _take_prefix(lengths: np.ndarray, count: int | None, where: str) -> np.ndarray:
+def take_prefix(lengths: np.ndarray, count: int | None, where: str) -> np.ndarray:
     if count is None:
         return lengths
     if count > lengths.size:
@@ -501,99 +480,6 @@ def read_megatron_lengths(prefix: str | Path) -> np.ndarray:
     return lengths
 
 
-# ==== real text: the embedded default workload ============================================
-
-
-@runtime_checkable
-class TokenSource(Protocol):
-    """Where the runtime fetches the tokens [start, end) of a sample (a document or a piece of
-    one). `sample_key` is the document index the sampler reported in `GlobalBatch.sources`."""
-
-    def tokens(self, sample_key, start: int, end: int) -> np.ndarray: ...
-
-
-def default_text_dir() -> Path:
-    """The running Python's standard library: real text available everywhere, no download."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-class TextCorpus:
-    """Text files as documents with byte-level tokens (token id = UTF-8 byte, vocabulary 256).
-
-    Documents are the `*.py` files under `root`, recursively, sorted by path (deterministic on
-    every rank), skipping empty files and any `site-packages` directory. Lengths come from file
-    sizes; bytes are read lazily when tokens are asked for, with a small cache of whole files
-    (consecutive pieces of a long document hit the cache).
-    """
-
-    VOCAB_SIZE = 256
-
-    def __init__(self, root: str | Path | None = None, pattern: str = "*.py", cache_files: int = 16):
-        self.root = Path(root).expanduser() if root else default_text_dir()
-        if not self.root.is_dir():
-            raise WorkloadError(f"text: {self.root} is not a directory; give a directory of text files (text:DIR)")
-        self.paths, sizes = self._scan(pattern)
-        if not self.paths:
-            raise WorkloadError(f"text: no non-empty {pattern} files under {self.root}")
-        self.lengths = np.array(sizes, dtype=np.int64)
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache_files = max(1, cache_files)
-
-    def _scan(self, pattern: str) -> tuple[list[Path], list[int]]:
-        found: list[tuple[str, Path]] = []
-        for directory, subdirectories, names in os.walk(self.root):
-            # Prune instead of filtering afterwards: a site-packages tree can be huge.
-            subdirectories[:] = [name for name in subdirectories if name != "site-packages"]
-            for name in fnmatch.filter(names, pattern):
-                path = Path(directory, name)
-                found.append((path.relative_to(self.root).as_posix(), path))
-        paths, sizes = [], []
-        for _, path in sorted(found):
-            size = path.stat().st_size if path.is_file() else 0
-            if size > 0:
-                paths.append(path)
-                sizes.append(size)
-        return paths, sizes
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def document_bytes(self, index: int) -> np.ndarray:
-        """All bytes of document `index` (uint8, read-only, cached)."""
-        if not 0 <= index < len(self.paths):
-            raise WorkloadError(f"text: document index {index} outside 0..{len(self.paths) - 1}")
-        cached = self._cache.get(index)
-        if cached is None:
-            cached = np.frombuffer(self.paths[index].read_bytes(), dtype=np.uint8)
-            if cached.size != self.lengths[index]:
-                raise WorkloadError(
-                    f"text: {self.paths[index]} changed size since the corpus was scanned "
-                    f"({self.lengths[index]} -> {cached.size} bytes); rebuild the TextCorpus"
-                )
-            self._cache[index] = cached
-            if len(self._cache) > self._cache_files:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(index)
-        return cached
-
-    def tokens(self, sample_key: int, start: int, end: int) -> np.ndarray:
-        """Token ids [start, end) of document `sample_key` (the document index), as int64."""
-        index = int(sample_key)
-        length = int(self.lengths[index]) if 0 <= index < len(self.paths) else 0
-        if not 0 <= start < end <= length:
-            raise WorkloadError(
-                f"text: tokens [{start}, {end}) requested from document {index} of {length} tokens; "
-                "need 0 <= start < end <= length"
-            )
-        return self.document_bytes(index)[start:end].astype(np.int64)
-
-
-def _load_text(argument: str, seed: int, count: int | None) -> np.ndarray:
-    corpus = TextCorpus(resolve_path(argument) if argument else None)
-    return _take_prefix(corpus.lengths, count, f"the text corpus {corpus.root}")
-
-
 # ==== registration ========================================================================
 
 register_source(
@@ -630,218 +516,18 @@ register_source(
     "file:PATH",
     "One positive integer per line, e.g. file:../shared/data/wikipedia_lengths.txt (relative paths:\n"
     "working directory first, then the project root).",
-    lambda argument, seed, count: _take_prefix(read_length_file(argument), count, argument),
+    lambda argument, seed, count: take_prefix(read_length_file(argument), count, argument),
 )
 register_source(
     "jsonl",
     "jsonl:PATH[:FIELD]",
     "One JSON object per line; FIELD (default 'length') is an int length or a string whose UTF-8\n"
     "byte count is the length (e.g. jsonl:corpus.jsonl:text).",
-    lambda argument, seed, count: _take_prefix(read_jsonl_lengths(*_split_jsonl_argument(argument)), count, argument),
+    lambda argument, seed, count: take_prefix(read_jsonl_lengths(*_split_jsonl_argument(argument)), count, argument),
 )
 register_source(
     "megatron",
     "megatron:PREFIX",
     "Document lengths of a Megatron indexed dataset PREFIX.bin / PREFIX.idx (preprocess_data.py output).",
-    lambda argument, seed, count: _take_prefix(read_megatron_lengths(argument), count, argument),
+    lambda argument, seed, count: take_prefix(read_megatron_lengths(argument), count, argument),
 )
-register_source(
-    "text",
-    "text[:DIR]",
-    "Real text files (*.py, recursive, sorted) as documents with byte-level tokens; default DIR is this\n"
-    "Python's standard library (no download needed). TextCorpus(DIR) serves the tokens.",
-    _load_text,
-)
-
-
-# ==== the global-batch sampler ============================================================
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """What one global batch holds and how well it fills its token budget."""
-
-    num_samples: int
-    num_tokens: int
-    token_budget: int
-    fill_ratio: float  # num_tokens / token_budget
-    split_documents: int  # documents longer than the context with a piece in this batch
-    split_pieces: int  # pieces of such documents in this batch
-    epoch: int  # the epoch the batch's last piece was drawn in
-
-
-@dataclass(frozen=True)
-class GlobalBatch:
-    """One global batch: sample i has `lengths[i]` tokens, taken from document
-    `sources[i][0]` starting at token `sources[i][1]`."""
-
-    step: int
-    lengths: list[int]
-    sample_ids: list[int]
-    sources: list[tuple[int, int]]
-    stats: BatchStats
-
-    @property
-    def num_tokens(self) -> int:
-        return self.stats.num_tokens
-
-    def samples(self):
-        """The batch as planner input (`plan.Sample` objects)."""
-        from .plan import Sample
-
-        return [Sample(sample_id, length) for sample_id, length in zip(self.sample_ids, self.lengths)]
-
-
-class GlobalBatchSampler:
-    """Seeded global batches of at most `global_batch_size * context_length` tokens.
-
-    Documents are drawn without replacement in a random order that is reshuffled every epoch
-    (seed + epoch). A document longer than `context_length` is split into pieces of exactly
-    `context_length` tokens plus a remainder. Pieces fill the budget in order; the first piece
-    that does not fit closes the batch and opens the next one, so no token is dropped or
-    truncated (the batch may leave part of its budget unused; see `BatchStats.fill_ratio`).
-    `state_dict()` / `load_state_dict()` resume exactly where a run stopped.
-    """
-
-    def __init__(self, lengths, context_length: int, global_batch_size: int, seed: int = 0):
-        self.lengths = _as_length_array(lengths, what="lengths")
-        self.context_length = _positive_int(context_length, "context_length")
-        self.global_batch_size = _positive_int(global_batch_size, "global_batch_size")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise WorkloadError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed: int = int(seed)
-        self.token_budget: int = self.context_length * self.global_batch_size
-        self._reset()
-
-    # ---- position -----------------------------------------------------------------------
-    def _reset(self) -> None:
-        self.step = 0
-        self.epoch = 0
-        self._cursor = 0  # next position in this epoch's order
-        self._document: int | None = None  # document being consumed, if any
-        self._offset = 0  # its next unconsumed token
-        self.split_documents = 0  # documents split so far (counted when drawn)
-        self.split_pieces = 0  # pieces those documents were split into
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng(self.seed + epoch).permutation(self.lengths.size)
-
-    def _draw_document(self) -> int:
-        if self._cursor == self.lengths.size:
-            self.epoch += 1
-            self._cursor = 0
-            self._order = self._epoch_order(self.epoch)
-        document = self._document = int(self._order[self._cursor])
-        self._cursor += 1
-        self._offset = 0
-        length = int(self.lengths[document])
-        if length > self.context_length:
-            self.split_documents += 1
-            self.split_pieces += -(-length // self.context_length)
-        return document
-
-    def _next_piece(self) -> tuple[int, int, int]:
-        """(document, start, length) of the next piece, without consuming it."""
-        document = self._draw_document() if self._document is None else self._document
-        remaining = int(self.lengths[document]) - self._offset
-        return document, self._offset, min(self.context_length, remaining)
-
-    def _consume(self, length: int) -> None:
-        self._offset += length
-        if self._offset == self.lengths[self._document]:
-            self._document = None
-
-    # ---- batches ------------------------------------------------------------------------
-    def next_batch(self) -> GlobalBatch:
-        lengths: list[int] = []
-        sources: list[tuple[int, int]] = []
-        used = 0
-        while True:
-            document, start, length = self._next_piece()
-            if used + length > self.token_budget:
-                break  # this piece opens the next batch; every piece fits an empty one
-            self._consume(length)
-            lengths.append(length)
-            sources.append((document, start))
-            used += length
-        batch = GlobalBatch(
-            step=self.step,
-            lengths=lengths,
-            sample_ids=list(range(len(lengths))),
-            sources=sources,
-            stats=self._stats(lengths, sources, used),
-        )
-        self.step += 1
-        return batch
-
-    def _stats(self, lengths: list[int], sources: list[tuple[int, int]], used: int) -> BatchStats:
-        split = [doc for doc, _ in sources if self.lengths[doc] > self.context_length]
-        return BatchStats(
-            num_samples=len(lengths),
-            num_tokens=used,
-            token_budget=self.token_budget,
-            fill_ratio=used / self.token_budget,
-            split_documents=len(set(split)),
-            split_pieces=len(split),
-            epoch=self.epoch,
-        )
-
-    def __iter__(self) -> Iterator[GlobalBatch]:
-        return self
-
-    def __next__(self) -> GlobalBatch:
-        return self.next_batch()
-
-    # ---- checkpointing ------------------------------------------------------------------
-    def _fingerprint(self) -> str:
-        # Resuming over different lengths would silently yield other batches; refuse instead.
-        digest = hashlib.sha256(self.lengths.tobytes())
-        digest.update(f"{self.context_length}/{self.global_batch_size}/{self.seed}".encode())
-        return digest.hexdigest()[:16]
-
-    def state_dict(self) -> dict:
-        """JSON-serialisable position; `load_state_dict` continues with exactly the same batches."""
-        return {
-            "fingerprint": self._fingerprint(),
-            "step": self.step,
-            "epoch": self.epoch,
-            "cursor": self._cursor,
-            "document": self._document,
-            "offset": self._offset,
-            "split_documents": self.split_documents,
-            "split_pieces": self.split_pieces,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("fingerprint") != self._fingerprint():
-            raise WorkloadError(
-                "sampler state belongs to different lengths, context_length, global_batch_size or seed; "
-                "resume with the same workload and settings as the run that saved it"
-            )
-        self.step = int(state["step"])
-        self.epoch = int(state["epoch"])
-        self._cursor = int(state["cursor"])
-        self._document = None if state["document"] is None else int(state["document"])
-        self._offset = int(state["offset"])
-        self.split_documents = int(state["split_documents"])
-        self.split_pieces = int(state["split_pieces"])
-        self._order = self._epoch_order(self.epoch)
-
-
-def global_batches(
-    spec: str, context_length: int, global_batch_size: int, steps: int, seed: int = 0
-) -> list[GlobalBatch]:
-    """`steps` global batches drawn from the length source `spec` (same seed for both)."""
-    steps = _positive_int(steps, "steps")
-    sampler = GlobalBatchSampler(load_lengths(spec, seed=seed), context_length, global_batch_size, seed=seed)
-    return [sampler.next_batch() for _ in range(steps)]
-
-
-__all__ = [
-    "WorkloadError", "check_lengths", "load_lengths", "describe_sources", "register_source", "LengthSource",
-    "UniformParams", "LognormalParams", "LongTailParams", "PRESETS", "uniform_lengths", "lognormal_lengths",
-    "longtail_lengths", "read_length_file", "read_jsonl_lengths", "read_megatron_lengths", "resolve_path",
-    "TokenSource", "TextCorpus", "default_text_dir", "BatchStats", "GlobalBatch", "GlobalBatchSampler",
-    "global_batches",
-]
