@@ -499,7 +499,6 @@ def apply_patches(*argv: str, env: dict | None = None) -> subprocess.CompletedPr
                           text=True, timeout=120, env={**environment, **(env or {})})
 
 
-@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
 def test_apply_patches_reads_the_release_of_the_installed_megatron_core(tmp_path):
     """A Megatron-LM checkout without megatron/core (the trainer extract of ../shared/megatron-lm, as used
     with the megatron-core wheel): the release is the venv's megatron-core."""
@@ -531,7 +530,6 @@ def test_apply_patches_reads_the_release_of_the_installed_megatron_core(tmp_path
     assert "set PYTHON" in result.stderr
 
 
-@pytest.mark.skipif(shutil.which("patch") is None, reason="needs the `patch` program")
 def test_apply_patches_prints_every_flag_slimpack_requires(tmp_path, megatron_arguments):
     """The "train with:" flags, added to a command line without them, pass validate_slimpack_args (here
     a checkout with its own megatron/core/package_info.py, as the real-trainer harness builds one)."""
