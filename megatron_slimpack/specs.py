@@ -5,6 +5,7 @@ only ever a comparison of schedules, never of assumptions.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -68,9 +69,15 @@ class ModelSpec:
 class HardwareSpec:
     """One accelerator and the links around it.
 
-    `peak_flops` is the dense bf16 peak per device; `max_efficiency` the fraction of it a large
-    GEMM reaches, and `half_efficiency_tokens` the token count at which a MicroPack reaches half of
-    that (small MicroPacks under-use the device). Bandwidths are per device, bytes/s.
+    `peak_flops` is the dense bf16 peak per device. `kernels` names the kernel speeds it is priced
+    with (costmodel/kernels.py): "h100-published" (GEMM and attention fitted to published H100
+    measurements) or "generic" (one saturating curve: `max_efficiency` of peak, half of it at
+    `half_efficiency_tokens`). Bandwidths are per device, bytes/s, as NCCL's bus bandwidth:
+    `intra_node_bandwidth` over NVLink, `inter_node_bandwidth` over the network on two nodes,
+    falling log-linearly in the node count to `inter_node_bandwidth_at_scale` at
+    `scale_nodes` nodes. `memory_bandwidth` is the HBM peak (element-wise kernels reach
+    `ELEMENTWISE_BANDWIDTH_SHARE` of it). `sustained_compute_share` scales the GEMM and
+    attention rates (`benchmarks/cost_anchors.py --fit` derives it from published end-to-end runs).
     """
 
     name: str
@@ -84,6 +91,23 @@ class HardwareSpec:
     half_efficiency_tokens: int = 1024
     kernel_overhead_s: float = 2e-4  # per MicroPack per stage: launches, packing, host work
     usable_memory_fraction: float = 0.92  # allocator fragmentation and framework buffers
+    kernels: str = "generic"
+    memory_bandwidth: float = 0.0  # 0: element-wise work not priced apart (the generic curve covers it)
+    inter_node_bandwidth_at_scale: float = 0.0  # 0: the same as inter_node_bandwidth at any scale
+    scale_nodes: int = 128
+    # Share of the kernel tables' rates a device sustains through a training run (micro-benchmarks
+    # run short bursts at boost clocks; a training step runs for seconds at the power limit).
+    sustained_compute_share: float = 1.0
+
+    def network_bandwidth(self, nodes: int) -> float:
+        """Per-GPU bus bandwidth of a collective spanning `nodes` nodes (1: NVLink)."""
+        if nodes <= 1:
+            return self.intra_node_bandwidth
+        at_scale = self.inter_node_bandwidth_at_scale or self.inter_node_bandwidth
+        if nodes <= 2 or self.scale_nodes <= 2:
+            return self.inter_node_bandwidth
+        share = min(1.0, math.log2(nodes / 2) / math.log2(self.scale_nodes / 2))
+        return self.inter_node_bandwidth + share * (at_scale - self.inter_node_bandwidth)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,6 +214,14 @@ MODELS: dict[str, ModelSpec] = {
         # dimensions): 96 layers, hidden 12288, 96 heads, 8 KV groups, ffn 32768 -> 150.3B params.
         ModelSpec("llama-150b-gqa", 96, 12288, 32768, 96, num_query_groups=8),
         # Small models that train on a CPU in the demo and tests.
+        # Llama 3 (arXiv 2407.21783, Table 3), for the published end-to-end runs the cost model is checked on.
+        ModelSpec("llama3-8b", 32, 4096, 14336, 32, num_query_groups=8, vocab_size=128256),
+        ModelSpec("llama3-70b", 80, 8192, 28672, 64, num_query_groups=8, vocab_size=128256),
+        ModelSpec("llama3-405b", 126, 16384, 53248, 128, num_query_groups=8, vocab_size=128256),
+        # Megatron-LM's weak-scaling GPT models (README "Model table": GELU MLP of 4h, vocabulary 131072).
+        ModelSpec("gpt-7.1b", 30, 4096, 16384, 32, vocab_size=131072, swiglu=False),
+        ModelSpec("gpt-70b", 84, 8192, 32768, 64, vocab_size=131072, swiglu=False),
+        ModelSpec("gpt-177b", 96, 12288, 49152, 96, vocab_size=131072, swiglu=False),
         ModelSpec("tiny", 4, 128, 352, 4, num_query_groups=2, vocab_size=256),
         ModelSpec("small", 8, 256, 704, 8, num_query_groups=4, vocab_size=256),
     )
@@ -198,9 +230,14 @@ MODELS: dict[str, ModelSpec] = {
 HARDWARE: dict[str, HardwareSpec] = {
     spec.name: spec
     for spec in (
-        # NVLink 4: 450 GB/s per direction per GPU; 8x400 Gb/s InfiniBand per node = 50 GB/s/GPU.
-        HardwareSpec("h100-sxm", 989e12, 80 * 10**9, 450e9, 50e9),
-        HardwareSpec("h200", 989e12, 141 * 10**9, 450e9, 50e9),
+        # H100 SXM: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3. NVLink 4 all-gather/reduce-scatter bus
+        # bandwidth ~370 GB/s (NCCL maintainers, nccl-tests issue 212); 8x400 Gb/s InfiniBand NDR,
+        # one NIC per GPU: ~47 GB/s bus bandwidth on 2 nodes, ~32 GB/s at 128 nodes (NCCL issue 1229).
+        HardwareSpec("h100-sxm", 989e12, 80 * 10**9, 370e9, 47e9, kernels="h100-published",
+                     memory_bandwidth=3.35e12, inter_node_bandwidth_at_scale=32e9, sustained_compute_share=0.741),
+        # H200: the H100's SMs and clocks with 141 GB of HBM3e at 4.8 TB/s.
+        HardwareSpec("h200", 989e12, 141 * 10**9, 370e9, 47e9, kernels="h100-published",
+                     memory_bandwidth=4.8e12, inter_node_bandwidth_at_scale=32e9, sustained_compute_share=0.741),
         HardwareSpec("a100", 312e12, 80 * 10**9, 300e9, 25e9, max_efficiency=0.6),
         # A 2-core CPU running fp32: figures are replaced by `slimpack profile` in practice.
         HardwareSpec(

@@ -190,13 +190,17 @@ def test_the_subcommands_themselves_have_help():
     assert {choice.dest for choice in commands._choices_actions} == set(commands.choices)
 
 
+MODEL_PRESETS = ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "llama3-8b", "llama3-70b", "llama3-405b",
+                 "gpt-7.1b", "gpt-70b", "gpt-177b", "tiny", "small"]
+
+
 @pytest.mark.parametrize("command, flag, values", [
-    ("plan", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("plan", "--model", MODEL_PRESETS),
     ("plan", "--hardware", ["h100-sxm", "h200", "a100", "cpu"]),
-    ("compare", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("compare", "--model", MODEL_PRESETS),
     ("simulate", "--hardware", ["h100-sxm", "h200", "a100", "cpu"]),
-    ("demo", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
-    ("profile", "--model", ["llama-7b", "llama-13b", "llama-70b", "llama-150b-gqa", "tiny", "small"]),
+    ("demo", "--model", MODEL_PRESETS),
+    ("profile", "--model", MODEL_PRESETS),
 ])
 def test_fixed_value_options_list_their_choices(command, flag, values):
     sub = _subcommand(cli.build_parser(), command)

@@ -49,7 +49,7 @@ class FixedCost:
     def dp_reduce_time(self, parallel):
         return self.dp_reduce
 
-    def static_memory_bytes(self, parallel):
+    def static_memory_bytes(self, parallel, context_length=0):
         return 100.0
 
     def activation_bytes(self, tokens, pairs, parallel, last_stage=False, prefix_tokens=0.0, masked_entries=0.0):

@@ -447,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_selftest_arguments(selftest)
     selftest.set_defaults(run=selftest_main)
 
+    cost = commands.add_parser("cost", help="what the cost model predicts for one layer and pack")
+    from .cost import add_cost_arguments, cost_main
+
+    add_cost_arguments(cost)
+    cost.set_defaults(run=cost_main)
+
     demo = commands.add_parser("demo", help="the main job on the embedded default workload")
     add_demo_arguments(demo)
     demo.set_defaults(run=cmd_demo)

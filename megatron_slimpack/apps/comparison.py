@@ -34,6 +34,23 @@ def is_reference(name: str) -> bool:
     return spec is not None and spec.is_reference
 
 
+def objective(name: str) -> str:
+    """What a strategy trains, in words: attention within whole documents, within the pieces of
+    documents cut at sequence boundaries, or its own different semantic."""
+    spec = strategy_spec(name)
+    if spec.different_semantics:
+        return spec.different_semantics
+    return "documents cut at sequence boundaries" if spec.splits_documents else "documents whole"
+
+
+def overlap_note(name: str) -> str:
+    """The communication overlaps a strategy is priced with, and the Megatron flags that give them."""
+    overlaps = strategy_spec(name).overlaps
+    tp = "TP hidden behind GEMMs" if overlaps.tp_comm else "TP serial"
+    cp = "CP ring overlapped" if overlaps.cp_exchange else "CP gathered before attention"
+    return f"{name}: {tp}, {cp} ({' '.join(overlaps.flags()) or 'no overlap flags'})"
+
+
 def competitors(names, strategy: str) -> list[str]:
     """Of `names`, those `strategy` is compared with for "the fastest other strategy": not itself
     nor its own variants (names that start with it: slimpack-sym and slimpack-nomerge for
@@ -131,6 +148,7 @@ class ComparisonResult:
         lines += [f"{name}: cp{r.parallel.cp} is its base merge; run it with --context-parallel-size 1, "
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
+        lines += ["overlaps priced: " + "; ".join(overlap_note(name) for name in self.results)] if self.results else []
         headline = self.headline() if len(self.results) > 1 else None
         return lines + ([headline] if headline else [])
 
@@ -153,6 +171,9 @@ class ComparisonResult:
             "references": {name: strategy_spec(name).different_semantics
                            for name in self.results if is_reference(name)},
             "fastest_other": self.fastest_other(),  # SlimPack's fastest competitor (references left out)
+            # the communication each strategy's real run overlaps, as priced, with its Megatron flags
+            "overlaps": {name: strategy_spec(name).overlaps.to_dict() for name in self.results},
+            "objectives": {name: objective(name) for name in self.results},
         }
 
 

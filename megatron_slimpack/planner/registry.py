@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel
+from ..costmodel.overlaps import SERIAL, Overlaps
+from ..costmodel.overlaps import declare as declare_overlaps
 from ..plan import Plan, PlanError, check_sources, overlapping_documents
 from ..specs import ParallelConfig
 
@@ -159,6 +161,9 @@ class StrategySpec:
     # Such a strategy (megatron-stock: attention across the documents packed into a sequence) is a
     # reference: compared with, labelled with this note, never counted as a competing strategy.
     different_semantics: str = ""
+    # The communication its real run hides behind compute (costmodel/overlaps.py); the simulator
+    # prices its plans with these, and comparisons print them with the flags that give them.
+    overlaps: Overlaps = SERIAL
 
     @property
     def is_reference(self) -> bool:
@@ -187,6 +192,7 @@ def _add(spec: StrategySpec) -> None:
     if spec.name in REGISTRY:
         raise ValueError(f"strategy {spec.name!r} is registered twice")
     REGISTRY[spec.name] = spec
+    declare_overlaps(spec.name, spec.overlaps)
 
 
 def register(name: str, *, role: str, trainable: bool, description: str, **facts):

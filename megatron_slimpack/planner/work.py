@@ -46,7 +46,7 @@ class WorkRates:
         forward, backward = rates(False), rates(True)
         # Efficiency is a function of a device's share of the tokens: in whole-MicroPack tokens its
         # half point is cp times larger. A profiled model has no such curve (its intercept stays).
-        half = 0.0 if cost.profiled_forward is not None else cost.hardware.half_efficiency_tokens * parallel.cp
+        half = cost.pack_half_tokens(parallel)
         return cls(forward[0], forward[1], backward[0], backward[1], float(tokens), float(half))
 
     def forward(self, tokens: Amount, pairs: Amount) -> Amount:

@@ -40,6 +40,7 @@ from typing import cast
 
 import numpy as np
 
+from ..costmodel import CostModel, overlaps_of
 from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table, task_chunk
 from ..specs import GIB, ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
@@ -196,6 +197,8 @@ def simulate(plan: Plan, cost, *, detail: bool = True, dp_buckets: int | None = 
     detail=False skips the task records and memory timelines (peaks are still computed): the
     planner's inner loop. `dp_buckets` overrides the number of DDP gradient buckets.
     """
+    if isinstance(cost, CostModel):  # priced with the communication its strategy's real run overlaps
+        cost = cost.with_overlaps(overlaps_of(plan.strategy))
     graph = _Graph(plan, cost)
     schedule = _run(graph)
     return _report(plan, cost, graph, schedule, detail, dp_buckets)
@@ -776,7 +779,7 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
                 device = rank * pp + stage
                 ledger.hold(device, mp_start, mp_free, held[last])
                 ledger.hold(device, b_start, b_end, recompute_unit)
-    static = cost.static_memory_bytes(parallel)
+    static = cost.static_memory_bytes(parallel, plan.context_length)
     peaks = [static] * pp
     timelines = []
     for device in range(graph.dp * pp):

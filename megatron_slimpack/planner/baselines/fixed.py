@@ -3,7 +3,7 @@ sequences attending across document boundaries, as stock pretrain_gpt.py trains)
 from __future__ import annotations
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel
+from ...costmodel import FIXED_SHAPE, CostModel
 from ...plan import (
     MicroPack,
     Plan,
@@ -45,7 +45,7 @@ def _fixed_length_plan(lengths: list[int], parallel: ParallelConfig, cost: CostM
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, metadata, where)
 
 
-@register("megatron-fixed", role="baseline", trainable=True,
+@register("megatron-fixed", overlaps=FIXED_SHAPE, role="baseline", trainable=True,
           description="Megatron-LM GPTDataset: concatenate, cut at exactly the context length",
           minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True, constraints=INTERLEAVED,
           fixed_sequences_per_rank=True)
@@ -74,7 +74,7 @@ STOCK_SEMANTICS = ("cross-document attention: each fixed-length sequence is one 
 
 # Simulated for comparison only: a sample of its plans is a whole sequence spanning several
 # documents, which the SlimPack runtime's token source (one document range per sample) cannot read.
-@register("megatron-stock", role="baseline", trainable=False,
+@register("megatron-stock", overlaps=FIXED_SHAPE, role="baseline", trainable=False,
           description="stock Megatron-LM pretrain_gpt.py (no --reset-attention-mask): megatron-fixed's sequences, "
                       "each attending causally across its document boundaries (a different training semantic; "
                       "a reference, simulated for comparison only)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel, format_bytes
+from ...costmodel import VARIABLE_SHAPE_RING_CP, CostModel, format_bytes
 from ...plan import (
     MicroPack,
     Plan,
@@ -88,7 +88,7 @@ def _cp_groups(sample_id_groups: list[list[list[int]]]) -> list[dict[tuple[int, 
 
 
 # Simulated for comparison only: the SlimPack runtime does not run Megatron's hybrid CP schedule.
-@register("megatron-hybrid-cp", role="baseline", trainable=False,
+@register("megatron-hybrid-cp", overlaps=VARIABLE_SHAPE_RING_CP, role="baseline", trainable=False,
           description="Megatron-Core BalancedCPScheduler (hybrid context parallel)",
           minimum_in_flight="none", constraints=LayoutConstraints(
               pp=(1,), cp=(1,),

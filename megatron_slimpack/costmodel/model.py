@@ -2,13 +2,16 @@
 
 A MicroPack's work is summarised by two numbers: its tokens `T` and its causal attention pairs
 `A` (each slice's queries against its KV prefix and itself). Linear layers scale with T,
-attention with A. The analytic model turns FLOPs into seconds with a size-dependent efficiency;
-the profiled model (`CostModel.from_profile`) uses per-layer coefficients fitted on this device
+attention with A and, for the kernel's per-row work, with T: both sums over the MicroPack's
+documents, so a pack of short documents is priced at the short documents' attention rate. The
+analytic model turns FLOPs into seconds with the kernel speeds of `kernels.py` (GEMMs by shape,
+attention by backend, element-wise work by memory bandwidth); the profiled model (`CostModel.from_profile`) uses per-layer coefficients fitted on this device
 by `slimpack profile`. Both share the memory and communication terms and the same interface, so
 the planner and simulator never know which one they hold.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -17,8 +20,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from .errors import SlimPackError
-from .specs import (
+from ..errors import SlimPackError
+from .kernels import ELEMENTWISE_BANDWIDTH_SHARE, KernelRates, kernel_rates
+from .overlaps import SERIAL, Overlaps
+from ..specs import (
     GIB,
     HardwareSpec,
     ModelSpec,
@@ -33,13 +38,20 @@ from .specs import (
 # whole tables of MicroPacks at once. A figure that does not depend on the counts stays a scalar.
 Amount = TypeVar("Amount", float, np.ndarray)
 
-# Backward/forward FLOP ratios (paper notes): linear layers 2x; FlashAttention's backward
-# recomputes the scores, 2.5x.
+# Backward/forward FLOP ratios: linear layers 2x (input and weight gradients); FlashAttention's
+# backward recomputes the scores, 2.5x (five matmuls against two).
 LINEAR_BACKWARD_RATIO = 2.0
 ATTENTION_BACKWARD_RATIO = 2.5
-# Selective recompute re-runs the cheap element-wise parts (norms, SwiGLU): a small share of
-# the linear forward.
-SELECTIVE_RECOMPUTE_SHARE = 0.05
+# Tensor-parallel collectives per layer with sequence parallelism (each moving one [T, h]
+# activation): forward all-gathers the input of the QKV and fc1 GEMMs and reduce-scatters the
+# outputs of the out-projection and fc2; backward reduce-scatters the two input gradients,
+# all-gathers the two output gradients, and all-gathers both inputs again for the weight
+# gradients (Megatron keeps only the sequence-parallel shard).
+TP_COLLECTIVES_FORWARD = 4
+TP_COLLECTIVES_BACKWARD = 6
+# megatron's RotaryEmbedding caches its table per requested length; the runtime asks for a power
+# of two, so the tables of every size up to the longest hold at most twice its rows.
+ROPE_TABLE_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -84,13 +96,17 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     """
     h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
+    # Every backend: a slice with a KV prefix concatenates the prefix's K and V with its own
+    # (torch.cat), and the kernel saves the concatenation for backward.
+    per_prefix_token = 2 * kv * dtype_bytes
     if attention_backend == "torch":
         per_token = ((3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1)
                      + fc1 + 3 * f)
-        return ActivationCoefficients(per_token * dtype_bytes, 0.0, 2 * kv * dtype_bytes, (3 * h + 1) * dtype_bytes,
+        return ActivationCoefficients(per_token * dtype_bytes, 0.0, per_prefix_token, (3 * h + 1) * dtype_bytes,
                                       per_masked_entry=dtype_bytes)
-    per_token = (2 * h + 2) + (h + 2 * kv) + h + h + fc1 + f
-    return ActivationCoefficients(per_token * dtype_bytes, 0.0, 0.0, (2 * h + 1) * dtype_bytes)
+    # ... plus the rotated q and k the kernel saves (h + kv): the runtime's RoPE writes new tensors.
+    per_token = (2 * h + 2) + (h + 2 * kv) + (h + kv) + h + h + fc1 + f
+    return ActivationCoefficients(per_token * dtype_bytes, 0.0, per_prefix_token, (2 * h + 1) * dtype_bytes)
 
 
 REGENERATE_PROFILE = "regenerate it with `slimpack profile --out FILE`"
@@ -175,7 +191,7 @@ class CostModel:
         hardware: HardwareSpec,
         *,
         dtype_bytes: int = 2,
-        attention_backend: str = "flash",
+        attention_backend: str = "te",
         forward: TimeCoefficients | None = None,
         backward: TimeCoefficients | None = None,
         head_forward: TimeCoefficients | None = None,
@@ -196,6 +212,10 @@ class CostModel:
         self.reference = reference
         self.activation = activation or analytic_activation(model, dtype_bytes, attention_backend)
         self.source = source
+        self.kernels: KernelRates = kernel_rates(hardware.kernels, hardware.peak_flops, hardware.max_efficiency,
+                                                 hardware.half_efficiency_tokens)
+        self.overlaps: Overlaps = SERIAL
+        self._by_overlaps: dict[Overlaps, CostModel] = {SERIAL: self}
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
@@ -247,48 +267,98 @@ class CostModel:
     def describe(self) -> dict:
         return {"model": self.model.name, "hardware": self.hardware.name, "source": self.source}
 
+    def with_overlaps(self, overlaps: Overlaps) -> "CostModel":
+        """This model pricing communication as a run with `overlaps` does (one object per overlap
+        set, so the simulator's per-model lookups stay shared)."""
+        if overlaps == self.overlaps:
+            return self
+        base = self._by_overlaps[SERIAL]
+        if overlaps not in base._by_overlaps:
+            view = copy.copy(base)
+            view.overlaps = overlaps
+            base._by_overlaps[overlaps] = view
+        return base._by_overlaps[overlaps]
+
     # ---- compute time ------------------------------------------------------------------------
+    def pack_half_tokens(self, parallel: ParallelConfig) -> float:
+        """MicroPack tokens at which the per-token cost of its GEMMs is twice the asymptote's
+        (their rows cost `(rows + half_dim)`; a device holds 1/cp of the rows). Zero for a profiled
+        model (its intercept carries the per-pack cost)."""
+        if self.profiled_forward is not None:
+            return 0.0
+        return self.kernels.gemm.half_dim * parallel.cp
+
     def layers_per_stage(self, parallel: ParallelConfig) -> int:
         """Layers of one model chunk: a pipeline stage's, or with virtual stages (vpp > 1) one of
         its vpp chunks'. Every time and activation figure below is per chunk; a rank's
         parameters hold all of its chunks (`stage_params`)."""
         return self.model.num_layers // parallel.virtual_stages
 
-    def efficiency(self, tokens: float) -> float:
-        # Works on scalars and numpy arrays alike (the planner costs all MicroPacks at once).
-        hw = self.hardware
-        return hw.max_efficiency * tokens / (tokens + hw.half_efficiency_tokens)
+    def gemm_shapes(self, parallel: ParallelConfig) -> list[tuple[int, int]]:
+        """(output, input) widths on one device of a layer's forward GEMMs: QKV, out-projection,
+        fc1, fc2 (tensor parallelism splits one of the two)."""
+        m, t = self.model, parallel.tp
+        h, kv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
+        fc1 = 2 * f if m.swiglu else f
+        return [((h + 2 * kv) // t, h), (h, h // t), (fc1 // t, h), (h, f // t)]
+
+    def gemm_time(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
+        """Forward seconds of one layer's GEMMs for `tokens` rows on one device."""
+        gemm = self.kernels.gemm
+        seconds = sum(gemm.seconds(tokens, n, k) for n, k in self.gemm_shapes(parallel))
+        return seconds / self.hardware.sustained_compute_share
+
+    def elementwise_time(self, tokens: Amount, parallel: ParallelConfig, backward: bool) -> Amount:
+        """Memory-bound work of one layer: two norms and two residual adds (read and write [T, h]),
+        RoPE of q and k, the MLP activation (SwiGLU reads 2f, writes f; GELU f and f). Backward
+        moves about twice the bytes. Zero where the device has no bandwidth figure."""
+        if not self.hardware.memory_bandwidth:
+            return 0.0 * tokens
+        m = self.model
+        h, kv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
+        elements = 4 * h + 6 * h + 2 * (h + kv) + (3 * f if m.swiglu else 2 * f)
+        nbytes = tokens * elements * self.dtype_bytes / parallel.tp * (2.0 if backward else 1.0)
+        return nbytes / (self.hardware.memory_bandwidth * ELEMENTWISE_BANDWIDTH_SHARE)
+
+    def attention_time(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig, backward: bool) -> Amount:
+        """Seconds of one layer's core attention on one device: its share of the heads (TP) and of
+        every document's pairs and rows (CP), at the attention backend's rate."""
+        local_tokens, local_pairs = tokens / parallel.cp, pairs / parallel.cp
+        profiled = self.profiled_backward if backward else self.profiled_forward
+        if profiled is not None:
+            return (profiled(local_tokens / parallel.tp, local_pairs / parallel.tp)
+                    - profiled(local_tokens / parallel.tp, 0.0 * local_pairs))
+        rate = self.kernels.attention(self.attention_backend, backward)
+        flops_per_pair = 4.0 * self.model.hidden_size / parallel.tp * (ATTENTION_BACKWARD_RATIO if backward else 1.0)
+        return rate.seconds(flops_per_pair, local_pairs, local_tokens) / self.hardware.sustained_compute_share
 
     def _layer_flops(self, tokens: float, pairs: float) -> tuple[float, float]:
         """(linear, attention) forward FLOPs of one layer."""
         return 2.0 * tokens * self.model.params_per_layer, 4.0 * pairs * self.model.hidden_size
 
     def layer_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
-        """Compute seconds of one layer on one device (its TP/CP share), communication excluded."""
-        shards = parallel.tp * parallel.cp
-        local_tokens, local_pairs = tokens / parallel.cp, pairs / parallel.cp
+        """Compute seconds of one layer on one device (its TP/CP share), communication excluded;
+        a backward includes what the recompute mode re-runs."""
+        local_tokens = tokens / parallel.cp
         profiled = self.profiled_backward if backward else self.profiled_forward
         if profiled is not None:
             # Coefficients are measured at tp=1, cp=1: the local share scales the token terms.
-            base = profiled(local_tokens / parallel.tp, local_pairs / parallel.tp)
-            return base + self._recompute_time(tokens, pairs, parallel) if backward else base
-        linear, attention = self._layer_flops(tokens, pairs)
-        rate = self.hardware.peak_flops * self.efficiency(local_tokens)
-        if backward:
-            seconds = (LINEAR_BACKWARD_RATIO * linear + ATTENTION_BACKWARD_RATIO * attention) / (rate * shards)
-            return seconds + self._recompute_time(tokens, pairs, parallel)
-        return (linear + attention) / (rate * shards)
-
-    def attention_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
-        """The attention share of `layer_time` (the part that scales with attention pairs)."""
-        return (self.layer_time(tokens, pairs, parallel, backward)
-                - self.layer_time(tokens, 0.0 * pairs, parallel, backward))
+            base = profiled(local_tokens / parallel.tp, pairs / parallel.cp / parallel.tp)
+        else:
+            ratio = LINEAR_BACKWARD_RATIO if backward else 1.0
+            base = (ratio * self.gemm_time(local_tokens, parallel) + self.attention_time(tokens, pairs, parallel, backward)
+                    + self.elementwise_time(local_tokens, parallel, backward))
+        return base + self._recompute_time(tokens, pairs, parallel) if backward else base
 
     def _recompute_time(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
+        """What Megatron re-runs in a layer's backward: with `--recompute-granularity selective`
+        (its default `--recompute-modules core_attn`) the core attention forward; with full
+        recompute the whole layer forward."""
         if parallel.recompute == "none":
             return 0.0
-        forward = self.layer_time(tokens, pairs, parallel.with_(recompute="none"), backward=False)
-        return forward if parallel.recompute == "full" else SELECTIVE_RECOMPUTE_SHARE * forward
+        if parallel.recompute == "selective":
+            return self.attention_time(tokens, pairs, parallel, backward=False)
+        return self.layer_time(tokens, pairs, parallel.with_(recompute="none"), backward=False)
 
     def head_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
         """Output layer + loss on the last stage."""
@@ -296,20 +366,37 @@ class CostModel:
         profiled = self.profiled_head_backward if backward else self.profiled_head_forward
         if profiled is not None:
             return profiled(local / parallel.tp, 0.0)
-        flops = 2.0 * local * self.model.hidden_size * self.model.vocab_size / parallel.tp
         ratio = LINEAR_BACKWARD_RATIO if backward else 1.0
-        return ratio * flops / (self.hardware.peak_flops * self.efficiency(local))
+        gemm = (ratio * self.kernels.gemm.seconds(local, self.model.vocab_size / parallel.tp, self.model.hidden_size)
+                / self.hardware.sustained_compute_share)
+        if not self.hardware.memory_bandwidth:
+            return gemm
+        # cross-entropy over fp32 logits: written and read once each way
+        logits = 2 * 4.0 * local * self.model.vocab_size / parallel.tp
+        return gemm + logits / (self.hardware.memory_bandwidth * ELEMENTWISE_BANDWIDTH_SHARE)
 
     def tp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
-        """Per layer with sequence parallelism: two all-gathers and two reduce-scatters per pass."""
+        """Seconds of one layer's tensor-parallel collectives, serial (`TP_COLLECTIVES_*`, each an
+        all-gather or reduce-scatter of one [T/cp, h] activation; without sequence parallelism
+        the same bytes as all-reduces). Full recompute re-runs the forward's in backward."""
         if parallel.tp == 1:
             return 0.0
         t = parallel.tp
         volume = tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes * (t - 1) / t
-        passes = 1 + (backward and parallel.recompute == "full")
-        bandwidth = (self.hardware.intra_node_bandwidth if t <= self.hardware.gpus_per_node
-                     else self.hardware.inter_node_bandwidth)
-        return passes * 4 * (volume / bandwidth + self.hardware.link_latency_s)
+        collectives = TP_COLLECTIVES_BACKWARD if backward else TP_COLLECTIVES_FORWARD
+        if backward and parallel.recompute == "full":
+            collectives += TP_COLLECTIVES_FORWARD
+        bandwidth = self.collective_bandwidth(t, stride=1)
+        return collectives * (volume / bandwidth + self.hardware.link_latency_s)
+
+    def exposed_tp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
+        """The part of `tp_comm_time` a run waits for: all of it, or with TP overlap (userbuffers
+        chunk each collective into the GEMM next to it) what outlasts the layer's GEMMs."""
+        comm = self.tp_comm_time(tokens, parallel, backward)
+        if not self.overlaps.tp_comm or self.profiled_forward is not None:
+            return comm
+        ratio = LINEAR_BACKWARD_RATIO if backward else 1.0
+        return np.maximum(0.0, comm - ratio * self.gemm_time(tokens / parallel.cp, parallel))
 
     def cp_comm_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
         """Per layer: all-gather of K and V (forward), reduce-scatter of dK/dV (backward)."""
@@ -317,27 +404,39 @@ class CostModel:
             return 0.0
         c = parallel.cp
         volume = 2 * tokens * self.model.kv_hidden_size / parallel.tp * self.dtype_bytes * (c - 1) / c
-        bandwidth = self._group_bandwidth(parallel.tp * parallel.cp)
+        bandwidth = self.collective_bandwidth(c, stride=parallel.tp)
         steps = 2 if backward else 1  # backward re-gathers K/V and reduce-scatters their gradients
         return steps * (volume / bandwidth + (c - 1) * self.hardware.link_latency_s)
 
-    def _group_bandwidth(self, span: int) -> float:
+    def exposed_cp_comm_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
+        """The part of `cp_comm_time` a run waits for: all of it where the runtime gathers K/V
+        before attention, or with a ring exchange what outlasts the attention compute."""
+        comm = self.cp_comm_time(tokens, parallel, backward)
+        if not self.overlaps.cp_exchange:
+            return comm
+        return np.maximum(0.0, comm - self.attention_time(tokens, pairs, parallel, backward))
+
+    def collective_bandwidth(self, members: int, stride: int) -> float:
+        """Per-GPU bus bandwidth of a collective over `members` ranks `stride` apart in Megatron's
+        rank order: NVLink inside a node; across nodes the network at that node count, with one
+        NIC per member in a node (NCCL runs a ring per NIC), capped by NVLink."""
         hw = self.hardware
-        return hw.intra_node_bandwidth if span <= hw.gpus_per_node else hw.inter_node_bandwidth
+        span = members * stride
+        if span <= hw.gpus_per_node:
+            return hw.intra_node_bandwidth
+        per_node = max(1, hw.gpus_per_node // stride)
+        nodes = math.ceil(members / per_node)
+        return min(hw.intra_node_bandwidth, hw.network_bandwidth(nodes) * min(per_node, members))
 
     def stage_time(
         self, tokens: float, pairs: float, parallel: ParallelConfig, *, backward: bool, last_stage: bool = False
     ) -> float:
         """Seconds for one MicroPack (or a unit's totals) on one pipeline stage."""
         layers = self.layers_per_stage(parallel)
-        # Context-parallel attention exchanges K/V chunk by chunk while it computes (ring attention):
-        # only the part of the exchange that outlasts the attention compute is exposed.
-        exposed_cp = np.maximum(0.0, self.cp_comm_time(tokens, parallel, backward)
-                                - self.attention_time(tokens, pairs, parallel, backward))
         per_layer = (
             self.layer_time(tokens, pairs, parallel, backward)
-            + self.tp_comm_time(tokens, parallel, backward)
-            + exposed_cp
+            + self.exposed_tp_comm_time(tokens, parallel, backward)
+            + self.exposed_cp_comm_time(tokens, pairs, parallel, backward)
         )
         seconds = layers * per_layer + self.hardware.kernel_overhead_s
         if last_stage:
@@ -355,13 +454,13 @@ class CostModel:
         (with `pairs` attention pairs) cut into packs of at most `largest_pack` tokens. Per-token
         rates only improve with pack size and per-pack costs only add, so tokens / largest_pack
         packs of the largest size are the cheapest split; the context-parallel exchange is left out
-        (it may hide behind attention)."""
+        (it may hide behind attention), and TP communication counts as far as it is exposed."""
         size = min(tokens, largest_pack)
         packs = tokens / size
         seconds = 0.0
         for backward in (False, True):
             per_layer = (self.layer_time(size, pairs / packs, parallel, backward)
-                         + self.tp_comm_time(size, parallel, backward))
+                         + self.exposed_tp_comm_time(size, parallel, backward))
             # the rank's layers: all its chunks' with virtual stages
             seconds += (self.layers_per_stage(parallel) * parallel.vpp * per_layer
                         + parallel.vpp * self.hardware.kernel_overhead_s + self.head_time(size, parallel, backward))
@@ -376,7 +475,8 @@ class CostModel:
     def p2p_time(self, tokens: Amount, parallel: ParallelConfig) -> Amount | float:
         if parallel.pp == 1:
             return 0.0
-        bandwidth = self._group_bandwidth(parallel.tp * parallel.cp * parallel.pp)
+        # Pipeline neighbours are tp * cp * dp ranks apart in Megatron's order.
+        bandwidth = self.collective_bandwidth(2, stride=parallel.tp * parallel.cp * parallel.dp)
         return self.activation_transfer_bytes(tokens, parallel) / bandwidth + self.hardware.link_latency_s
 
     def gradient_bytes(self, parallel: ParallelConfig) -> float:
@@ -384,12 +484,22 @@ class CostModel:
         return 4.0 * self.stage_params(parallel) / parallel.tp
 
     def dp_reduce_time(self, parallel: ParallelConfig) -> float:
-        """Ring all-reduce (or ZeRO-1 reduce-scatter + all-gather, the same volume) over dp*cp."""
+        """Seconds of the gradient reduction over dp*cp that a step waits for (the simulator hides
+        what overlaps the last backward). With the distributed optimizer (zero1): a reduce-scatter
+        of the fp32 gradients, then an all-gather of the bf16 parameters, which Megatron's
+        `--overlap-param-gather` hides behind the next step's forward; without it an all-reduce
+        (twice the reduce-scatter's volume)."""
         group = parallel.dp * parallel.cp
         if group == 1:
             return 0.0
-        bandwidth = self._group_bandwidth(parallel.world_size)
-        volume = 2.0 * (group - 1) / group * self.gradient_bytes(parallel)
+        bandwidth = self.collective_bandwidth(group, stride=parallel.tp)
+        share = (group - 1) / group
+        if not parallel.zero1:
+            volume = 2.0 * share * self.gradient_bytes(parallel)
+            return volume / bandwidth + 2 * (group - 1) * self.hardware.link_latency_s
+        volume = share * self.gradient_bytes(parallel)
+        if not self.overlaps.param_gather:
+            volume += share * self.gradient_bytes(parallel) * self.dtype_bytes / 4.0
         return volume / bandwidth + 2 * (group - 1) * self.hardware.link_latency_s
 
     # ---- memory ------------------------------------------------------------------------------
@@ -398,11 +508,19 @@ class CostModel:
         layers = self.layers_per_stage(parallel) * parallel.vpp * self.model.params_per_layer
         return layers + self.model.embedding_params + (self.model.hidden_size if parallel.pp == 1 else 0)
 
-    def static_memory_bytes(self, parallel: ParallelConfig) -> float:
-        """bf16 weights + fp32 grads + fp32 master weights and Adam moments (ZeRO-1 sharded)."""
+    def static_memory_bytes(self, parallel: ParallelConfig, context_length: int = 0) -> float:
+        """bf16 weights + fp32 grads + fp32 master weights and Adam moments (ZeRO-1 sharded), and
+        the fp32 RoPE tables megatron caches for keys up to `context_length` positions."""
         params = self.stage_params(parallel) / parallel.tp
         optimizer = 12.0 * params / (parallel.dp * parallel.cp if parallel.zero1 else 1)
-        return params * (self.dtype_bytes + 4.0) + optimizer
+        return params * (self.dtype_bytes + 4.0) + optimizer + self.rope_table_bytes(context_length)
+
+    def rope_table_bytes(self, context_length: int) -> float:
+        """fp32 [rows, head_dim] rotary tables for every power-of-two size up to the context."""
+        if context_length <= 0:
+            return 0.0
+        rows = 1 << max(int(context_length) - 1, 0).bit_length()
+        return ROPE_TABLE_COPIES * rows * self.model.head_dim * 4.0
 
     def activation_bytes(
         self, tokens: Amount, pairs: Amount, parallel: ParallelConfig, last_stage: bool = False,
@@ -416,12 +534,14 @@ class CostModel:
         if parallel.recompute == "full":
             per_layer = tokens * self.model.hidden_size * self.dtype_bytes / shards  # layer inputs only
         else:
-            per_token = self.activation.per_token
-            if parallel.recompute == "selective":
-                per_token -= 2 * self.model.ffn_hidden_size * self.dtype_bytes  # fc1 output recomputed
-            per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp
-                         + self.activation.per_prefix_token * prefix_tokens) / shards
-            per_layer = per_layer + self.activation.per_masked_entry * masked_entries / parallel.cp
+            # Selective recompute (core_attn) checkpoints the core attention: its inputs stay (q, k,
+            # v are saved by the checkpoint, its output by the out-projection), what the kernel
+            # alone saves goes: the K/V concatenated with a prefix, and a dense mask where one is built.
+            attention_only = parallel.recompute == "selective"
+            per_layer = (self.activation.per_token * tokens + self.activation.per_pair * pairs / parallel.cp
+                         + (0.0 if attention_only else self.activation.per_prefix_token * prefix_tokens)) / shards
+            if not attention_only:
+                per_layer = per_layer + self.activation.per_masked_entry * masked_entries / parallel.cp
         total = layers * per_layer
         if last_stage:
             total += self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards

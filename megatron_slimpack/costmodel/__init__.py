@@ -1,0 +1,25 @@
+"""The cost model: time and memory of MicroPacks on one pipeline stage (model.py), priced with
+kernel speeds taken from published measurements (kernels.py) or a `slimpack profile` file."""
+from __future__ import annotations
+
+from .kernels import AttentionRate, GemmRate, KernelRates, fit_report, kernel_rates
+from .overlaps import FIXED_SHAPE, SERIAL, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
+from .model import (
+    PROFILE_KEYS,
+    REGENERATE_PROFILE,
+    ActivationCoefficients,
+    Amount,
+    CostModel,
+    ProfileError,
+    TimeCoefficients,
+    analytic_activation,
+    format_bytes,
+    read_profile,
+)
+
+__all__ = [
+    "PROFILE_KEYS", "REGENERATE_PROFILE", "ActivationCoefficients", "Amount", "CostModel", "ProfileError",
+    "TimeCoefficients", "analytic_activation", "format_bytes", "read_profile",
+    "AttentionRate", "GemmRate", "KernelRates", "fit_report", "kernel_rates",
+    "Overlaps", "SERIAL", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "overlaps_of",
+]

@@ -1,0 +1,59 @@
+"""Which communication a strategy's real run hides behind compute: one declared fact per strategy.
+
+The simulator prices every strategy with the same kernels and links; what differs is what its
+runtime can overlap. Stock Megatron-LM with fixed-shape micro-batches can hide tensor-parallel
+collectives inside the GEMMs (`--tp-comm-overlap`, TE userbuffers, which need fixed shapes) and
+exchanges context-parallel K/V in a ring while attention computes. The SlimPack runtime runs
+variable MicroPack shapes, so it refuses `--tp-comm-overlap`, and gathers K/V before attention
+(blocking). Every strategy reduces gradients and gathers parameters as Megatron's
+`--overlap-grad-reduce` / `--overlap-param-gather` do.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Overlaps:
+    tp_comm: bool = False  # TP collectives hidden behind the layer's GEMMs (what outlasts them is exposed)
+    cp_exchange: bool = False  # CP K/V exchange hidden behind attention (what outlasts it is exposed)
+    grad_reduce: bool = True  # gradient reduction overlapped with the last backward (bucketed)
+    param_gather: bool = True  # distributed-optimizer parameter all-gather overlapped with the next forward
+
+    def flags(self) -> list[str]:
+        """Megatron-LM flags that give a real run these overlaps."""
+        flags = []
+        if self.tp_comm:
+            flags.append("--tp-comm-overlap")
+        if self.grad_reduce:
+            flags.append("--overlap-grad-reduce")
+        if self.param_gather:
+            flags.append("--overlap-param-gather")
+        return flags
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "flags": self.flags()}
+
+
+# What the SlimPack runtime and other variable-shape runs overlap: no TP collective, a blocking K/V gather.
+SERIAL = Overlaps()
+# Stock Megatron-LM on fixed-length sequences with TE: userbuffer TP overlap, ring-attention CP.
+FIXED_SHAPE = Overlaps(tp_comm=True, cp_exchange=True)
+# Megatron-LM on variable-length THD micro-batches: no userbuffers, TE's ring attention for CP.
+VARIABLE_SHAPE_RING_CP = Overlaps(cp_exchange=True)
+
+# strategy name -> its overlaps, filled as strategies register (planner/registry.py): the
+# simulator prices a plan with its strategy's overlaps without reaching up into the planner.
+_DECLARED: dict[str, Overlaps] = {}
+
+
+def declare(strategy: str, overlaps: Overlaps) -> None:
+    _DECLARED[strategy] = overlaps
+
+
+def overlaps_of(strategy: str | None) -> Overlaps:
+    """The overlaps a strategy declared; a name that declared none runs serial (the SlimPack runtime's)."""
+    return _DECLARED.get(strategy or "", SERIAL)
+
+
+__all__ = ["Overlaps", "SERIAL", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "declare", "overlaps_of"]
