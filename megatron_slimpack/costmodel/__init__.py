@@ -3,7 +3,6 @@ kernel speeds taken from published measurements (kernels.py) or a `slimpack prof
 from __future__ import annotations
 
 from .kernels import AttentionRate, GemmRate, KernelRates, fit_report, kernel_rates
-from .overlaps import FIXED_SHAPE, SERIAL, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
 from .model import (
     PROFILE_KEYS,
     REGENERATE_PROFILE,
@@ -16,6 +15,7 @@ from .model import (
     format_bytes,
     read_profile,
 )
+from .overlaps import FIXED_SHAPE, SERIAL, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
 
 __all__ = [
     "PROFILE_KEYS", "REGENERATE_PROFILE", "ActivationCoefficients", "Amount", "CostModel", "ProfileError",

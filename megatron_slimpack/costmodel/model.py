@@ -5,7 +5,8 @@ A MicroPack's work is summarised by two numbers: its tokens `T` and its causal a
 attention with A and, for the kernel's per-row work, with T: both sums over the MicroPack's
 documents, so a pack of short documents is priced at the short documents' attention rate. The
 analytic model turns FLOPs into seconds with the kernel speeds of `kernels.py` (GEMMs by shape,
-attention by backend, element-wise work by memory bandwidth); the profiled model (`CostModel.from_profile`) uses per-layer coefficients fitted on this device
+attention by backend, element-wise work by memory bandwidth); the profiled model
+(`CostModel.from_profile`) uses per-layer coefficients fitted on this device
 by `slimpack profile`. Both share the memory and communication terms and the same interface, so
 the planner and simulator never know which one they hold.
 """
@@ -21,8 +22,6 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import SlimPackError
-from .kernels import ELEMENTWISE_BANDWIDTH_SHARE, KernelRates, kernel_rates
-from .overlaps import SERIAL, Overlaps
 from ..specs import (
     GIB,
     HardwareSpec,
@@ -33,6 +32,8 @@ from ..specs import (
     hardware_from_dict,
     model_from_dict,
 )
+from .kernels import ELEMENTWISE_BANDWIDTH_SHARE, KernelRates, kernel_rates
+from .overlaps import SERIAL, Overlaps
 
 # A token or pair count, or an array of them: the formulas work elementwise, and the planner prices
 # whole tables of MicroPacks at once. A figure that does not depend on the counts stays a scalar.
@@ -346,7 +347,8 @@ class CostModel:
             base = profiled(local_tokens / parallel.tp, pairs / parallel.cp / parallel.tp)
         else:
             ratio = LINEAR_BACKWARD_RATIO if backward else 1.0
-            base = (ratio * self.gemm_time(local_tokens, parallel) + self.attention_time(tokens, pairs, parallel, backward)
+            base = (ratio * self.gemm_time(local_tokens, parallel)
+                    + self.attention_time(tokens, pairs, parallel, backward)
                     + self.elementwise_time(local_tokens, parallel, backward))
         return base + self._recompute_time(tokens, pairs, parallel) if backward else base
 
