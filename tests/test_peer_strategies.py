@@ -158,6 +158,69 @@ def test_dynamic_cp_balances_work_over_the_dp_cp_pool():
     assert sorted(placed) == list(range(len(lengths)))
 
 
+def reference_dynamic_cp(lengths, pool, cap):
+    """Rules 1-4 with every GPU's work kept apart (no shortcuts): [[(ranks, samples)] per micro-batch]."""
+    def needed(n):
+        k = 1
+        while k * cap < n:
+            k *= 2
+        return k
+
+    order, schedule = sorted(range(len(lengths)), key=lambda i: -lengths[i]), []
+    while order:
+        load, groups, left = [0.0] * pool, [], []  # group: [ranks, samples, tokens]
+        bound = lengths[order[0]] * cap * (1 + WORKLOAD_SLACK)
+        for position, sample in enumerate(order):
+            n, best, k = lengths[sample], None, needed(lengths[sample])
+            free = list(range(sum(len(g[0]) for g in groups), pool))
+            while k <= (pool if position else needed(n)):  # the tallest opens a group at its minimum
+                options = [g[0] for g in groups if len(g[0]) == k and g[2] + n <= k * cap]
+                options += [free[:k]] if len(free) >= k else []
+                for ranks in options:
+                    projected = max(load[r] + (n * n / k if r in ranks else 0.0) for r in range(pool))
+                    if (position == 0 or projected <= bound) and (best is None or projected < best[0]):
+                        best = (projected, ranks)
+                k *= 2
+            if best is None:
+                left.append(sample)
+                continue
+            group = next((g for g in groups if g[0] is best[1]), None)
+            if group is None:
+                group = [best[1], [], 0]
+                groups.append(group)
+            group[1].append(sample)
+            group[2] += n
+            for r in group[0]:
+                load[r] += n * n / len(group[0])
+        while sum(len(g[0]) for g in groups) < pool:
+            smallest = min(len(g[0]) for g in groups)
+            gain = min(2 * smallest, pool) - smallest
+            used = sum(len(g[0]) for g in groups)
+            at = next((i for i, g in enumerate(groups) if len(g[0]) == smallest and g[0][-1] + gain < pool
+                       and used + gain <= pool), None)
+            if at is None:
+                kept = []
+                for sample in order:
+                    if sum(lengths[i] for i in kept) + lengths[sample] <= pool * cap:
+                        kept.append(sample)
+                groups, left = [[list(range(pool)), kept, 0]], [i for i in order if i not in kept]
+                break
+            groups[at][0] = list(range(groups[at][0][0], groups[at][0][-1] + gain + 1))
+            for g in groups[at + 1:]:
+                g[0] = [r + gain for r in g[0]]
+        schedule.append([(tuple(g[0]), g[1]) for g in groups])
+        order = left
+    return schedule
+
+
+@pytest.mark.parametrize("pool", [4, 7, 8, 16])
+def test_dynamic_cp_schedule_matches_a_per_gpu_reference(pool):
+    for seed in range(4):
+        lengths = lognormal_batch(6 * pool, seed)
+        got = [[(g.ranks, g.samples) for g in mb] for mb in dynamic_cp_schedule(lengths, pool, 2048)]
+        assert got == reference_dynamic_cp(lengths, pool, 2048), (pool, seed)
+
+
 def test_dynamic_cp_refuses_what_its_plans_cannot_express():
     with pytest.raises(PlanError, match="give the whole pool as data parallelism"):
         run("megatron-dynamic-cp", [1000, 2000], dp=2, cp=2, per_rank=2048)

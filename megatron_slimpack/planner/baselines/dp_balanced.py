@@ -46,11 +46,12 @@ def pack_dp_balanced(lengths: list[int], capacity: int, multiple: int) -> list[l
     PlanError when too few samples share a packed sequence to reach the multiple (Megatron's
     "Not enough samples to move")."""
     packed = pack_in_order(list(range(len(lengths))), lengths, capacity)
-    missing = -len(packed) % multiple
+    count = len(packed)
+    missing = -count % multiple
     index = len(packed) - 1
     while missing:
         if index < 0:
-            raise PlanError(f"megatron-dp-balanced: {len(lengths)} samples make {len(packed) - missing} packed "
+            raise PlanError(f"megatron-dp-balanced: {len(lengths)} samples make {count} packed "
                             f"sequences of which too few hold two samples to reach a multiple of {multiple} "
                             f"(dp x micro-batch group); use a larger global batch or fewer data-parallel ranks")
         if len(packed[index]) > 1:

@@ -49,10 +49,7 @@ WORKLOAD_SLACK = 0.05
 
 def cp_size_needed(length: int, per_rank_tokens: int, minimum: int = 1) -> int:
     """The smallest power of two k with k x per_rank_tokens >= length, at least `minimum`."""
-    size = 1
-    while size * per_rank_tokens < length:
-        size *= 2
-    return max(size, minimum)
+    return max(1 << (-(-length // per_rank_tokens) - 1).bit_length(), minimum)
 
 
 @dataclass
@@ -93,22 +90,33 @@ def dynamic_cp_micro_batch(order: list[int], lengths: list[int], pool: int, per_
     groups[0].add(order[0], tallest)
     used = first_size
     left: list[int] = []
+    # Kept up to date after each placement, so a sample's candidates cost O(groups of its sizes):
+    # the groups of each size in creation order, the most tokens one of them can still take (and
+    # the most of any size), and the two largest works (a group's rivals are the busiest other
+    # group, or the free GPUs' 0).
+    by_size: dict[int, list[CPGroup]] = {first_size: [groups[0]]}
+    room = {first_size: first_size * per_rank_tokens - tallest}
+    busiest, runner_up = groups[0], 0.0
+    most_room = room[first_size]
     for sample in order[1:]:
         length = lengths[sample]
+        if used == pool and length > most_room:  # no free GPU and no group can take it
+            left.append(sample)
+            continue
         best: tuple[float, CPGroup | None, int] | None = None  # (busiest GPU's work, group joined or None, size)
-        busiest = max(group.work for group in groups)
         size = cp_size_needed(length, per_rank_tokens, min_cp)
         while size <= pool:
             work = length * length / size
-            for group in groups:
-                if group.size != size or group.tokens + length > size * per_rank_tokens:
-                    continue
-                others = max((g.work for g in groups if g is not group), default=0.0)
-                projected = max(others, group.work + work)
-                if projected <= bound and (best is None or projected < best[0]):
-                    best = (projected, group, size)
+            if room.get(size, -1) >= length:
+                for group in by_size[size]:
+                    if group.tokens + length > size * per_rank_tokens:
+                        continue
+                    others = runner_up if group is busiest else busiest.work
+                    projected = max(others, group.work + work)
+                    if projected <= bound and (best is None or projected < best[0]):
+                        best = (projected, group, size)
             if pool - used >= size:  # the free GPUs have no work yet
-                projected = max(busiest, work)
+                projected = max(busiest.work, work)
                 if projected <= bound and (best is None or projected < best[0]):
                     best = (projected, None, size)
             size *= 2
@@ -119,8 +127,13 @@ def dynamic_cp_micro_batch(order: list[int], lengths: list[int], pool: int, per_
         if joined is None:
             joined = CPGroup(used, size)
             groups.append(joined)
+            by_size.setdefault(size, []).append(joined)
             used += size
         joined.add(sample, length)
+        room[size] = max(size * per_rank_tokens - group.tokens for group in by_size[size])
+        most_room = max(room.values())
+        ranked = sorted(groups, key=lambda group: group.work, reverse=True)
+        busiest, runner_up = ranked[0], ranked[1].work if len(ranked) > 1 else 0.0
     while used < pool:
         grown = _grow_smallest(groups, lengths, pool, used)
         if grown is None:
