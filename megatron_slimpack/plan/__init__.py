@@ -32,7 +32,7 @@ from .types import (
 )
 from .validate import SliceTable, check_plan, check_slices
 
-# The names tests/test_plan_and_planner.py compares the array pass with the per-slice pass by.
+# tests/test_plan_and_planner.py imports these two under their underscored names.
 _SliceTable = SliceTable
 _check_slices = check_slices
 
