@@ -1,6 +1,7 @@
 """The start-up probe of attention backends (runtime/attention/backend_probe.py), on CPU with stand-in
 kernels: a backend that imports but computes wrongly, raises, or cannot be built is passed over,
-with the reason; one that agrees with the torch reference is chosen."""
+with the reason; one that agrees with the torch reference is chosen; where none does, the probe
+refuses by name (the torch kernel is never chosen on a GPU)."""
 import pytest
 import torch
 
@@ -35,26 +36,33 @@ def test_a_backend_that_agrees_with_the_reference_is_chosen(monkeypatch, megatro
 
 
 def test_a_wrong_backend_is_passed_over_with_the_reason(monkeypatch, megatron_cpu):
-    choice = _choose(monkeypatch, top_left_kernel)
-    assert choice.backend == "torch"
-    assert "output differs from the torch reference" in choice.passed_over["flash"]
-    assert choice.describe().startswith("attention backend torch (passed over: flash: output differs")
+    with pytest.raises(backend_probe.NoFusedAttentionBackend) as refused:
+        _choose(monkeypatch, top_left_kernel)
+    assert "flash: output differs from the torch reference" in str(refused.value)
+    assert "Install flash-attn >= 2.1" in str(refused.value)
 
 
 def test_a_failing_backend_is_passed_over_with_its_error(monkeypatch, megatron_cpu):
-    choice = _choose(monkeypatch, raising)
-    assert choice.backend == "torch"
-    assert choice.passed_over["flash"] == "RuntimeError: cuDNN: no THD kernel for this configuration"
+    with pytest.raises(backend_probe.NoFusedAttentionBackend,
+                       match="flash: RuntimeError: cuDNN: no THD kernel for this configuration"):
+        _choose(monkeypatch, raising)
 
 
 def test_a_backend_that_cannot_be_built_is_passed_over(monkeypatch, megatron_cpu):
-    monkeypatch.setattr(backend_probe, "available_backends", lambda: ["te", "torch"])
+    monkeypatch.setattr(backend_probe, "available_backends", lambda: ["te", "flash", "torch"])
+    monkeypatch.setitem(kernels.KERNELS, "flash", kernels.torch_kernel)
+    config = _config()
 
     def build(name):
-        raise ImportError("transformer_engine_torch is missing")
+        from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
 
-    choice = backend_probe.choose_backend(_config(), torch.device("cpu"), build)
-    assert choice.backend == "torch" and "cannot be built: ImportError" in choice.passed_over["te"]
+        if name == "te":
+            raise ImportError("transformer_engine_torch is missing")
+        return SlicedDotProductAttention(config, layer_number=1, attn_mask_type=None, backend=name)
+
+    choice = backend_probe.choose_backend(config, torch.device("cpu"), build)
+    assert choice.backend == "flash" and "cannot be built: ImportError" in choice.passed_over["te"]
+    assert choice.describe().startswith("attention backend flash (passed over: te: cannot be built")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -68,7 +68,8 @@ def test_every_strategy_has_one_spec_with_its_facts():
         assert renumbering == set(plan_module.RENUMBERING_STRATEGIES)
     else:
         assert {name for name in specs if plan_module.renumbers_samples(name)} == renumbering
-    with pytest.raises(PlanError, match="unknown strategy 'nope'; known: bfd, megatron-fixed"):
+    with pytest.raises(PlanError, match="unknown strategy 'nope'; known: bfd, megatron-dp-balanced, "
+                                        "megatron-dynamic-cp, megatron-fixed"):
         strategy_spec("nope")
     with pytest.raises(ValueError, match="registered twice"):
         register("bfd", role="baseline", trainable=False, description="again")(lambda *a, **k: None)

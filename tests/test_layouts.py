@@ -54,9 +54,10 @@ def test_layout_facts_come_from_the_strategy_specs():
         "megatron-fixed": "sequence", "megatron-stock": "sequence", "bfd": "document", "sorted": "document",
         "wlb-llm": "document",
         "slimpipe": "half-document", "slimpack": "merged-document", "slimpack-sym": "merged-document",
-        "slimpack-nomerge": "document", "megatron-hybrid-cp": "none"}
+        "slimpack-nomerge": "document", "megatron-hybrid-cp": "none", "megatron-dp-balanced": "document",
+        "megatron-dynamic-cp": "none"}
     assert {name for name, spec in specs.items() if spec.constraints.pp or spec.constraints.cp} == {
-        "megatron-hybrid-cp", "slimpack-nomerge"}
+        "megatron-hybrid-cp", "megatron-dynamic-cp", "slimpack-nomerge"}
     assert all(spec.constraints.reason for spec in specs.values() if spec.constraints.pp or spec.constraints.cp)
     with pytest.raises(PlanError, match="unknown strategy 'nope'; known: bfd"):
         enumerate_layouts(COST_7B, 8, "nope")

@@ -8,8 +8,9 @@ fused CPU flash SDPA), elements per layer:
     its output (h) and log-sum-exp (H heads); linear_proj's input, pre-MLP RMSNorm, linear_fc1's
     input (4h + 1); SwiGLU: fc1 output (2f), two f-sized intermediates (2f), fc2 input (f)
   a MicroPack with a KV prefix concatenates K and V per segment: 2kv per key (prefix or own)
-    instead of the rotated k and the QKV output (h + 3kv per token), plus the bottom-right mask as
-    floats, len x (start + len) per prefixed slice
+    instead of the rotated k and the QKV output (h + 3kv per token); a prefixed slice's blockwise
+    attention (kernels.PrefixCausalAttention) saves its output and fp32 log-sum-exp like SDPA does,
+    and no query x key mask
 Once per model (last stage), per token: final norm 2h+1, output-layer input h, cross-entropy
 vocab (fp32), 8+1+4 bytes of labels/masks and 8 bytes of token ids.
 """
@@ -31,8 +32,7 @@ def itemised_bytes(micropacks) -> int:
         prefix = sum(s.start for s in mp.slices)
         per_layer = tokens * (10 * H + 3 * kv + 4 * d + HEADS + 2 + 5 * f)
         if prefix:
-            masks = sum(s.length * s.end for s in mp.slices if s.start > 0)
-            per_layer += 2 * kv * (prefix + tokens) - tokens * (H + 3 * kv) + masks
+            per_layer += 2 * kv * (prefix + tokens) - tokens * (H + 3 * kv)
         total += 4 * LAYERS * per_layer + tokens * (4 * (3 * H + 1 + VOCAB) + 8 + 1 + 4 + 8)
     return total
 

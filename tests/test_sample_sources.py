@@ -51,7 +51,14 @@ def corpus_lengths(seed: int = 0, count: int = 300) -> np.ndarray:
 
 
 def layout(strategy: str) -> ms.ParallelConfig:
-    return ms.ParallelConfig(dp=2, pp=1) if strategy == "megatron-hybrid-cp" else ms.ParallelConfig(dp=2, pp=2)
+    if strategy == "megatron-hybrid-cp":
+        return ms.ParallelConfig(dp=2, pp=1)
+    if strategy == "megatron-dp-balanced":
+        # dp_balanced refuses a batch whose packed sequences cannot be brought to a multiple of dp (too
+        # few hold two documents), as Megatron-LM's scheduler asserts; these batches of few long documents
+        # are such batches at dp=2.
+        return ms.ParallelConfig(dp=1, pp=2)
+    return ms.ParallelConfig(dp=2, pp=2)
 
 
 def config_for(strategy: str, **changes) -> ms.SlimPackConfig:

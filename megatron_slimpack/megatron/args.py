@@ -37,6 +37,7 @@ from ..config import (
     option_fields,
     option_name,
 )
+from ..errors import SlimPackError
 
 # megatron-core versions whose trainer seams (design.md section 7) hooks.py knows, and the newest
 # release trained through its real trainer by the tests (tests/test_megatron_releases.py).
@@ -57,7 +58,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class SlimPackArgumentError(ValueError):
+class SlimPackArgumentError(SlimPackError):
     """A --slimpack flag combination that cannot run; the message names the fix."""
 
 
@@ -159,6 +160,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     if getattr(args, "apply_rope_fusion", False):
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     problems += _fixed_shape_problems(args)
+    problems += _attention_option_problems(args)
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
         problems.append("--slimpack needs --micro-batch-size 1 (a MicroPack is one packed THD sequence)")
     for flag in ("fp8", "fp4"):
@@ -217,6 +219,38 @@ def _fixed_shape_problems(args) -> list[str]:
         problems.append(f"--slimpack cannot be combined with --cuda-graph-impl {impl}: a CUDA graph replays fixed "
                         f"tensor shapes and every MicroPack has its own token count; {_GRAPH_FIX}")
     return problems
+
+
+def _attention_option_problems(args) -> list[str]:
+    """Megatron attention options the sliced core attention does not honour on every backend
+    (TE, flash-attn, torch) with a KV prefix; and the settings deterministic mode needs."""
+    problems = []
+    if getattr(args, "window_size", None) is not None:
+        problems.append(f"--slimpack does not support --window-size {args.window_size}: the sliced core attention "
+                        "computes full causal attention over a slice's KV prefix on every backend; remove "
+                        "--window-size (and --window-attn-skip-freq)")
+    softmax_type = getattr(args, "softmax_type", None) or "vanilla"
+    if softmax_type != "vanilla":
+        problems.append(f"--slimpack does not support --softmax-type {softmax_type}: the flash-attn and torch kernels "
+                        "of the sliced core attention compute the vanilla softmax only; use --softmax-type vanilla")
+    backend = getattr(args, "attention_backend", None)
+    backend = getattr(backend, "name", backend)
+    if backend == "unfused":
+        problems.append("--slimpack does not run --attention-backend unfused: Transformer Engine's unfused attention "
+                        "allocates the full query x key score matrix of a MicroPack's slices and their KV prefix; "
+                        "use --attention-backend auto, flash or fused")
+    if getattr(args, "deterministic_mode", False) and _transformer_engine_installed() and \
+            os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") != "0":
+        problems.append("--deterministic-mode with Transformer Engine needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in the "
+                        "environment (TE's fused attention reads it; flash-attn gets deterministic=True from the "
+                        "flag): export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or remove --deterministic-mode")
+    return problems
+
+
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def virtual_stages_of_args(args) -> int:

@@ -1,14 +1,14 @@
 """What the SlimPack planner's search gets back: typed failures and outcomes.
 
 A failure to fit memory is a `DoesNotFit` carrying what did not fit; the search falls back on
-its type, never on its message. A planned replica is a `ReplicaOutcome` and a planned batch a
-`PlannedBatch`; the search compares batches by the outcomes, not by the plan's metadata (which
-only reports them).
+its type, never on its message. Phase 1's CP-SAT solve is a `CpSatOutcome`, a planned replica a
+`ReplicaOutcome` and a planned batch a `PlannedBatch`; the search compares batches by the
+outcomes, not by the plan's metadata (which only reports them, as `to_dict()`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import ClassVar, Sequence, TypeVar
 
 from ..plan import Plan, PlanError
 
@@ -64,6 +64,51 @@ class ReplicasDoNotFit(DoesNotFit):
 
 
 @dataclass(frozen=True)
+class CpSatOutcome:
+    """What phase 1's CP-SAT solve returned and which assignment was used.
+
+    `status`: CP-SAT's status name (OPTIMAL, FEASIBLE, INFEASIBLE, MODEL_INVALID or UNKNOWN), or
+    TRIVIAL where one replica leaves nothing to solve (then only `time_s` and `imbalance` are
+    set). `source`: "cp-sat" where CP-SAT's assignment beat its hint, else "hint" (the LPT
+    assignment); `fallback` says why the hint was used where CP-SAT gave none or a worse one.
+    Makespans and bounds are in seconds of the busiest replica's load."""
+
+    status: str
+    source: str | None = None
+    heavy_items: int | None = None  # documents CP-SAT decides one by one
+    sand_items: int | None = None  # documents poured into the amounts it gives each replica
+    hint_makespan: float | None = None
+    makespan: float | None = None  # CP-SAT's objective; None without a solution
+    bound: float | None = None  # CP-SAT's best objective bound; None without a solution
+    gap: float | None = None  # (makespan - bound) / makespan
+    fallback: str | None = None
+    time_s: float = 0.0  # phase 1 in all, merge groups and sand included
+    imbalance: float = 1.0  # the busiest replica's load over the mean
+
+    TRIVIAL: ClassVar[str] = "trivial"
+
+    @property
+    def solved(self) -> bool:
+        """CP-SAT returned a solution (OPTIMAL or FEASIBLE)."""
+        return self.makespan is not None
+
+    def to_dict(self) -> dict:
+        """The plan metadata's "phase1" entry: the fields that are set, CP-SAT's makespan as
+        "objective" and the hint's as "hint"."""
+        if self.status == self.TRIVIAL:
+            return {"status": self.status, "time_s": self.time_s, "imbalance": self.imbalance}
+        entry: dict = {"status": self.status, "heavy_items": self.heavy_items, "sand_items": self.sand_items,
+                       "hint": self.hint_makespan}
+        if self.solved:
+            entry.update(objective=self.makespan, bound=self.bound, gap=self.gap)
+        entry["source"] = self.source
+        if self.fallback is not None:
+            entry["fallback"] = self.fallback
+        entry.update(time_s=self.time_s, imbalance=self.imbalance)
+        return entry
+
+
+@dataclass(frozen=True)
 class ReplicaOutcome:
     """What the replica search chose for one replica or merge group, and its predicted makespan
     (stage orders replayed, no gradient reduction)."""
@@ -110,4 +155,4 @@ class PlannedBatch:
         return max(busy)
 
 
-__all__ = ["DoesNotFit", "ReplicasDoNotFit", "ReplicaOutcome", "PlannedBatch"]
+__all__ = ["DoesNotFit", "ReplicasDoNotFit", "CpSatOutcome", "ReplicaOutcome", "PlannedBatch"]

@@ -17,6 +17,7 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel
 from ..plan import Plan, PlanError, check_sources
 from ..specs import ParallelConfig
+from ..workload import check_lengths
 from .outcomes import DoesNotFit  # noqa: F401
 from .registry import (  # noqa: F401
     REGISTRY,
@@ -168,7 +169,5 @@ def plan_global_batch(lengths, *, parallel: ParallelConfig, cost: CostModel, con
 
 
 def check_plan_input(lengths, context_length: int) -> list[int]:
-    from ..workload import check_lengths
-
     return check_lengths(lengths, context_length)
 

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..plan import Sample
 from .lengths import WorkloadError, as_length_array, load_lengths, positive_int
 
 
@@ -41,10 +42,8 @@ class GlobalBatch:
     def num_tokens(self) -> int:
         return self.stats.num_tokens
 
-    def samples(self):
+    def samples(self) -> list[Sample]:
         """The batch as planner input (`plan.Sample` objects)."""
-        from ..plan import Sample
-
         return [Sample(sample_id, length) for sample_id, length in zip(self.sample_ids, self.lengths)]
 
 

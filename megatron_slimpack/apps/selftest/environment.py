@@ -87,24 +87,32 @@ def backend_reasons() -> dict[str, str]:
 
 def probed_backend():
     """On a GPU: the runtime's start-up probe (runtime/attention/backend_probe.py) for a bf16 GQA attention,
-    as a model's layers would run it; None without a GPU (only the torch kernel runs)."""
+    as a model's layers would run it (cached per shape class); None without a GPU (only the torch
+    kernel runs). Raises NoFusedAttentionBackend where no fused backend runs it."""
     if not torch.cuda.is_available():
         return None
-    from ...runtime.attention.backend_probe import choose_backend
+    from ...runtime.attention.backend_probe import probed_choice
     from ...runtime.attention.core import build_core_attention
     from ...runtime.model import tiny_config
 
     config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
                          params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    return choose_backend(config, torch.device("cuda", torch.cuda.current_device()),
-                          lambda name: build_core_attention(name, config))
+    return probed_choice(config, torch.device("cuda", torch.cuda.current_device()),
+                         lambda name: build_core_attention(name, config))
 
 
 def backend_choice() -> dict:
-    """What backend 'auto' runs, and a sentence saying why: on a GPU the start-up probe's choice,
-    otherwise the fastest available (`resolve_backend("auto")`)."""
+    """What backend 'auto' runs, and a sentence saying why: on a GPU the start-up probe's choice
+    (or its refusal: no fused backend runs), otherwise the fastest available
+    (`resolve_backend("auto")`); and the backend per shape class probed in this process."""
+    from ...runtime.attention.backend_probe import NoFusedAttentionBackend, probed_shape_classes
+
     reasons = backend_reasons()
-    probe = probed_backend()
+    try:
+        probe = probed_backend()
+    except NoFusedAttentionBackend as refusal:
+        return {"auto": "refused", "available": kernels.available_backends(), "why": str(refusal),
+                "backends": reasons, "shape_classes": probed_shape_classes()}
     chosen = probe.backend if probe is not None else kernels.resolve_backend("auto")
     passed_over = [f"{name}: {reasons[name]}" for name in kernels.BACKENDS[:kernels.BACKENDS.index(chosen)]
                    if reasons[name] != "available"]
@@ -114,7 +122,8 @@ def backend_choice() -> dict:
         passed_over += [f"{name}: {reason}" for name, reason in probe.passed_over.items()]
     if passed_over:
         why += "; " + "; ".join(passed_over)
-    return {"auto": chosen, "available": kernels.available_backends(), "why": why, "backends": reasons}
+    return {"auto": chosen, "available": kernels.available_backends(), "why": why, "backends": reasons,
+            "shape_classes": probed_shape_classes()}
 
 
 def environment(device: torch.device) -> dict:

@@ -173,6 +173,7 @@ def format_environment(env: dict) -> list[str]:
     backend = env["attention_backend"]
     rows = [*env["versions"].items(), ("device", where),
             ("attention backend", f"{backend['auto']} (auto): {backend['why']}")]
+    rows += [("  shape class", f"{shape}: {chosen}") for shape, chosen in backend.get("shape_classes", {}).items()]
     if "precision" in env:
         rows.append(("checks run in", env["precision"]))
     lines = ["Environment"] + [f"  {name:<20} {value}" for name, value in rows]

@@ -15,8 +15,10 @@ Registered names and what each reproduces (details in each function's docstring)
     bfd                 best-fit-decreasing token packing (TRL / NeMo)
     sorted              LongAlign sorted batching
     wlb-llm             WLB-LLM: cost-balanced variable-length packing + outlier-delay queues (stateful)
-    megatron-hybrid-cp  Megatron-Core's BalancedCPScheduler (hybrid context parallel), called as a library
+    megatron-hybrid-cp  Megatron-Core main's BalancedCPScheduler (hybrid context parallel), called as a library
     slimpipe            SlimPipe: uniform slices of each sequence, slice-level 1F1B
+    megatron-dp-balanced  Megatron-LM's dp_balanced sequence packing: in order, never cut, full CP group
+    megatron-dynamic-cp   Megatron-LM dev's default_dynamic_cp: per-sample CP size, packed per CP group
 
 All of them schedule each data-parallel replica with Megatron's 1F1B: one forward and one
 backward unit per micro-batch, pp - s - 1 warm-up forwards on stage s; those Megatron-LM runs
@@ -26,12 +28,15 @@ micro-batches (`meet_interleaved_count`).
 
 Modules: common.py (what every baseline shares), sequences.py (GPTDataset's fixed-length
 sequences), fixed.py (megatron-fixed, megatron-stock), packing.py (bfd, sorted), wlb_llm.py,
-hybrid_cp.py (megatron-hybrid-cp), slimpipe.py. Importing the package registers every strategy.
+hybrid_cp.py (megatron-hybrid-cp), slimpipe.py, dp_balanced.py (megatron-dp-balanced), dynamic_cp.py
+(megatron-dynamic-cp). Importing the package registers every strategy.
 """
 # Each module registers its strategies on import; the registry lists them in that order (CLI help,
 # comparison tables), so the imports keep the order of the list above.
 # isort: off
 from . import fixed, packing, wlb_llm, hybrid_cp, slimpipe  # noqa: F401
+from . import dp_balanced  # noqa: F401
+from . import dynamic_cp  # noqa: F401
 # isort: on
 from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, schedule_1f1b, whole_documents
 from .fixed import STOCK_SEMANTICS, plan_megatron_fixed, plan_megatron_stock

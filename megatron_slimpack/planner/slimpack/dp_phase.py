@@ -14,15 +14,15 @@ it together with context parallelism, and contributes 1/k of its cost to each me
 from __future__ import annotations
 
 import heapq
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from ...config import PlannerTunables
+from ..outcomes import CpSatOutcome
 
 
 @dataclass
@@ -33,12 +33,17 @@ class MergeGroup:
 
 @dataclass
 class Assignment:
-    """Document indices per replica, merge groups, and what the solver reported."""
+    """Document indices per replica, merge groups, and what the solver returned."""
 
     replica_samples: list[list[int]]
     merge_groups: list[MergeGroup]
     replica_loads: list[float]
-    solver: dict = field(default_factory=dict)
+    outcome: CpSatOutcome = CpSatOutcome(CpSatOutcome.TRIVIAL)
+
+    @property
+    def solver(self) -> dict:
+        """The outcome as the plan metadata's "phase1" entry (`CpSatOutcome.to_dict`)."""
+        return self.outcome.to_dict()
 
 
 def assign_to_replicas(
@@ -70,15 +75,15 @@ def assign_to_replicas(
     merged = {i for group in merge_groups for i in group.sample_indices}
     free = np.array([i for i in np.argsort(-costs, kind="stable") if i not in merged], dtype=int)
 
-    solver: dict[str, Any]  # the solver's report, with its time and the resulting imbalance
     if dp == 1:
-        replicas, solver = [free.tolist()], {"status": "trivial"}
+        replicas, outcome = [free.tolist()], CpSatOutcome(CpSatOutcome.TRIVIAL)
     else:
-        replicas, solver = _solve(costs, free, fixed_load, time_limit_s, deterministic_limit, seed, workers, tunables)
+        replicas, outcome = _solve(costs, free, fixed_load, time_limit_s, deterministic_limit, seed, workers,
+                                   tunables)
     loads = [fixed_load[r] + costs[replicas[r]].sum() for r in range(dp)]
-    solver["time_s"] = time.perf_counter() - started
-    solver["imbalance"] = max(loads) / (sum(loads) / dp) if sum(loads) > 0 else 1.0
-    return Assignment([sorted(r) for r in replicas], merge_groups, loads, solver)
+    outcome = replace(outcome, time_s=time.perf_counter() - started,
+                      imbalance=max(loads) / (sum(loads) / dp) if sum(loads) > 0 else 1.0)
+    return Assignment([sorted(r) for r in replicas], merge_groups, loads, outcome)
 
 
 def _merge_outliers(
@@ -138,7 +143,7 @@ def _hint(scaled: dict[int, int], heavy: np.ndarray, costs: np.ndarray, fixed_lo
 def _solve(
     costs: np.ndarray, order: np.ndarray, fixed_load: np.ndarray, time_limit_s: float,
     deterministic_limit: float | None, seed: int, workers: int, tunables: PlannerTunables,
-) -> tuple[list[list[int]], dict]:
+) -> tuple[list[list[int]], CpSatOutcome]:
     scale = tunables.cost_scale
     heavy, sand = order[:tunables.max_model_items], order[tunables.max_model_items:]
     scaled = {int(i): int(round(costs[i] * scale)) for i in heavy}
@@ -155,21 +160,30 @@ def _solve(
     # Presolve's symmetry breaking would otherwise declare the LPT hint infeasible and drop it.
     solver.parameters.keep_all_feasible_solutions_in_presolve = True
     status = solver.solve(model)
-    status_name = solver.status_name(status)
-    report = {"status": status_name, "heavy_items": int(len(heavy)), "sand_items": int(len(sand)),
-              "hint": hint.makespan / scale}
-    solved = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    objective = solver.objective_value if solved else math.inf
-    if solved:
-        bound = solver.best_objective_bound
-        report.update(objective=objective / scale, bound=bound / scale,
-                      gap=(objective - bound) / objective if objective else 0.0)
-    use_hint = objective >= hint.makespan
-    report["source"] = "hint" if use_hint else "cp-sat"
-    if objective > hint.makespan:
-        worse = f", worse than its hint ({report['objective']:.6g} vs {report['hint']:.6g})" if solved else ""
-        limits = f"{time_limit_s}s" + ("" if deterministic_limit is None else f" ({deterministic_limit} deterministic)")
-        report["fallback"] = f"CP-SAT returned {status_name} within {limits}{worse}; using the LPT hint"
+    outcome = CpSatOutcome(solver.status_name(status), heavy_items=int(len(heavy)), sand_items=int(len(sand)),
+                           hint_makespan=hint.makespan / scale)
+    limits = f"{time_limit_s}s" + ("" if deterministic_limit is None else f" ({deterministic_limit} deterministic)")
+    # Every status, as the OR-Tools samples check them: a solution (OPTIMAL, FEASIBLE) is used
+    # where it beats the hint; otherwise the hint is, and `fallback` says why.
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        objective, bound = solver.objective_value, solver.best_objective_bound
+        outcome = replace(outcome, makespan=objective / scale, bound=bound / scale,
+                          gap=(objective - bound) / objective if objective else 0.0)
+        use_hint = objective >= hint.makespan
+        if objective > hint.makespan:
+            fallback: str | None = (f"CP-SAT returned {outcome.status} within {limits}, worse than its hint "
+                                    f"({outcome.makespan:.6g} vs {outcome.hint_makespan:.6g}); using the LPT hint")
+        else:
+            fallback = None
+    elif status == cp_model.INFEASIBLE:
+        # The hint satisfies every constraint: the model itself is wrong.
+        use_hint, fallback = True, ("CP-SAT returned INFEASIBLE for a model its hint satisfies (a modelling "
+                                    "error); using the LPT hint")
+    elif status == cp_model.MODEL_INVALID:
+        use_hint, fallback = True, f"CP-SAT returned MODEL_INVALID ({model.validate()}); using the LPT hint"
+    else:  # UNKNOWN: no solution within the limits
+        use_hint, fallback = True, f"CP-SAT returned {outcome.status} within {limits}; using the LPT hint"
+    outcome = replace(outcome, source="hint" if use_hint else "cp-sat", fallback=fallback)
     replicas: list[list[int]] = [[] for _ in fixed_load]
     for index in map(int, heavy):
         rank = (hint.rank_of[index] if use_hint
@@ -178,7 +192,7 @@ def _solve(
     amounts = hint.sand_amounts if use_hint else [solver.value(amount) for amount in sand_amount]
     targets = [amount / scale for amount in amounts]
     _pour_sand(costs, sand, replicas, targets, tunables.dealt_sand_per_replica)
-    return replicas, report
+    return replicas, outcome
 
 
 class _CpModel(cp_model.CpModel):

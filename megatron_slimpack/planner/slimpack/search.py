@@ -226,7 +226,7 @@ class _BatchPlanning:
                           key=lambda outcome: outcome.sort_key)
         metadata = {
             "token_cap": self.token_cap,
-            "phase1": assignment.solver,
+            "phase1": assignment.outcome.to_dict(),
             "replica_loads_s": assignment.replica_loads,
             "replicas": [outcome.to_dict() for outcome in outcomes],
             "cost_model": self.cost.describe(),

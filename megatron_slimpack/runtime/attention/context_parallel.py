@@ -65,15 +65,16 @@ from __future__ import annotations
 
 from typing import Sequence, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ...plan import MicroPack
-from .batch import MicroPackBatch, append_padding, build_batch, host_cu_seqlens, padding_rows
-from .kernels import cu_seqlens, segment_attention
+from .batch import MicroPackBatch, cumulative, padding_rows, read_rows, slice_table
+from .kernels import segment_attention
 from .kv_store import stored_and_prefixed
-from .seq_params import CPLayout, PositionRuns, SlicedSeqParams
+from .seq_params import CPLayout, PositionRuns, SlicedSeqParams, to_device
 
 
 # ---- token split ---------------------------------------------------------------------------
@@ -114,65 +115,108 @@ def split_micropack(lengths: Sequence[int], group_size: int) -> list[list[list[i
     return out
 
 
-def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
-                 device: torch.device | str = "cpu") -> tuple[CPLayout, Tensor, list[int]]:
-    """The member's layout, the natural-pack-order indices of its local tokens, and its local
-    token count per slice."""
-    lengths = [s.length for s in micropack.slices]
+def token_owners(lengths: np.ndarray, group_size: int) -> np.ndarray:
+    """The group rank that holds each token of a MicroPack (natural pack order), exactly as
+    `split_micropack` deals them, computed for all tokens at once."""
+    k, lengths = group_size, np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if k == 1:
+        return np.zeros(total, dtype=np.int64)
+    slice_of = np.repeat(np.arange(len(lengths)), lengths)
+    offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # short slices (< 2k tokens): round-robin, the rotation carried over the MicroPack's short slices
+    short = np.where(lengths < 2 * k, lengths, 0)
+    rotation = (np.cumsum(short) - short) % k
+    owner = (rotation[slice_of] + offset) % k
+    # long slices: 2k chunks of `base` tokens, the first `a` and the last `b` one token longer
+    rows = np.flatnonzero(lengths[slice_of] >= 2 * k)
+    if len(rows):
+        n, j = lengths[slice_of[rows]], offset[rows]
+        base, extra = np.divmod(n, 2 * k)
+        a, b = np.minimum(extra, k), np.maximum(extra - k, 0)
+        head, middle = a * (base + 1), (2 * k - a - b) * base
+        chunk = np.where(j < head, j // (base + 1),
+                         np.where(j < head + middle, a + (j - head) // base,
+                                  2 * k - b + (j - head - middle) // (base + 1)))
+        owner[rows] = np.where(chunk < k, chunk, 2 * k - 1 - chunk)  # rank i: chunks i and 2k-1-i
+    return owner
+
+
+class _Split:
+    """A MicroPack's tokens over a merge group, as host arrays (see `token_owners`): each member
+    holds its tokens slice by slice in pack order, within a slice in position order, i.e. in
+    natural pack order."""
+
+    def __init__(self, table: np.ndarray, group_size: int, group_rank: int):
+        lengths = table[:, 2] - table[:, 1]
+        owner = token_owners(lengths, group_size)
+        counts = np.bincount(owner, minlength=group_size)
+        # stable sort by owner (radix sort on small ints): every member's tokens in natural order
+        order = np.argsort(owner.astype(np.int32), kind="stable")
+        first = np.cumsum(counts) - counts
+        local = np.empty(len(owner), dtype=np.int64)
+        local[order] = np.arange(len(owner), dtype=np.int64) - np.repeat(first, counts)
+        self.counts = counts.tolist()
+        self.bounds = np.concatenate([[0], np.cumsum(lengths)])
+        # row of the padded, gathered buffer (member-major, `padded` rows each) of each natural token
+        self.gather_index = owner * int(counts.max(initial=0)) + local
+        self.mine = order[first[group_rank]:first[group_rank] + counts[group_rank]]  # natural indices
+        slice_of = np.repeat(np.arange(len(lengths)), lengths)[self.mine]
+        self.positions = table[slice_of, 1] + self.mine - self.bounds[slice_of]
+        self.per_slice = np.bincount(slice_of, minlength=len(lengths))  # local tokens per slice
+
+
+def _check_mergeable(micropack: MicroPack, group_size: int) -> None:
     if micropack.num_tokens < group_size:
         raise ValueError(
             f"a MicroPack of {micropack.num_tokens} tokens cannot be split over a merge group of {group_size} "
             "ranks (every member needs at least one token): the planner must not merge it")
-    shares = split_micropack(lengths, group_size)
-    offsets = host_cu_seqlens(lengths)
-    per_rank: list[list[int]] = [[] for _ in range(group_size)]
-    for slice_index, by_rank in enumerate(shares):
-        for rank, local in enumerate(by_rank):
-            per_rank[rank] += [offsets[slice_index] + j for j in local]
-    counts = [len(p) for p in per_rank]
-    padded = max(counts)
-    gather_index = torch.empty(micropack.num_tokens, dtype=torch.long)
-    for rank, indices in enumerate(per_rank):
-        gather_index[torch.tensor(indices, dtype=torch.long)] = rank * padded + torch.arange(len(indices))
-    starts = [s.start for s in micropack.slices]
-    positions = [starts[i] + j for i, by_rank in enumerate(shares) for j in by_rank[group_rank]]
-    layout = CPLayout(
-        group=group, group_size=group_size, group_rank=group_rank, local_counts=counts,
-        gather_index=gather_index.to(device), full_bounds=offsets,
-        local_positions=torch.tensor(positions, dtype=torch.long, device=device), host_positions=positions,
+
+
+def _layout(split: _Split, group, group_size: int, group_rank: int, device) -> CPLayout:
+    return CPLayout(
+        group=group, group_size=group_size, group_rank=group_rank, local_counts=split.counts,
+        gather_index=to_device(split.gather_index, torch.long, device), full_bounds=split.bounds.tolist(),
+        local_positions=to_device(split.positions, torch.long, device), host_positions=split.positions.tolist(),
     )
-    local_per_slice = [len(by_rank[group_rank]) for by_rank in shares]
-    return layout, torch.tensor(per_rank[group_rank], dtype=torch.long), local_per_slice
+
+
+def build_layout(micropack: MicroPack, group, group_size: int, group_rank: int,
+                 device: torch.device | str = "cpu") -> tuple[CPLayout, Tensor, list[int]]:
+    """The member's layout, the natural-pack-order indices of its local tokens, and its local
+    token count per slice."""
+    _check_mergeable(micropack, group_size)
+    split = _Split(slice_table(micropack), group_size, group_rank)
+    return (_layout(split, group, group_size, group_rank, device), torch.from_numpy(split.mine),
+            split.per_slice.tolist())
 
 
 def build_cp_batch(micropack: MicroPack, source, kv_store, *, group, group_size: int, group_rank: int,
                    device: torch.device | str = "cpu", pad_to: int = 1):
     """This member's share of a MicroPack as model inputs (a `MicroPackBatch` of local tokens),
-    padded to a multiple of `pad_to` rows (sequence parallelism; see batch.py)."""
-    full = build_batch(micropack, source, kv_store, "cpu")
-    layout, local, local_per_slice = build_layout(micropack, group, group_size, group_rank, device)
-    fp = full.packed_seq_params
-    # build_batch sets every field read below (the KV boundaries, as tensors and as host ints)
-    host_attn_kv = cast(list, fp.host_cu_seqlens_attn_kv)
-    padding = padding_rows(len(local), pad_to)
-    segments = local_per_slice + [padding] * bool(padding)
-    cu_q = cu_seqlens(segments, device)
+    padded to a multiple of `pad_to` rows (sequence parallelism; see batch.py). Only the member's
+    rows are gathered (pinned and copied non_blocking on a GPU, as `build_batch`)."""
+    _check_mergeable(micropack, group_size)
+    table = slice_table(micropack)
+    split = _Split(table, group_size, group_rank)
+    layout = _layout(split, group, group_size, group_rank, device)
+    padding = padding_rows(len(split.mine), pad_to)
+    rows = read_rows(micropack, source, table).select(split.mine).padded(padding)
+    segments = np.concatenate([split.per_slice, [padding]]) if padding else split.per_slice
+    bounds_q, bounds_kv = cumulative(segments), cumulative(table[:, 2])  # kv: prefix + the whole slice
+    cu_q = to_device(bounds_q, torch.int32, device)
     # Every boundary is known here, on the host, from the plan: the layers read none back.
-    layout.runs = PositionRuns.from_host(host_cu_seqlens(local_per_slice), host_attn_kv, layout.host_positions,
-                                         device)
-    parts = {name: [getattr(full, name)[0, local]] for name in ("tokens", "labels", "loss_mask", "position_ids")}
-    if padding:
-        append_padding(padding, parts["tokens"], parts["labels"], parts["loss_mask"], parts["position_ids"])
-    rows = {name: torch.cat(pieces).to(device).unsqueeze(0) for name, pieces in parts.items()}
+    layout.runs = PositionRuns.from_host(cumulative(split.per_slice), bounds_kv, split.positions, device)
+    tensors = rows.on(device)
     params = SlicedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q,
-        max_seqlen_q=max(segments), max_seqlen_kv=max(segments),
-        sample_ids=list(fp.sample_ids), starts=list(fp.starts), keeps_kv=list(fp.keeps_kv), kv_store=kv_store,
-        cu_seqlens_attn_kv=cast(Tensor, fp.cu_seqlens_attn_kv).to(device), max_seqlen_attn_kv=fp.max_seqlen_attn_kv,
-        token_positions=rows["position_ids"][0], cp=layout, padding=padding,
-        host_cu_seqlens_q=host_cu_seqlens(segments), host_cu_seqlens_attn_kv=list(host_attn_kv),
+        max_seqlen_q=int(segments.max()), max_seqlen_kv=int(segments.max()),
+        sample_ids=table[:, 0].tolist(), starts=table[:, 1].tolist(), keeps_kv=rows.keeps_kv, kv_store=kv_store,
+        cu_seqlens_attn_kv=to_device(bounds_kv, torch.int32, device), max_seqlen_attn_kv=int(table[:, 2].max()),
+        token_positions=tensors["position_ids"][0], cp=layout, padding=padding,
+        host_cu_seqlens_q=bounds_q.tolist(), host_cu_seqlens_attn_kv=bounds_kv.tolist(),
     )
-    return MicroPackBatch(packed_seq_params=params, **rows)
+    return MicroPackBatch(packed_seq_params=params, **tensors)
 
 
 # ---- collectives ---------------------------------------------------------------------------

@@ -27,10 +27,14 @@ from .kernels import (  # noqa: F401  (re-exported: the runtime's public names)
     BACKENDS,
     KERNELS,
     BackendUnavailable,
+    UnfusedAttentionError,
+    UnsupportedAttentionOption,
     available_backends,
+    check_attention_options,
     resolve_backend,
     segment_attention,
     takes_host_bounds,
+    takes_option,
     torch_kernel,
 )
 from .kv_store import KVStore, stored_and_prefixed  # noqa: F401
@@ -118,20 +122,45 @@ class SlicedDotProductAttention(SlicedAttentionMixin, MegatronModule):
             raise NotImplementedError("sliced attention runs with context_parallel_size=1: SlimPack replaces "
                                       "Megatron's context parallelism with slicing and DP-Merge groups "
                                       "(runtime/pipeline/merge.py)")
+        check_attention_options(config)
         self.layer_number = max(1, layer_number)
         self.kernel = KERNELS[backend]
-        self.kernel_options = {"bounds": None} if takes_host_bounds(self.kernel) else None
+        self.kernel_options: Optional[dict] = {"bounds": None} if takes_host_bounds(self.kernel) else None
+        # Megatron's --deterministic-mode reaches the kernels that take it (flash-attn's backward).
+        if getattr(config, "deterministic_mode", False) and takes_option(self.kernel, "deterministic"):
+            self.kernel_options = dict(self.kernel_options or {}, deterministic=True)
+        # The scale megatron-core's attention passes (TransformerConfig.softmax_scale), else 1/sqrt(d).
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv, bounds=None):
         dropout = self.dropout_p if self.training else 0.0
-        options = dict(self.kernel_options, bounds=bounds) if self.kernel_options is not None else {}
+        options = dict(self.kernel_options) if self.kernel_options is not None else {}
+        if "bounds" in options:
+            options["bounds"] = bounds
         # Attention dropout draws from Megatron's model-parallel RNG stream (as its own core
         # attention does): each TP rank holds other heads, so their masks must differ.
         with get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext():
             out = self.kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, self.softmax_scale, dropout, **options)
         return out.reshape(out.shape[0], -1)
+
+
+def refuse_unfused_attention(module) -> None:
+    """Make a Transformer Engine `DotProductAttention` raise `UnfusedAttentionError` instead of
+    running its unfused backend (TE calls it as the submodule `unfused_attention`; from TE 2.11 it
+    takes THD inputs and allocates heads x Tq x Tk scores: ~1 TB at 256K tokens)."""
+    unfused = getattr(module, "unfused_attention", None)
+    if not isinstance(unfused, torch.nn.Module):
+        return
+
+    def refuse(*_):
+        raise UnfusedAttentionError(
+            "Transformer Engine chose its unfused attention for the sliced THD attention (neither its cuDNN "
+            "fused nor its flash backend accepted this shape); it would allocate the full query x key score "
+            "matrix. Install cuDNN >= 9.6 (sm90+) or flash-attn >= 2.1, or run with the 'flash' attention "
+            "backend")
+
+    unfused.register_forward_pre_hook(refuse)
 
 
 # Transformer Engine fused attention (THD, padding_causal_bottom_right): only where TE imports.
@@ -141,7 +170,14 @@ try:  # pragma: no cover - needs TE and a GPU
 
     class TESlicedDotProductAttention(SlicedAttentionMixin, TEDotProductAttention):
         """TE's fused attention on [prefix + slice] keys. megatron's `AttnMaskType` has no
-        bottom-right padding mask, so TE's own forward is called with TE's mask name."""
+        bottom-right padding mask, so TE's own forward is called with TE's mask name. The softmax
+        scale and TE's deterministic setting reach TE through megatron-core's constructor. TE picks
+        its backend per call; its unfused path (the full score matrix) is refused when it would run."""
+
+        def __init__(self, config, *args, **kwargs):
+            check_attention_options(config)
+            super().__init__(config, *args, **kwargs)
+            refuse_unfused_attention(self)
 
         def _attend(self, q, k, v, cu_q, cu_kv, max_q, max_kv, bounds=None):
             import transformer_engine.pytorch as te
@@ -158,9 +194,6 @@ except ImportError:
 
 
 # ---- layer specs ---------------------------------------------------------------------------
-_probed: dict = {}  # (dtype, heads, groups, head dim, tp) -> the backend the probe chose
-
-
 def build_core_attention(backend: str, config):
     """One layer's SlimPack core attention of `backend` for `config`, built as the layer spec builds it."""
     from megatron.core.transformer.enums import AttnMaskType
@@ -171,18 +204,12 @@ def build_core_attention(backend: str, config):
 
 
 def _probed_backend(config) -> str:
-    """'auto' on a GPU: the fastest backend that runs this model's attention (backend_probe.py);
-    probed once per attention shape and dtype, and logged."""
-    from .backend_probe import choose_backend, log
+    """'auto' on a GPU: the fastest fused backend that runs this model's attention
+    (backend_probe.py), probed once per shape class and logged; refuses where none does."""
+    from .backend_probe import probed_backend
 
-    key = (config.params_dtype, config.bf16, config.fp16, config.num_attention_heads, config.num_query_groups,
-           config.kv_channels, config.tensor_model_parallel_size)
-    if key not in _probed:
-        choice = choose_backend(config, torch.device("cuda", torch.cuda.current_device()),
-                                lambda name: build_core_attention(name, config))
-        log.warning(choice.describe())
-        _probed[key] = choice.backend
-    return _probed[key]
+    return probed_backend(config, torch.device("cuda", torch.cuda.current_device()),
+                          lambda name: build_core_attention(name, config))
 
 
 def core_attention_spec(backend: str = "auto", config=None) -> ModuleSpec:

@@ -4,10 +4,15 @@ Every kernel takes packed queries q [Tq, H, D] and keys/values k, v [Tk, G, D] w
 boundaries (cu_q, cu_kv) and computes bottom-right causal attention per segment (query i of a
 segment of lq queries against lk keys sees keys [0, i + lk - lq]: a slice's queries see their
 document's prefix and, causally, their own tokens):
-  1. Transformer Engine fused attention, THD, `padding_causal_bottom_right` (in attention.py:
-     it is a megatron-core module subclass);
+  1. Transformer Engine fused attention, THD, `padding_causal_bottom_right` (in core.py: it is a
+     megatron-core module subclass; its unfused path is refused, `UnfusedAttentionError`);
   2. flash-attn `flash_attn_varlen_func(causal=True)` (bottom-right since 2.1);
-  3. torch reference (`scaled_dot_product_attention` per segment): CPU and tests.
+  3. torch, block by block: `scaled_dot_product_attention(is_causal=True)` per segment without a
+     prefix, `PrefixCausalAttention` (tiles with an online softmax) per segment with one; no
+     query x key mask is built. CPU, tests, and the probe's reference.
+Every backend takes the softmax scale; flash-attn also Megatron's deterministic mode (TE reads
+NVTE_ALLOW_NONDETERMINISTIC_ALGO, the torch kernel is deterministic). Sliding windows and softmax
+variants are refused (`check_attention_options`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...errors import SlimPackError
+
 BACKENDS = ("te", "flash", "torch")  # fastest first
 _PACKAGE_OF = {"te": "transformer_engine", "flash": "flash_attn"}
 _INSTALL_HINT = {"te": "pip install transformer-engine[pytorch]",
@@ -29,6 +36,32 @@ Kernel = Callable[..., Tensor]
 
 class BackendUnavailable(RuntimeError):
     """An attention backend was requested that this machine cannot run."""
+
+
+class UnsupportedAttentionOption(SlimPackError):
+    """A Megatron attention option the sliced core attention does not implement on every backend."""
+
+
+class UnfusedAttentionError(SlimPackError):
+    """An attention path that would build the full query x key score matrix (e.g. Transformer
+    Engine's unfused attention) was about to run: at long context it does not fit in memory."""
+
+
+def check_attention_options(config) -> None:
+    """Refuse the TransformerConfig attention options that not every backend honours with a KV
+    prefix: sliding windows (`window_size`) and softmax variants other than vanilla
+    (`softmax_type`, which adds a sink term to the softmax denominator)."""
+    problems = []
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        problems.append(f"window_size={tuple(window)} (sliding-window attention) is not supported by the sliced "
+                        "core attention: remove --window-size (and --window-attn-skip-freq)")
+    softmax_type = getattr(config, "softmax_type", "vanilla") or "vanilla"
+    if softmax_type != "vanilla":
+        problems.append(f"softmax_type={softmax_type!r} is not supported by the sliced core attention: use "
+                        "--softmax-type vanilla")
+    if problems:
+        raise UnsupportedAttentionOption("; ".join(problems))
 
 
 def cu_seqlens(lengths: Sequence[int], device) -> Tensor:
@@ -50,43 +83,188 @@ def segment_attention(qs: Tensor, ks: Tensor, vs: Tensor, mask: Tensor | None, s
     return out.squeeze(0).transpose(0, 1)
 
 
-def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None):
-    """Reference: one scaled_dot_product_attention per segment (CPU and tests). `bounds`: cu_q
-    and cu_kv as host ints where the caller has them (reading them back is a host sync)."""
+# ---- the torch kernel's blockwise bottom-right causal attention ------------------------------
+# Tile sizes of `PrefixCausalAttention`: the scores of one tile (heads x QUERY_BLOCK x KEY_BLOCK
+# in fp32) are the largest transient it allocates, whatever the segment's lengths.
+QUERY_BLOCK = 256
+KEY_BLOCK = 1024
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _tiles(lq: int, lk: int, query_block: int, key_block: int):
+    """(query rows [a, b), key rows [c, e), whether the tile needs its own causal mask) of a
+    bottom-right causal segment, in a fixed order (forward and backward draw dropout masks in it).
+    Query i sees keys [0, i + lk - lq]: tiles wholly above the diagonal are skipped, tiles wholly
+    below it are unmasked."""
+    prefix = lk - lq
+    for a in range(0, lq, query_block):
+        b = min(a + query_block, lq)
+        for c in range(0, prefix + b, key_block):
+            e = min(c + key_block, prefix + b)
+            yield a, b, c, e, e - 1 > prefix + a
+
+
+def _tile_scores(qt: Tensor, kt: Tensor, scale: float, a: int, b: int, c: int, e: int, prefix: int,
+                 masked: bool) -> Tensor:
+    """Scaled fp32 scores of query rows [a, b) against key rows [c, e) ([G, r, b - a, e - c]),
+    -inf where a key lies after the query's position (a mask of this tile only)."""
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if masked:
+        horizon = torch.arange(a, b, device=qt.device)[:, None] + prefix
+        hidden = torch.arange(c, e, device=qt.device)[None, :] > horizon
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def _grouped(x: Tensor, groups: int) -> Tensor:
+    """[T, H, D] -> [G, H / G, T, D] (query head h uses K/V group h // (H / G), as in SDPA's GQA)."""
+    return x.reshape(x.shape[0], groups, x.shape[1] // groups, x.shape[2]).permute(1, 2, 0, 3)
+
+
+class PrefixCausalAttention(torch.autograd.Function):
+    """Exact bottom-right causal attention of one segment (queries [lq, H, D] against keys and
+    values [lk, G, D], lk >= lq) computed tile by tile with an online softmax, forward and
+    backward (the flash-attention recurrence in torch). It never holds the lq x lk scores or a
+    mask of that size: only one tile of scores at a time, and it saves for backward its inputs,
+    its output and the fp32 log-sum-exp per query and head. Deterministic: fixed summation order.
+    Dropout masks are drawn per tile from the current RNG stream; backward redraws them from the
+    state saved in forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, dropout_p, query_block, key_block):
+        lq, heads, _ = q.shape
+        lk, groups, dim_v = v.shape
+        prefix = lk - lq
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        qg, kg, vg = _grouped(q, groups), k.permute(1, 0, 2).unsqueeze(1), v.permute(1, 0, 2).unsqueeze(1)
+        out = torch.empty(groups, heads // groups, lq, dim_v, dtype=acc_dtype, device=q.device)
+        lse = torch.empty(groups, heads // groups, lq, dtype=acc_dtype, device=q.device)
+        rng = _rng_state(q.device) if dropout_p > 0 else None
+        row_max = row_sum = acc = None
+        for a, b, c, e, masked in _tiles(lq, lk, query_block, key_block):
+            if c == 0:
+                shape = (groups, heads // groups, b - a)
+                row_max = torch.full(shape, float("-inf"), dtype=acc_dtype, device=q.device)
+                row_sum = torch.zeros(shape, dtype=acc_dtype, device=q.device)
+                acc = torch.zeros(*shape, dim_v, dtype=acc_dtype, device=q.device)
+            scores = _tile_scores(qg[:, :, a:b].to(acc_dtype), kg[:, :, c:e].to(acc_dtype), scale, a, b, c, e,
+                                  prefix, masked)
+            new_max = torch.maximum(row_max, scores.amax(-1))
+            probs = torch.exp(scores - new_max[..., None])
+            correction = torch.exp(row_max - new_max)
+            row_sum = row_sum * correction + probs.sum(-1)
+            if dropout_p > 0:
+                probs = probs * (torch.rand_like(probs) >= dropout_p) / (1 - dropout_p)
+            acc = acc * correction[..., None] + torch.matmul(probs, vg[:, :, c:e].to(acc_dtype))
+            row_max = new_max
+            if e == prefix + b:  # the query block's last tile
+                out[:, :, a:b] = acc / row_sum[..., None]
+                lse[:, :, a:b] = row_max + torch.log(row_sum)
+        out = out.permute(2, 0, 1, 3).reshape(lq, heads, dim_v).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (scale, dropout_p, query_block, key_block, rng)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, dropout_p, query_block, key_block, rng = ctx.options
+        lq, heads, _ = q.shape
+        lk, groups, _ = v.shape
+        prefix = lk - lq
+        acc_dtype = lse.dtype
+        qg, kg, vg = _grouped(q, groups), k.permute(1, 0, 2).unsqueeze(1), v.permute(1, 0, 2).unsqueeze(1)
+        dout = _grouped(grad_out, groups).to(acc_dtype)
+        delta = (dout * _grouped(out, groups).to(acc_dtype)).sum(-1)  # rowsum(dO * O) per query and head
+        dq = torch.zeros(qg.shape, dtype=acc_dtype, device=q.device)
+        dk = torch.zeros(groups, lk, k.shape[-1], dtype=acc_dtype, device=q.device)
+        dv = torch.zeros(groups, lk, v.shape[-1], dtype=acc_dtype, device=q.device)
+        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [],
+                                   enabled=dropout_p > 0):
+            if rng is not None:
+                _set_rng_state(rng, q.device)
+            for a, b, c, e, masked in _tiles(lq, lk, query_block, key_block):
+                qt, kt, vt = (x.to(acc_dtype) for x in (qg[:, :, a:b], kg[:, :, c:e], vg[:, :, c:e]))
+                probs = torch.exp(_tile_scores(qt, kt, scale, a, b, c, e, prefix, masked) - lse[:, :, a:b, None])
+                dprobs = torch.matmul(dout[:, :, a:b], vt.transpose(-1, -2))
+                kept = probs
+                if dropout_p > 0:
+                    keep = (torch.rand_like(probs) >= dropout_p) / (1 - dropout_p)
+                    kept, dprobs = probs * keep, dprobs * keep
+                dv[:, c:e] += torch.einsum("grqk,grqd->gkd", kept, dout[:, :, a:b])
+                dscores = probs * (dprobs - delta[:, :, a:b, None]) * scale
+                dq[:, :, a:b] += torch.matmul(dscores, kt)
+                dk[:, c:e] += torch.einsum("grqk,grqd->gkd", dscores, qt)
+        dq = dq.permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
+        return (dq, dk.permute(1, 0, 2).to(k.dtype), dv.permute(1, 0, 2).to(v.dtype),
+                None, None, None, None)
+
+
+def prefix_causal_attention(qs: Tensor, ks: Tensor, vs: Tensor, scale: float, dropout_p: float = 0.0, *,
+                            query_block: int | None = None, key_block: int | None = None) -> Tensor:
+    """Bottom-right causal attention of one segment with a KV prefix, tile by tile (no dense mask)."""
+    return PrefixCausalAttention.apply(qs, ks, vs, float(scale), float(dropout_p),
+                                       query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
+
+
+def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None, deterministic=False):
+    """The torch kernel (CPU, tests, and the reference of the probe), block by block: a segment
+    without a KV prefix is one SDPA call with `is_causal` (plain causal), a segment with a prefix
+    runs `PrefixCausalAttention` tile by tile; no query x key mask is ever built. `bounds`: cu_q
+    and cu_kv as host ints where the caller has them (reading them back is a host sync).
+    `deterministic`: both paths are deterministic already (fixed summation order)."""
     bounds_q, bounds_kv = bounds if bounds is not None else (None, None)
     bounds_q = bounds_q if bounds_q is not None else cu_q.tolist()
     bounds_kv = bounds_kv if bounds_kv is not None else cu_kv.tolist()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
     outputs = []
     for i in range(len(bounds_q) - 1):
         qs = q[bounds_q[i]:bounds_q[i + 1]]
         ks, vs = k[bounds_kv[i]:bounds_kv[i + 1]], v[bounds_kv[i]:bounds_kv[i + 1]]
-        lq, lk = qs.shape[0], ks.shape[0]
-        # Bottom-right: query i sees keys [0, i + lk - lq]; with no prefix this is plain causal.
-        mask = None if lq == lk else torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-        outputs.append(segment_attention(qs, ks, vs, mask, scale, dropout_p))
+        if qs.shape[0] == 0 or qs.shape[0] == ks.shape[0]:
+            outputs.append(segment_attention(qs, ks, vs, None, scale, dropout_p))
+        else:
+            outputs.append(prefix_causal_attention(qs, ks, vs, scale, dropout_p))
     return torch.cat(outputs)
 
 
-def flash_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None):
+def flash_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None, deterministic=False):
     """flash-attn 2: `causal=True` is bottom-right aligned since 2.1; GQA native. It reads the
-    boundaries on the device (`bounds` unused)."""
+    boundaries on the device (`bounds` unused). `deterministic`: flash-attn's backward then
+    accumulates dQ without atomics (Megatron's --deterministic-mode)."""
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
         q, k, v, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_q, max_kv,
-        dropout_p=dropout_p, softmax_scale=scale, causal=True,
+        dropout_p=dropout_p, softmax_scale=scale, causal=True, deterministic=bool(deterministic),
     )
 
 
 KERNELS: dict[str, Kernel] = {"torch": torch_kernel, "flash": flash_kernel}
 
 
-def takes_host_bounds(kernel: Kernel) -> bool:
-    """Whether `kernel` accepts the boundaries as host ints (`bounds=`)."""
+def takes_option(kernel: Kernel, name: str) -> bool:
+    """Whether `kernel` accepts the keyword `name` (a named parameter or **kwargs)."""
     try:
-        return "bounds" in inspect.signature(kernel).parameters
+        parameters = inspect.signature(kernel).parameters
     except (TypeError, ValueError):
         return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def takes_host_bounds(kernel: Kernel) -> bool:
+    """Whether `kernel` accepts the boundaries as host ints (`bounds=`)."""
+    return takes_option(kernel, "bounds")
 
 
 # ---- backend choice ------------------------------------------------------------------------

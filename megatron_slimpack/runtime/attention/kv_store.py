@@ -1,10 +1,13 @@
 """The per-document KV store of sliced attention (design.md section 3).
 
 A slice's queries attend to its document's earlier slices. Their K/V live here, per (sample,
-layer), as detached leaves that require grad: later slices' backward accumulates dK/dV into the
-leaves' `.grad`, and `KVGradHandOff` adds those gradients to the slice's own K/V when the slice
-itself runs backward (complete by then: backward runs a chain's MicroPacks in reverse), then frees
-the entry.
+layer), as detached leaves that require grad. Later slices read them through `PrefixRead`, whose
+backward adds each later slice's dK/dV into the entry's fp32 accumulators (`grad_key`,
+`grad_value`; the leaves' own `.grad` stays empty): a long document's prefix collects gradients
+from many slices, and summing them in bf16 would round at every addition. `KVGradHandOff` adds
+the accumulated gradients, cast once to the model's dtype, to the slice's own K/V when the slice
+itself runs backward (complete by then: backward runs a chain's MicroPacks in reverse), then
+frees the entry.
 
 Forward re-runs are normal under Megatron's activation recompute (`CheckpointFunction` runs a
 layer's forward once without grad, then again in backward with grad). So every side effect here
@@ -26,14 +29,51 @@ from torch import Tensor
 
 @dataclass
 class KVEntry:
-    """K/V of one finished slice in one layer: leaves whose .grad collects later slices' dK/dV."""
+    """K/V of one finished slice in one layer, and the fp32 sums of later slices' dK/dV (None
+    until a later slice's backward has run)."""
 
     key: Tensor
     value: Tensor
+    grad_key: Optional[Tensor] = None
+    grad_value: Optional[Tensor] = None
 
     @property
     def length(self) -> int:
         return self.key.shape[0]
+
+    def accumulate(self, grad_key: Optional[Tensor], grad_value: Optional[Tensor]) -> None:
+        """Add one later slice's dK/dV in fp32."""
+        # The first gradient is copied (autograd may reuse its buffer), later ones added in place.
+        if grad_key is not None:
+            self.grad_key = (grad_key.to(torch.float32, copy=True) if self.grad_key is None
+                             else self.grad_key.add_(grad_key))
+        if grad_value is not None:
+            self.grad_value = (grad_value.to(torch.float32, copy=True) if self.grad_value is None
+                               else self.grad_value.add_(grad_value))
+
+
+class PrefixRead(torch.autograd.Function):
+    """Identity on a stored slice's (key, value) leaves; backward adds their gradients to the
+    entry's fp32 accumulators and passes nothing on to the leaves."""
+
+    @staticmethod
+    def forward(ctx, key, value, entry):
+        ctx.entry = entry
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        ctx.entry.accumulate(grad_key, grad_value)
+        return None, None, None
+
+
+def read_prefix(entry: KVEntry) -> tuple[Tensor, Tensor]:
+    """The entry's (key, value) for a later slice's attention; its gradients reach the entry's
+    fp32 accumulators (outside autograd, no accumulation: the leaves as they are)."""
+    if not torch.is_grad_enabled():
+        return entry.key, entry.value
+    return PrefixRead.apply(entry.key, entry.value, entry)
 
 
 class KVStore:
@@ -78,12 +118,12 @@ class KVStore:
         return sum(len(slices) for slices in self._entries.values())
 
     def nbytes(self) -> int:
-        """Bytes of the stored K/V and of their accumulated gradients."""
+        """Bytes of the stored K/V and of their accumulated (fp32) gradients."""
         total = 0
         for slices in self._entries.values():
             for entry in slices.values():
-                for leaf in (entry.key, entry.value):
-                    total += leaf.numel() * leaf.element_size() * (1 + (leaf.grad is not None))
+                for tensor in (entry.key, entry.value, entry.grad_key, entry.grad_value):
+                    total += 0 if tensor is None else tensor.numel() * tensor.element_size()
         return total
 
 
@@ -100,8 +140,8 @@ def slice_prefix(store: Optional[KVStore], sample_id: int, layer: int, start: in
 
 
 class KVGradHandOff(torch.autograd.Function):
-    """Identity on (k, v); in backward adds the dK/dV that later slices accumulated in the
-    stored leaves, then frees the entries."""
+    """Identity on (k, v); in backward adds the dK/dV that later slices accumulated (in fp32) in
+    the stored entries, cast once to the gradient's dtype, then frees the entries."""
 
     @staticmethod
     def forward(ctx, key, value, store, layer, owners):
@@ -115,10 +155,10 @@ class KVGradHandOff(torch.autograd.Function):
         # Out of place: autograd may hand the same buffer to other consumers.
         grad_key, grad_value = grad_key.clone(), grad_value.clone()
         for begin, end, sample_id, start, entry in owners:
-            if entry.key.grad is not None:
-                grad_key[begin:end] += entry.key.grad
-            if entry.value.grad is not None:
-                grad_value[begin:end] += entry.value.grad
+            if entry.grad_key is not None:
+                grad_key[begin:end] = (entry.grad_key + grad_key[begin:end]).to(grad_key.dtype)
+            if entry.grad_value is not None:
+                grad_value[begin:end] = (entry.grad_value + grad_value[begin:end]).to(grad_value.dtype)
             ctx.store.free(sample_id, ctx.layer, start)
         return grad_key, grad_value, None, None, None
 
@@ -143,6 +183,10 @@ def stored_and_prefixed(store: Optional[KVStore], layer: int, key: Tensor, value
         return key, value
     keys, values = [], []
     for i, prefix in enumerate(prefixes):
-        keys += [entry.key for entry in prefix] + [key[bounds[i]:bounds[i + 1]]]
-        values += [entry.value for entry in prefix] + [value[bounds[i]:bounds[i + 1]]]
+        for entry in prefix:
+            stored_key, stored_value = read_prefix(entry)
+            keys.append(stored_key)
+            values.append(stored_value)
+        keys.append(key[bounds[i]:bounds[i + 1]])
+        values.append(value[bounds[i]:bounds[i + 1]])
     return torch.cat(keys), torch.cat(values)

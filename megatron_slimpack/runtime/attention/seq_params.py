@@ -8,11 +8,16 @@ shares fit together) and `token_positions` the local tokens' absolute positions;
 is the member's queries as runs of consecutive positions, built once per MicroPack.
 
 Pure data: no module of the runtime is imported here, so every other one can import it.
+
+Host -> device: every host array bound for a CUDA device goes through `to_device`/`gather_to_device`:
+built in page-locked (pinned) memory and copied with `non_blocking=True`, so the copy is queued
+behind the stream's work instead of blocking the host until the stream has drained (a copy from
+pageable memory does). On CPU nothing is pinned and nothing changes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -21,6 +26,38 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from .kv_store import KVStore
+
+HostValues = Union[np.ndarray, Tensor, Sequence[int], Sequence[float]]
+
+
+def pins_for(device: torch.device | str) -> bool:
+    """Whether host tensors bound for `device` are staged in pinned memory: only for a CUDA device
+    on a machine that has one (elsewhere pinning is unavailable or useless)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def to_device(values: HostValues, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """Host values (numpy array, host tensor, list) as a `dtype` tensor on `device`. For a CUDA
+    device they are staged in pinned memory and copied non_blocking (the pinned buffer is held by
+    torch's host allocator until the copy has run); for CPU they stay on the host (no copy where
+    the dtype already matches a numpy array or tensor)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if not pins_for(device):
+        return host.to(device)
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def gather_to_device(source: Tensor, index: np.ndarray, device: torch.device | str) -> Tensor:
+    """`source[index]` (a host tensor's rows) on `device`: gathered on the host straight into a
+    pinned buffer and copied non_blocking for a CUDA device; a plain host gather for CPU."""
+    rows = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
+    if not pins_for(device):
+        return source.index_select(0, rows).to(device)
+    out = torch.empty((len(rows), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+    torch.index_select(source, 0, rows, out=out)
+    return out.to(device, non_blocking=True)
 
 
 @dataclass
@@ -121,10 +158,11 @@ class PositionRuns:
         return cls.from_host(bounds_q, bounds_kv, positions, q_positions.device)
 
     @classmethod
-    def from_host(cls, bounds_q: Sequence[int], bounds_kv: Sequence[int], q_positions: Sequence[int],
-                  device: torch.device | str) -> "PositionRuns":
+    def from_host(cls, bounds_q: Sequence[int] | np.ndarray, bounds_kv: Sequence[int] | np.ndarray,
+                  q_positions: Sequence[int] | np.ndarray, device: torch.device | str) -> "PositionRuns":
         """From host ints: the local queries' segment bounds, the keys' (prefix + slice) segment
-        bounds and the local queries' absolute positions. Builds on the host, copies to `device`."""
+        bounds and the local queries' absolute positions. Builds on the host, copies to `device`
+        (`to_device`: pinned and non_blocking on a GPU)."""
         positions = np.asarray(q_positions, dtype=np.int64)
         bounds = np.asarray(bounds_q, dtype=np.int64)
         key_starts = np.asarray(bounds_kv, dtype=np.int64)[:-1]
@@ -140,7 +178,7 @@ class PositionRuns:
         key_index = np.arange(offsets[-1]) - np.repeat(offsets[:-1], keys) + np.repeat(run_key_start, keys)
 
         def to(a, dtype=torch.int32):
-            return torch.as_tensor(a, dtype=dtype, device=device)
+            return to_device(a, dtype, device)
 
         return cls(to(run_bounds), to(offsets), to(key_index, torch.long),
                    int((last - first + 1).max(initial=0)), int(keys.max(initial=0)),

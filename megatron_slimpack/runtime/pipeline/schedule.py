@@ -88,16 +88,20 @@ Timing: `timeline=True` (or a `runtime.timing.Timeline`) records every F/B task,
 receive and send on every rank against a clock started after a barrier, gathered to the first
 rank of `groups.check_group` (`result.timeline`); see timing.py.
 
-Before running, the plan's fingerprint is compared across all ranks of `groups.check_group`
-(default: the world) and the stage orders are checked for deadlock (a replay of the blocking
-receives).
+Before running, the plan's digest (`plan_digest`, 16 bytes) is compared across all ranks of
+`groups.check_group` (default: the world) every step, and the stage orders are checked for
+deadlock (a replay of the blocking receives) once per plan and data-parallel rank in a process.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -224,23 +228,91 @@ def _check_chunk_order(order: list[tuple[str, int]], expected: list[tuple[str, i
             raise ScheduleError(f"{where} runs backward unit {unit} before the forwards it needs")
 
 
-def check_same_plan(plan: Plan, group=None) -> None:
-    """all_gather the plan fingerprint over `group`; raise ScheduleError naming the ranks that differ."""
+def check_same_plan(plan: Plan, group=None, digest: Optional[bytes] = None) -> None:
+    """all_gather the plan's digest (`plan_digest`; pass it when already computed) over `group`;
+    raise ScheduleError naming the ranks that differ."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    mine = torch.tensor(list(plan.fingerprint().encode()), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(digest if digest is not None else plan_digest(plan)), dtype=torch.uint8)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     mine = mine.to(device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    # one host read for all ranks' fingerprints, not one per rank
-    prints = [bytes(row).decode(errors="replace") for row in torch.stack(everyone).tolist()]
+    # one host read for all ranks' digests, not one per rank
+    prints = [bytes(row).hex() for row in torch.stack(everyone).tolist()]
     if len(set(prints)) != 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
-        raise ScheduleError(f"ranks run different plans (fingerprints differ: {listing})")
+        raise ScheduleError(f"ranks run different plans (plan digests differ: {listing})")
 
 
+_KINDS = {"F": 0, "B": 1}
+
+
+def plan_digest(plan: Plan) -> bytes:
+    """A 16-byte hash of what `Plan.fingerprint` covers (every field of the plan but its
+    metadata), hashed from flat integer arrays rather than the fingerprint's JSON: about 20x
+    faster (0.07 s against 1.4 s for a 70B 128K global batch of 130K documents on one CPU core),
+    cheap enough for every step. Equal plans give equal digests on every rank, whatever objects
+    they are built of."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def ints(values) -> None:
+        array = np.fromiter(values, dtype=np.int64)
+        h.update(len(array).to_bytes(8, "little"))
+        h.update(array.tobytes())
+
+    chain = itertools.chain.from_iterable
+    parallel = sorted(plan.parallel.to_dict().items())
+    h.update(repr((plan.FORMAT_VERSION, plan.strategy, plan.context_length, plan.max_micropack_tokens, parallel,
+                   list(plan.repeated_documents))).encode())
+    ints(chain(plan.samples))
+    ints(chain(plan.sample_sources or ()))
+    for replica in plan.replicas:
+        ints(replica.dp_ranks)
+        ints(len(mp.slices) for mp in replica.micropacks)
+        ints(chain(chain(mp.slices for mp in replica.micropacks)))
+        for units in (replica.forward_units, replica.backward_units):
+            ints(map(len, units))
+            ints(chain(units))
+        for order in replica.stage_orders:
+            # a task is (kind, unit[, chunk]); an order holding anything else (which the checks
+            # refuse) is hashed by its text
+            try:
+                ints(map(len, order))
+                ints(_KINDS.get(task[0], -1) for task in order)
+                ints(chain(task[1:] for task in order))
+                h.update(repr([task[0] for task in order if task[0] not in _KINDS]).encode())
+            except (TypeError, ValueError, IndexError):
+                h.update(repr(order).encode())
+    return h.digest()
+
+
+class _CheckedPlans:
+    """The (plan digest, data-parallel rank) pairs whose stage orders this process has checked:
+    the last few, so that a trainer alternating between plans (training and evaluation batches,
+    a replayed step) checks none of them twice."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self.keys: collections.OrderedDict = collections.OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        if key in self.keys:
+            self.keys.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key) -> None:
+        self.keys[key] = None
+        while len(self.keys) > self.size:
+            self.keys.popitem(last=False)
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+
+_checked_plans = _CheckedPlans()
 
 
 def _pick_replicas(plan: Plan, dp_rank: int) -> tuple[list[ReplicaPlan], ReplicaPlan]:
@@ -318,10 +390,21 @@ def _check_replicas(plan: Plan, replicas: list[ReplicaPlan], groups: ScheduleGro
         if len(replica.stage_orders) != groups.pp_size:
             raise PlanError(f"the plan has {len(replica.stage_orders)} stage orders but the pipeline group has "
                             f"{groups.pp_size} stages")
-    if check_plan:
-        check_same_plan(plan, groups.check_group)
+    if not check_plan:
+        return
+    # The digest is exchanged every step (one all_gather of 16 bytes): every rank issues that
+    # collective whatever it has cached, so a rank whose plan differs is caught in the step where
+    # it differs, and no rank can skip the exchange (its own plan unchanged) while the others wait
+    # in it. Only the local stage-order check (a replay of every transfer, ~0.5 s per replica
+    # at 70B 128K) is skipped for a plan this rank has already checked; the digest covers the
+    # plan's content, so a plan changed in place is checked again.
+    digest = plan_digest(plan)
+    check_same_plan(plan, groups.check_group, digest)
+    key = (digest, groups.dp_rank)
+    if key not in _checked_plans:
         for replica in replicas:
             check_stage_orders(replica, plan.parallel.vpp)
+        _checked_plans.add(key)
 
 
 # ---- gradient synchronisation (the one owner) ----------------------------------------------

@@ -1,9 +1,15 @@
 """Measured timelines of pipeline steps: per-task start/end on every rank, gathered to rank 0.
 
 `Timeline` is what `slimpack_forward_backward(..., timeline=...)` fills in. Every rank starts its
-clock at the same moment (a barrier over the timing group, then `time.perf_counter()`), records
-each task it runs, and `gather()` collects everything on the group's first rank. Record fields
-match the simulator's `TaskRecord` (rank, stage, replica, kind, unit, start, end, detail), so
+clock at the same moment (a barrier over the timing group, then the clock's origin), records
+each task it runs, and `gather()` collects everything on the group's first rank.
+
+Clocks: on the CPU `time.perf_counter()`. Where a GPU is present (`clock="auto"`), the host only
+launches work, so host times would measure launches: each stamp is then also a CUDA event recorded
+on the current stream (`EventStamp`, a float holding the host time until resolved), and `gather()`
+waits for the device once and turns every stamp into its event's time since the origin event.
+
+Record fields match the simulator's `TaskRecord` (rank, stage, replica, kind, unit, start, end, detail), so
 `simulator.report.write_chrome_trace` / `write_gantt` draw measured and simulated steps alike:
 
 * kind "F" / "B": compute of a forward / backward unit on a stage (after its input arrived, up to
@@ -88,6 +94,30 @@ class SavedBytesMeter:
         return sum(self._seen.values())
 
 
+class EventStamp(float):
+    """A time stamp of the CUDA-event clock: the host time (seconds since the origin) as its float
+    value, and the CUDA event recorded with it; `Timeline.gather` replaces it by the event's time."""
+
+    __slots__ = ("event",)
+    event: Any
+
+    def __new__(cls, host_seconds: float, event):
+        stamp = super().__new__(cls, host_seconds)
+        stamp.event = event
+        return stamp
+
+
+def _new_event():
+    """A CUDA event with timing, recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _wait_for_device() -> None:
+    torch.cuda.synchronize()
+
+
 class Timeline:
     """Collects this rank's task timings for one step; `gather()` brings all ranks' to rank 0.
 
@@ -97,7 +127,12 @@ class Timeline:
     memory figures; elsewhere they hold this rank's only.
     """
 
-    def __init__(self, group=None, track_memory: bool = False, gather: bool = True):
+    def __init__(self, group=None, track_memory: bool = False, gather: bool = True, clock: str = "auto"):
+        """clock: "auto" (CUDA events where a GPU is present, else the host's), "cuda" or "host"."""
+        if clock not in ("auto", "cuda", "host"):
+            raise ValueError(f"Timeline clock {clock!r}: choose auto, cuda or host")
+        self.clock = ("cuda" if torch.cuda.is_available() else "host") if clock == "auto" else clock
+        self._origin_event = None
         self.group = group
         self.track_memory = track_memory
         self.do_gather = gather
@@ -115,16 +150,36 @@ class Timeline:
         if sync and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.barrier(group=self.group)
         self.origin = time.perf_counter()
+        self._origin_event = _new_event() if self.clock == "cuda" else None
 
     def now(self) -> float:
-        return time.perf_counter() - self.origin
+        """Seconds since `start`: a plain float on the host clock, an `EventStamp` on the CUDA one."""
+        host = time.perf_counter() - self.origin
+        return EventStamp(host, _new_event()) if self._origin_event is not None else host
+
+    def resolve(self) -> None:
+        """Turn the records' CUDA-event stamps into seconds since the origin event: one wait for the
+        device, then each event's elapsed time (a no-op on the host clock)."""
+        origin = self._origin_event
+        stamped = [r for r in self.records if isinstance(r.start, EventStamp) or isinstance(r.end, EventStamp)]
+        if origin is None or not stamped:
+            return
+        _wait_for_device()
+
+        def seconds(stamp: float) -> float:
+            return origin.elapsed_time(stamp.event) / 1e3 if isinstance(stamp, EventStamp) else float(stamp)
+
+        for record in stamped:
+            record.start, record.end = seconds(record.start), seconds(record.end)
 
     def record(self, kind: str, unit: int, start: float, end: float, detail: str = "", chunk: int = 0) -> None:
         self.records.append(TimedTask(self.rank, self.stage, self.replica, kind, unit, start, end, detail,
                                       chunk=chunk, tp_rank=self.tp_rank))
 
     def gather(self) -> None:
-        """Collect all ranks' records (and memory) on the group's first rank."""
+        """Resolve this rank's CUDA-event stamps, then collect all ranks' records (and memory) on
+        the group's first rank."""
+        self.resolve()
         if not self.do_gather or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return
         size = dist.get_world_size(self.group)
