@@ -17,7 +17,7 @@ uses it as its baseline: examples/dynamic_context_parallel/README.md and benchma
 from __future__ import annotations
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel
+from ...costmodel import VARIABLE_SHAPE_RING_CP, CostModel
 from ...plan import Plan, PlanError, samples_of
 from ...specs import ParallelConfig
 from ..outcomes import DoesNotFit
@@ -63,7 +63,7 @@ def pack_dp_balanced(lengths: list[int], capacity: int, multiple: int) -> list[l
 
 
 # Simulated for comparison only: the SlimPack runtime is not Megatron's sequence-packing data path.
-@register("megatron-dp-balanced", role="baseline", trainable=False,
+@register("megatron-dp-balanced", role="baseline", trainable=False, overlaps=VARIABLE_SHAPE_RING_CP,
           description="Megatron-LM --sequence-packing-scheduler dp_balanced: samples packed in order, never cut, up "
                       "to max-seqlen-per-dp-cp-rank x CP tokens, each packed sequence on the full CP group, packed "
                       "sequences dealt round-robin over DP (trains documents whole)",

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel
+from ...costmodel import VARIABLE_SHAPE_RING_CP, CostModel
 from ...plan import MicroPack, Plan, PlanError, ReplicaPlan, samples_of
 from ...specs import ParallelConfig
 from ..outcomes import DoesNotFit
@@ -184,7 +184,7 @@ def dynamic_cp_schedule(lengths: list[int], pool: int, per_rank_tokens: int,
 
 
 # Simulated for comparison only: the SlimPack runtime does not change CP groups per micro-batch.
-@register("megatron-dynamic-cp", role="baseline", trainable=False,
+@register("megatron-dynamic-cp", role="baseline", trainable=False, overlaps=VARIABLE_SHAPE_RING_CP,
           description="Megatron-LM dev's dynamic context parallelism (default_dynamic_cp): per-sample CP size from "
                       "its length and max-seqlen-per-dp-cp-rank, work balanced over DP x CP, a group's samples "
                       "packed into one THD micro-batch (trains documents whole)",

@@ -89,7 +89,7 @@ def _cp_groups(sample_id_groups: list[list[list[int]]]) -> list[dict[tuple[int, 
 
 # Simulated for comparison only: the SlimPack runtime does not run Megatron's hybrid CP schedule.
 @register("megatron-hybrid-cp", overlaps=VARIABLE_SHAPE_RING_CP, role="baseline", trainable=False,
-          description="Megatron-Core BalancedCPScheduler (hybrid context parallel)",
+          description="Megatron-Core main's BalancedCPScheduler (hybrid context parallel)",
           minimum_in_flight="none", constraints=LayoutConstraints(
               pp=(1,), cp=(1,),
               reason="BalancedCPScheduler supports no pipeline parallelism and picks CP sizes per sample from the "
