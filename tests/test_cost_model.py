@@ -104,12 +104,19 @@ def test_activation_terms_of_one_layer_by_hand():
     assert full / LLAMA.layers_per_stage(parallel) == pytest.approx(1000 * h * 2)
 
 
-def test_rope_tables_are_static_memory():
-    parallel = ParallelConfig()
-    base = LLAMA.static_memory_bytes(parallel)
-    # 128K keys: power-of-two tables up to 131072 rows of head_dim 128 fp32, at most twice the largest
-    assert LLAMA.static_memory_bytes(parallel, 131072) - base == pytest.approx(2 * 131072 * 128 * 4)
-    assert LLAMA.static_memory_bytes(parallel, 100_000) - base == pytest.approx(2 * 131072 * 128 * 4)
+def test_rope_tables_fit_in_the_memory_the_budget_leaves_unused():
+    """megatron's RoPE tables (fp32, power-of-two sizes up to the context, at most twice the
+    largest) stay within the share of device memory no plan is given, at every context the grid
+    plans, for every model preset on every GPU preset."""
+    from megatron_slimpack.specs import HARDWARE, MODELS
+
+    assert LLAMA.rope_table_bytes(131072) == 2 * 131072 * 128 * 4
+    assert LLAMA.rope_table_bytes(100_000) == 2 * 131072 * 128 * 4
+    for hardware in ("h100-sxm", "h200", "a100"):
+        reserve = HARDWARE[hardware].memory_bytes * (1 - HARDWARE[hardware].usable_memory_fraction)
+        for model in MODELS:
+            cost = CostModel.analytic(model, hardware)
+            assert cost.rope_table_bytes(256 * 1024) < 0.1 * reserve, (model, hardware)
 
 
 def test_tp_communication_counts_megatrons_sequence_parallel_collectives():

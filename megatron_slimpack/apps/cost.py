@@ -50,7 +50,7 @@ def cost_figures(cost: CostModel, parallel: ParallelConfig, doc_length: int, pac
     local = tokens / parallel.cp
     # Kernel rates as the published tables state them (burst); the times below include the
     # share of them a device sustains through training.
-    tera = 1e12 / cost.hardware.sustained_compute_share
+    tera = 1e12 * cost.hardware.sustained_compute_share
     gemm_flops = 2.0 * local * cost.model.params_per_layer / parallel.tp
     attention_flops = 4.0 * pairs / parallel.cp * cost.model.hidden_size / parallel.tp
     figures: dict = {"model": cost.model.name, "hardware": cost.hardware.name,

@@ -510,15 +510,16 @@ class CostModel:
         layers = self.layers_per_stage(parallel) * parallel.vpp * self.model.params_per_layer
         return layers + self.model.embedding_params + (self.model.hidden_size if parallel.pp == 1 else 0)
 
-    def static_memory_bytes(self, parallel: ParallelConfig, context_length: int = 0) -> float:
-        """bf16 weights + fp32 grads + fp32 master weights and Adam moments (ZeRO-1 sharded), and
-        the fp32 RoPE tables megatron caches for keys up to `context_length` positions."""
+    def static_memory_bytes(self, parallel: ParallelConfig) -> float:
+        """bf16 weights + fp32 grads + fp32 master weights and Adam moments (ZeRO-1 sharded)."""
         params = self.stage_params(parallel) / parallel.tp
         optimizer = 12.0 * params / (parallel.dp * parallel.cp if parallel.zero1 else 1)
-        return params * (self.dtype_bytes + 4.0) + optimizer + self.rope_table_bytes(context_length)
+        return params * (self.dtype_bytes + 4.0) + optimizer
 
     def rope_table_bytes(self, context_length: int) -> float:
-        """fp32 [rows, head_dim] rotary tables for every power-of-two size up to the context."""
+        """fp32 [rows, head_dim] rotary tables megatron caches, one per power-of-two size the
+        runtime asks for up to the context: at most twice the largest. Held within the memory the
+        budget leaves unused (`usable_memory_fraction`), like NCCL's and cuBLAS's buffers."""
         if context_length <= 0:
             return 0.0
         rows = 1 << max(int(context_length) - 1, 0).bit_length()

@@ -227,7 +227,7 @@ def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int], cost:
     """A lower bound on the strategy's peak memory per device: static memory plus the
     activations (and, for slicing strategies, the KV cache) of what it must hold at once."""
     spec = as_spec(strategy)
-    static = cost.static_memory_bytes(parallel, context_length)
+    static = cost.static_memory_bytes(parallel)
     rule = spec.minimum_in_flight
     if rule == "none":
         return static
@@ -331,7 +331,7 @@ def cheap_rejection(strategy: StrategySpec | str, lengths: list[int], cost: Cost
     """Static memory, then the strategy's minimum need; None when neither rules the layout out."""
     spec = as_spec(strategy)
     budget = cost.memory_budget_bytes()
-    static = cost.static_memory_bytes(parallel, context_length)
+    static = cost.static_memory_bytes(parallel)
     if static > budget:
         return Rejection(parallel, "static-memory",
                          f"memory: weights, gradients and optimizer state need {format_bytes(static)} per device, "

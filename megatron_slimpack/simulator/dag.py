@@ -779,7 +779,7 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
                 device = rank * pp + stage
                 ledger.hold(device, mp_start, mp_free, held[last])
                 ledger.hold(device, b_start, b_end, recompute_unit)
-    static = cost.static_memory_bytes(parallel, plan.context_length)
+    static = cost.static_memory_bytes(parallel)
     peaks = [static] * pp
     timelines = []
     for device in range(graph.dp * pp):
