@@ -227,8 +227,16 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
         options.update(layout_options(layout, base_merge=spec.cp_is_base_merge))
         options.update({"slimpack": True, "slimpack-strategy": strategy, "no-rope-fusion": True,
                         "slimpack-hardware": clusters[cluster].get("hardware", "h100-sxm")})
+    options.update(overlap_options(strategy_specs()[strategy].overlaps, layout))
     run.megatron_args = flags(options)
     return run
+
+
+def overlap_options(overlaps, layout: Layout) -> dict:
+    """The Megatron flags of the communication overlaps the simulator priced this strategy with
+    (`StrategySpec.overlaps`): the same on the cluster as in the grid. TP overlap needs tp > 1."""
+    return {"tp-comm-overlap": overlaps.tp_comm and layout.tp > 1,
+            "overlap-grad-reduce": overlaps.grad_reduce, "overlap-param-gather": overlaps.param_gather}
 
 
 FILTERS = ("models", "contexts", "clusters", "datasets", "strategies")

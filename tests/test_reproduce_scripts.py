@@ -134,6 +134,22 @@ def test_dry_run_prints_one_run_per_grid_cell_and_strategy(printed):
     assert commands >= 2 * len(GRID)  # at least megatron-fixed and slimpack in every cell
 
 
+def test_every_run_uses_the_overlaps_its_strategy_was_priced_with(printed):
+    """The cluster runs hide the communication the simulator priced as hidden, and no more: TP
+    overlap for the fixed-shape baselines where tp > 1, never for the plugin's strategies."""
+    seen = set()
+    for cell, strategy, layout in expected_runs():
+        run = printed[f"{cell_name(cell)}.{strategy}"]
+        if run["args"] is None:
+            continue
+        overlaps = strategy_specs()[strategy].overlaps
+        assert ("--tp-comm-overlap" in run["args"]) == (overlaps.tp_comm and layout["tp"] > 1), strategy
+        assert ("--overlap-grad-reduce" in run["args"]) == overlaps.grad_reduce, strategy
+        assert ("--overlap-param-gather" in run["args"]) == overlaps.param_gather, strategy
+        seen.add(("--tp-comm-overlap" in run["args"], strategy in STOCK))
+    assert (True, True) in seen and (False, False) in seen  # both kinds of run are in the grid
+
+
 def test_both_launchers_give_the_same_megatron_arguments(printed):
     slurm = blocks(dry_run("--launcher", "slurm", "--models", "llama-70b"))
     assert slurm and all(name in printed for name in slurm)
