@@ -10,17 +10,18 @@ import types
 import pytest
 
 
-def test_exact_fixed_plan_keeps_megatron_packing():
-    """The baseline plan: megatron-fixed's sequences, pieces mapped back to whole documents."""
+def test_the_baseline_keeps_megatron_packing_and_trains_documents_whole():
+    """The baseline plan: megatron-fixed's sequences, pieces of a cut document continuing with
+    their prefix (`prefix_keeping_fixed_plan`)."""
     from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
-    from megatron_slimpack.apps.demo import exact_fixed_plan
     from megatron_slimpack.planner.strategies import new_planner
 
     lengths = [700, 300, 1000, 100, 900]
     cost = CostModel.analytic("tiny", "cpu")
     parallel = ParallelConfig(pp=2)
-    fixed = new_planner("megatron-fixed").plan(lengths, parallel, cost, SlimPackConfig(context_length=1024))
-    exact = exact_fixed_plan(fixed, lengths, parallel)  # validates
+    config = SlimPackConfig(strategy="megatron-fixed", context_length=1024)
+    fixed = new_planner("megatron-fixed").plan(lengths, parallel, cost, config)
+    exact = _fixed_plan()
     assert [m.num_tokens for m in exact.replicas[0].micropacks] == [m.num_tokens for m in fixed.replicas[0].micropacks]
     assert [s.length for s in exact.samples] == lengths
     # a document crossing a cut continues in the next sequence with its prefix
@@ -29,14 +30,12 @@ def test_exact_fixed_plan_keeps_megatron_packing():
 
 def _fixed_plan():
     from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
-    from megatron_slimpack.apps.demo import exact_fixed_plan
-    from megatron_slimpack.planner.strategies import new_planner
+    from megatron_slimpack.planner.baselines.fixed import prefix_keeping_fixed_plan
 
     lengths = [700, 300, 1000, 100, 900]
-    parallel = ParallelConfig(pp=2)
-    fixed = new_planner("megatron-fixed").plan(lengths, parallel, CostModel.analytic("tiny", "cpu"),
-                                               SlimPackConfig(context_length=1024))
-    return exact_fixed_plan(fixed, lengths, parallel)
+    config = SlimPackConfig(strategy="megatron-fixed", context_length=1024)
+    return prefix_keeping_fixed_plan(lengths, ParallelConfig(pp=2), CostModel.analytic("tiny", "cpu"),
+                                     config).validate()
 
 
 def test_gantt_tasks_and_stage_busy_from_timeline_records():

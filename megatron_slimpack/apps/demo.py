@@ -149,50 +149,13 @@ def get_demo_spec(model: str):
 
 
 # ---- plans ----------------------------------------------------------------------------------
-def exact_fixed_plan(plan, lengths: list[int], parallel, sources=None):
-    """Megatron's fixed-length packing with exact attention: the `megatron-fixed` plan's
-    sequences, with each piece mapped back to the entry of the batch it was cut from (a piece of
-    a document that crosses a cut becomes a continuation slice with its KV prefix), 1F1B per
-    sequence. Entry i of the batch is `lengths[i]` tokens from `sources[i]` (document, offset)
-    (default (i, 0), as the planner's); the fixed plan's pieces follow the entries in stream order
-    (sample ids), and each piece's recorded source must be where that puts it."""
-    from ..plan import MicroPack, Plan, PlanError, Slice, check_sources, overlapping_documents, samples_of
-    from ..planner.baselines import schedule_1f1b
-
-    sources = check_sources(sources, len(lengths))
-    where = {}  # sample id of the fixed plan -> (batch entry, first token of the piece in it)
-    entry, used = 0, 0
-    for (sample_id, length), (document, offset) in sorted(zip(plan.samples, plan.sample_sources)):
-        if entry == len(lengths) or (document, offset) != (sources[entry][0], sources[entry][1] + used) \
-                or used + length > lengths[entry]:
-            raise PlanError(f"sample {sample_id} of the megatron-fixed plan (document {document}, tokens [{offset}, "
-                            f"{offset + length})) is not the next piece of the batch's entries")
-        where[sample_id] = (entry, used)
-        used += length
-        if used == lengths[entry]:
-            entry, used = entry + 1, 0
-    if entry != len(lengths):
-        raise PlanError(f"the megatron-fixed plan covers {entry} of the batch's {len(lengths)} entries")
-    replicas = []
-    for replica in plan.replicas:
-        micropacks = []
-        for micropack in replica.micropacks:
-            slices = []
-            for piece in micropack.slices:
-                index, start = where[piece.sample_id]
-                slices.append(Slice(index, start + piece.start, start + piece.end))
-            micropacks.append(MicroPack(slices))
-        replicas.append(schedule_1f1b(micropacks, parallel, replica.dp_ranks))
-    metadata = {k: v for k, v in plan.metadata.items() if k != "pieces"}
-    return Plan(replicas, samples_of(lengths), parallel, plan.context_length, "megatron-fixed",
-                plan.max_micropack_tokens, metadata, sources, overlapping_documents(sources, lengths)).validate()
-
-
 def make_plan_function(strategy: str, cost, parallel, config):
     """batch -> validated Plan with the simulator's prediction in metadata["predicted"]. The batch
     is planned with its sources, so every sample of the plan (a piece a baseline cut, a document
     WLB-LLM delayed from an earlier batch) says where its tokens are (`Plan.sample_sources`)."""
     from .. import simulate
+    from ..planner.baselines.fixed import prefix_keeping_fixed_plan
+    from ..planner.registry import with_input_sources
     from ..planner.strategies import check_plan_input, new_planner
 
     planner = new_planner(strategy)
@@ -200,9 +163,11 @@ def make_plan_function(strategy: str, cost, parallel, config):
 
     def plan_batch(batch):
         lengths = check_plan_input(batch.lengths, config.context_length)
-        plan = planner.plan(lengths, parallel, cost, config, sources=batch.sources)
-        if strategy == "megatron-fixed":
-            plan = exact_fixed_plan(plan, lengths, parallel, batch.sources)
+        if strategy == "megatron-fixed":  # its packing, each document trained whole (see the module's docstring)
+            plan = with_input_sources(prefix_keeping_fixed_plan(lengths, parallel, cost, config), batch.sources,
+                                      len(lengths))
+        else:
+            plan = planner.plan(lengths, parallel, cost, config, sources=batch.sources)
         plan.validate()
         report = simulate(plan, cost)
         plan.metadata["predicted"] = {"iteration_s": report.iteration_time_s, "pp_imbalance": report.pp_imbalance,

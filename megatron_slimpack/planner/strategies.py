@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from dataclasses import replace
 
 from ..config import SlimPackConfig
 from ..costmodel import CostModel
 from ..plan import Plan, PlanError, check_sources
+from ..simulator import simulate
 from ..specs import ParallelConfig
 from ..workload import check_lengths
 from .outcomes import DoesNotFit  # noqa: F401
@@ -47,7 +49,31 @@ def plan_slimpack(
     shared by a DP-Merge group of k replicas: planned as k-fold context parallelism over dp / k
     replicas (`base_merge` in the metadata), run as DP-Merge groups."""
     plan = SlimPackSearch(lengths, parallel, cost, config, symmetric=symmetric, dp_merge=dp_merge).plan()
+    if not symmetric and dp_merge is None:
+        plan = no_slower_than_fixed_grouping(plan, lengths, parallel, cost, config)
     return with_input_sources(plan, sources, len(lengths))
+
+
+def no_slower_than_fixed_grouping(plan: Plan, lengths: list[int], parallel: ParallelConfig, cost: CostModel,
+                                  config: SlimPackConfig) -> Plan:
+    """`plan`, or Megatron's fixed-length grouping with prefixes kept (`prefix_keeping_fixed_plan`)
+    where the simulator prices that faster and it fits: SlimPack never plans a step its own model
+    prices slower than fixed-length packing's (the same objective, run by the same runtime, priced
+    with SlimPack's overlaps). Layouts with a base merge are left as planned (the grouping's cp
+    would be Megatron's context parallelism, not DP-Merge groups)."""
+    if parallel.cp > 1 or plan.metadata.get("base_merge"):
+        return plan
+    try:
+        candidate = prefix_keeping_fixed_plan(lengths, parallel, cost, config).validate()
+    except PlanError:  # the batch does not deal evenly over the ranks, or a rule the grouping breaks
+        return plan
+    candidate = replace(candidate, strategy=plan.strategy)
+    grouping = simulate(candidate, cost, detail=False)
+    planned = simulate(plan, cost, detail=False)
+    if grouping.fits_memory and grouping.iteration_time_s < planned.iteration_time_s:
+        candidate.metadata.update(cost_model=cost.describe(), planned_search_s=planned.iteration_time_s)
+        return candidate
+    return plan
 
 
 # The SlimPack runtime runs virtual pipeline stages (runtime/pipeline/schedule.py): its layouts include vpp.
@@ -81,6 +107,7 @@ def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
 
 # Every other registering module (it imports `registry`, never this module).
 from . import baselines  # noqa: E402,F401
+from .baselines.fixed import prefix_keeping_fixed_plan  # noqa: E402
 
 # ---- the complete registry ---------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 sequences attending across document boundaries, as stock pretrain_gpt.py trains)."""
 from __future__ import annotations
 
+import numpy as np
+
 from ...config import SlimPackConfig
 from ...costmodel import FIXED_SHAPE, CostModel
 from ...plan import (
@@ -9,10 +11,11 @@ from ...plan import (
     Plan,
     Sample,
     Slice,
+    samples_of,
 )
 from ...specs import ParallelConfig
 from ..registry import register
-from .common import INTERLEAVED, assemble_plan, deal_contiguous, whole_documents
+from .common import INTERLEAVED, assemble_plan, deal_contiguous, input_sources, whole_documents
 from .sequences import concatenate_and_cut, piece_metadata, piece_sources, sequence_first_sources
 
 
@@ -43,6 +46,42 @@ def _fixed_length_plan(lengths: list[int], parallel: ParallelConfig, cost: CostM
         where = piece_sources(sequences, lengths, sources)
     per_rank = deal_contiguous(micropacks, parallel.dp)
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, metadata, where)
+
+
+def prefix_keeping_fixed_plan(lengths: list[int], parallel: ParallelConfig, cost: CostModel,
+                              config: SlimPackConfig) -> Plan:
+    """Megatron-LM's fixed-length grouping trained as SlimPack trains: the same sequences,
+    MicroPacks and 1F1B order as `megatron-fixed`, but a document that crosses a cut keeps its
+    prefix (its later piece is a continuation slice reading the earlier piece's K/V). So it trains
+    every document whole, and the SlimPack runtime runs it: SlimPack's planner keeps it as a
+    candidate (its plan is never priced slower than this), and the demo measures megatron-fixed's
+    packing with it without changing the objective. With data parallelism a document's pieces
+    must stay on one replica (the K/V prefix is local), so the documents are dealt to the replicas
+    in contiguous runs of about equal tokens, each cut into sequences of its own. Samples are the
+    input lengths."""
+    new = tuple.__new__
+    per_rank: list[list[MicroPack]] = []
+    sequences = 0
+    for first, last in _contiguous_runs(lengths, parallel.dp):
+        cut = concatenate_and_cut(lengths[first:last], config.context_length)
+        sequences += len(cut)
+        per_rank.append([MicroPack([new(Slice, (first + piece.document, piece.offset,
+                                                piece.offset + piece.sample.length)) for piece in sequence])
+                         for sequence in cut])
+    return assemble_plan(per_rank, samples_of(lengths), parallel, cost, config, config.context_length,
+                         {"fixed_length_grouping": True, "num_sequences": sequences},
+                         input_sources(lengths, None))
+
+
+def _contiguous_runs(lengths: list[int], parts: int) -> list[tuple[int, int]]:
+    """[first, last) document ranges, `parts` of them in order, cut at the document boundary nearest
+    each k/parts of the tokens (one range: everything)."""
+    if parts == 1:
+        return [(0, len(lengths))]
+    ends = np.cumsum(lengths)
+    cuts = [0] + [int(np.argmin(np.abs(ends - ends[-1] * k / parts))) + 1 for k in range(1, parts)] + [len(lengths)]
+    cuts = np.maximum.accumulate(cuts).tolist()
+    return list(zip(cuts, cuts[1:]))
 
 
 @register("megatron-fixed", overlaps=FIXED_SHAPE, role="baseline", trainable=True,
