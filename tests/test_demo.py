@@ -73,7 +73,7 @@ def _fake_result(strategies, predicted_s=0.2, step_s=0.1):
 def test_summary_labels_the_prediction_uncalibrated():
     from megatron_slimpack.apps.demo import DemoOptions, format_summary, summarize
 
-    summary = summarize(_fake_result(["megatron-fixed", "slimpack"]), DemoOptions(steps=3))
+    summary = summarize(_fake_result(["megatron-fixed", "slimpack"]), DemoOptions(steps=3, cost_model="analytic"))
     assert summary["predicted_by"] == "uncalibrated analytic CPU model"
     assert summary["rows"]["slimpack"]["measured_over_predicted"] == pytest.approx(0.5)
     text = format_summary(summary)
@@ -88,12 +88,63 @@ def test_summary_labels_the_prediction_uncalibrated():
     assert "predicted ms/iter (cost model profiled in profile.json)" in text and "UNCALIBRATED" not in text
 
 
+def _paired_result(fixed_s: list[float], slim_s: list[float]) -> dict:
+    result = _fake_result(["megatron-fixed", "slimpack"])
+    for name, times in (("megatron-fixed", fixed_s), ("slimpack", slim_s)):
+        steps = result["runs"][name]["steps"]
+        result["runs"][name]["steps"] = [dict(steps[0], iteration=i + 1, step_s=t) for i, t in enumerate(times)]
+    return result
+
+
+def test_headline_states_the_predicted_gain_then_the_measured_one_with_its_interval():
+    from megatron_slimpack.apps.demo import DemoOptions, format_summary, summarize
+
+    options = DemoOptions(steps=9, cost_model="profile.json")
+    clear = summarize(_paired_result([0.6] + [0.50 + 0.01 * (i % 3) for i in range(8)],
+                                     [0.6] + [0.40 + 0.01 * (i % 2) for i in range(8)]), options)
+    assert clear["paired"]["verdict"] == "faster" and clear["paired"]["low"] > 1.0
+    text = format_summary(clear)
+    predicted_at, measured_at = text.index("predicted speedup"), text.index("measured: slimpack faster")
+    assert predicted_at < measured_at and "95% interval [" in text
+    assert "measured/predicted median step time: megatron-fixed" in text
+    # noise around 1.0: the interval crosses it, and the headline says the machine could not decide
+    noisy = summarize(_paired_result([0.5, 0.5, 0.4, 0.6, 0.5, 0.45, 0.55, 0.5, 0.52],
+                                     [0.5, 0.45, 0.5, 0.5, 0.6, 0.5, 0.5, 0.48, 0.5]), options)
+    assert noisy["paired"]["verdict"] == "undecided" and noisy["paired"]["low"] < 1.0 < noisy["paired"]["high"]
+    text = format_summary(noisy)
+    assert "too noisy to decide" in text and "slimpack faster" not in text and "SLOWER" not in text
+    slower = summarize(_paired_result([0.4] * 9, [0.5, 0.5, 0.51, 0.5, 0.52, 0.5, 0.5, 0.51, 0.5]), options)
+    assert slower["paired"]["verdict"] == "slower" and "slimpack SLOWER" in format_summary(slower)
+
+
+def test_the_calibration_is_made_once_per_machine_and_reused(tmp_path, monkeypatch):
+    """The demo's default cost model: a real quick profile of the demo model, cached under the
+    user's cache directory (keyed by machine and library versions), read back on the next run."""
+    from megatron_slimpack.apps import demo, profiler
+    from megatron_slimpack.costmodel import CostModel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    options = demo.DemoOptions()
+    said: list[str] = []
+    path = demo.calibrated_profile(options, said.append)
+    assert path.startswith(str(tmp_path / "megatron-slimpack")) and "profiling this machine" in said[0]
+    assert CostModel.from_profile(path).source == f"profile:{path}"
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("the cached profile must be reused")
+
+    monkeypatch.setattr(profiler, "profile", no_profiling)
+    assert demo.calibrated_profile(options, said.append) == path and "cached at" in said[-1]
+    other = demo.DemoOptions(pp=4)  # another stage count is another calibration
+    assert demo.profile_cache_key(other) != demo.profile_cache_key(options)
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     from megatron_slimpack.apps.demo import run_demo
 
     args = types.SimpleNamespace(steps=3, data_dir=None, model="tiny", out_dir=str(tmp_path), json=True,
-                                 context_length=512, global_batch_size=2, progress=False)
+                                 context_length=512, global_batch_size=2, progress=False, cost_model="analytic")
     assert run_demo(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = summary["rows"]
@@ -120,7 +171,7 @@ def test_demo_other_strategies(tmp_path):
     from megatron_slimpack.apps.demo import run_demo
 
     args = types.SimpleNamespace(steps=2, data_dir=None, model="tiny", out_dir=str(tmp_path), json=True,
-                                 context_length=512, global_batch_size=2, progress=False,
+                                 context_length=512, global_batch_size=2, progress=False, cost_model="analytic",
                                  strategies="slimpipe,wlb-llm,megatron-fixed")
     assert run_demo(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -368,7 +368,9 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
                       help="seed of the weights and the batch sampler")
     demo.add_argument("--plan-ahead", type=non_negative_int, default=None,
                       help=f"steps planned ahead in the background (default {defaults.plan_ahead}; 0: inline)")
-    demo.add_argument("--cost-model", default=defaults.cost_model, help="'analytic' or a `slimpack profile` JSON")
+    demo.add_argument("--cost-model", default=defaults.cost_model,
+                      help="'calibrated' (default: this machine's profile, made once and cached), 'analytic' "
+                           "(uncalibrated CPU figures) or a `slimpack profile` JSON")
     demo.add_argument("--strategies", default=None, help="comma-separated strategies the runtime trains "
                                                          f"(default {','.join(defaults.strategies)})")
     demo.add_argument("--no-progress", dest="progress", action="store_false",

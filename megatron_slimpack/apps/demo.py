@@ -24,9 +24,12 @@ chunk, optimizer, planner, measured figures) and steps them in turn (`_train`). 
 a step's wall time (schedule + optimizer step, the maximum over ranks) and every forward/backward
 task's compute interval, recorded by the schedule itself (`timeline=`, runtime/pipeline/timing.py), from
 which come the per-stage busy times (PP imbalance) and the Gantt charts. What is predicted: the
-simulator's step time for each plan with the demo's cost model: by default the analytic CPU model,
-which is not calibrated to the machine (the table says so, with the measured/predicted ratio;
-`--cost-model profile.json` from `slimpack profile` calibrates it).
+simulator's step time for each plan with the demo's cost model: by default this machine's own,
+a quick `slimpack profile` of the demo model cached per machine and library versions
+(`calibrated_profile`), the same model for every strategy's planner; `--cost-model analytic` plans
+with the uncalibrated CPU figures, `--cost-model PATH` with a given profile. The headline is the
+median of paired step-time ratios with a bootstrap 95% interval (`paired_speedup`), after the
+predicted one; an interval that crosses 1.0 says the machine was too noisy to decide.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ DEFAULT_CONTEXT = 2048
 DEFAULT_GLOBAL_BATCH = 2  # sequences of the context length per step (8K tokens)
 STRATEGIES = ("megatron-fixed", "slimpack")
 LOSS_RTOL = 1e-3  # per-step relative loss difference allowed (float32 round-off through Adam)
+BOOTSTRAP_RESAMPLES = 4000
 
 
 @dataclass
@@ -59,7 +63,7 @@ class DemoOptions:
     lr: float = 3e-3
     seed: int = 0
     plan_ahead: int = 1
-    cost_model: str = "analytic"
+    cost_model: str = "calibrated"
     solver_time_limit: float = 0.2
     strategies: tuple = STRATEGIES
     progress: bool = True
@@ -100,7 +104,8 @@ def check_demo_options(options: DemoOptions) -> None:
     _check_demo_strategies(options.strategies)
     _check_demo_model(options.model, options.pp)
     _check_demo_data_dir(options.data_dir)
-    demo_cost_model(get_demo_spec(options.model), options.cost_model)  # raises on a bad profile
+    if options.cost_model != "calibrated":
+        demo_cost_model(get_demo_spec(options.model), options.cost_model)  # raises on a bad profile
 
 
 def _check_demo_strategies(strategies) -> None:
@@ -421,6 +426,54 @@ def predicted_by(cost_model: str) -> str:
     return f"cost model profiled in {cost_model}"
 
 
+def profile_cache_key(options: DemoOptions) -> str:
+    """What a calibration depends on: the machine, the library versions, the demo model and its stages."""
+    import hashlib
+    import os
+    import platform
+
+    import torch
+
+    from .. import __version__
+
+    try:
+        from importlib.metadata import version
+
+        megatron = version("megatron-core")
+    except Exception:  # noqa: BLE001 - not installed as a distribution: the key says so
+        megatron = "unknown"
+    parts = [platform.machine(), platform.processor(), str(os.cpu_count()), platform.python_version(),
+             torch.__version__, megatron, __version__, options.model, str(options.pp)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def profile_cache_dir() -> Path:
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron-slimpack"
+
+
+def calibrated_profile(options: DemoOptions, log: Callable[[str], None]) -> str:
+    """Path of this machine's profile of the demo model: the cached one for this machine and these
+    library versions, or a quick `slimpack profile` (its small grid, about half a minute on 2
+    cores) written there first."""
+    from .profiler import QUICK_GRID, profile
+
+    path = profile_cache_dir() / f"profile-{options.model}-pp{options.pp}-{profile_cache_key(options)}.json"
+    if path.exists():
+        log(f"cost model: this machine's profile, cached at {path}")
+        return str(path)
+    log(f"cost model: profiling this machine (once; cached at {path}) ...")
+    began = time.perf_counter()
+    result = profile(get_demo_spec(options.model), pp=options.pp, grid=QUICK_GRID, repeats=3,
+                     progress=None, seed=options.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.write(path)
+    log(f"cost model: profiled in {time.perf_counter() - began:.0f} s")
+    return str(path)
+
+
 def step_line(strategy: str, e: dict, total: int, predicted_tag: str = "uncalibrated") -> str:
     """One training step's log line (Megatron's style)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -562,6 +615,12 @@ def summarize(result: dict, options: DemoOptions) -> dict:
         # The median is robust to other jobs on a shared CPU; the mean is reported alongside.
         summary["speedup"] = base["median_ms_per_iter"] / ours["median_ms_per_iter"]
         summary["speedup_mean"] = base["ms_per_iter"] / ours["ms_per_iter"]
+        runs = result["runs"]
+        paired = [(a["step_s"], b["step_s"]) for a, b in zip(runs["megatron-fixed"]["steps"][1:],
+                                                              runs["slimpack"]["steps"][1:])]
+        summary["paired"] = paired_speedup(paired, seed=options.seed)
+        if base["predicted_ms"] and ours["predicted_ms"]:
+            summary["predicted_speedup"] = base["predicted_ms"] / ours["predicted_ms"]
         diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(base["losses"], ours["losses"])]
         summary["max_loss_rel_diff"] = max(diffs)
         summary["first_step_loss_rel_diff"] = diffs[0]
@@ -569,6 +628,49 @@ def summarize(result: dict, options: DemoOptions) -> dict:
     ours = rows.get("slimpack") or next(iter(rows.values()))
     summary["loss_decreased"] = ours["final_loss"] < ours["first_loss"]
     return summary
+
+
+def paired_speedup(paired: list[tuple[float, float]], *, seed: int = 0,
+                   resamples: int = BOOTSTRAP_RESAMPLES) -> dict:
+    """The median of per-step ratios baseline/slimpack over steps run back to back on the same
+    batch (load from other jobs hits both alike), with a percentile bootstrap 95% interval, and
+    the verdict: "faster" / "slower" where the interval is on one side of 1.0, "undecided" where
+    it crosses it (the machine too noisy for these steps)."""
+    import numpy as np
+
+    if not paired:
+        return {"steps": 0, "median": None, "low": None, "high": None, "verdict": "undecided"}
+    ratios = np.array([base / ours for base, ours in paired])
+    rng = np.random.default_rng(seed)
+    medians = np.median(ratios[rng.integers(0, len(ratios), size=(resamples, len(ratios)))], axis=1)
+    low, high = (float(v) for v in np.percentile(medians, [2.5, 97.5]))
+    verdict = "faster" if low > 1.0 else "slower" if high < 1.0 else "undecided"
+    return {"steps": len(ratios), "median": float(np.median(ratios)), "low": low, "high": high, "verdict": verdict}
+
+
+def headline(summary: dict) -> list[str]:
+    """The predicted gain, then the measured one with its interval and what it lets one say."""
+    rows, lines = summary["rows"], []
+    if summary.get("predicted_speedup"):
+        lines.append(f"predicted speedup of slimpack over megatron-fixed ({summary['predicted_by']}): "
+                     f"{summary['predicted_speedup']:.3f}x")
+    paired = summary["paired"]
+    ratios = ", ".join(f"{r['strategy']} {r['measured_over_predicted']:.2f}" for r in rows.values()
+                       if r.get("measured_over_predicted") is not None)
+    if paired["median"] is None:
+        return lines + ["measured speedup: no paired steps after the warm-up step; run more --steps"]
+    interval = (f"median of {paired['steps']} paired step ratios {paired['median']:.3f}x, "
+                f"95% interval [{paired['low']:.3f}, {paired['high']:.3f}]")
+    if paired["verdict"] == "faster":
+        lines.append(f"measured: slimpack faster than megatron-fixed, {interval}")
+    elif paired["verdict"] == "slower":
+        lines.append(f"measured: slimpack SLOWER than megatron-fixed, {interval}")
+    else:
+        lines.append(f"measured: too noisy to decide on this machine now ({interval}: it crosses 1.0); "
+                     "rerun on a quieter machine or with more --steps")
+    if ratios:
+        lines.append(f"measured/predicted median step time: {ratios}")
+    return lines
 
 
 def _median(values: list[float]) -> float:
@@ -595,9 +697,9 @@ def format_summary(summary: dict) -> str:
     lines.append(_predicted_legend(source, rows))
     if "speedup" in summary:
         lines.append("")
-        lines.append(f"measured speedup of slimpack over megatron-fixed: {summary['speedup']:.3f}x median step time "
-                     f"({summary['speedup_mean']:.3f}x mean; first step excluded as warm-up; the strategies "
-                     "alternate step by step, so load from other jobs hits both alike)")
+        lines += headline(summary)
+        lines.append(f"(ratio of median step times {summary['speedup']:.3f}x, of means {summary['speedup_mean']:.3f}x; "
+                     "first step excluded as warm-up; the strategies alternate step by step)")
         base, ours = rows["megatron-fixed"]["losses"], rows["slimpack"]["losses"]
         lines.append("losses per step (megatron-fixed vs slimpack):")
         for i, (a, b) in enumerate(zip(base, ours)):
@@ -618,9 +720,9 @@ def _predicted_legend(source: str, rows: dict) -> str:
     measured = f"; measured/predicted median step time: {ratios}" if ratios else ""
     if source == predicted_by("analytic"):
         return ("predicted ms/iter: the simulator's step time for each plan from the analytic CPU cost model, "
-                "UNCALIBRATED (generic CPU figures, not fitted to this machine; issue 25 found it 40-60% off the "
-                f"measured times){measured}. To calibrate: `slimpack profile --out profile.json`, then "
-                "`slimpack demo --cost-model profile.json` (the planners then use the profiled model too)")
+                "UNCALIBRATED (generic CPU figures, not fitted to this machine)"
+                f"{measured}. Without --cost-model analytic the demo profiles this machine first "
+                "(or give `--cost-model profile.json` from `slimpack profile`)")
     return f"predicted ms/iter: the simulator's step time for each plan from the {source}{measured}"
 
 
@@ -632,6 +734,8 @@ def run_demo(args) -> int:
     if options.json:
         options.progress = False
     began = time.perf_counter()
+    if options.cost_model == "calibrated":
+        options.cost_model = calibrated_profile(options, lambda line: print(line, file=sys.stderr, flush=True))
     print(f"slimpack demo: model {options.model}, pp={options.pp} gloo processes on CPU, context "
           f"{options.context_length}, {options.global_batch_size} sequences/step, {options.steps} steps per strategy, "
           f"text from {options.data_dir or 'the Python standard library'}", file=sys.stderr, flush=True)

@@ -321,7 +321,7 @@ class CostModel:
         nbytes = tokens * elements * self.dtype_bytes / parallel.tp * (2.0 if backward else 1.0)
         return nbytes / (self.hardware.memory_bandwidth * ELEMENTWISE_BANDWIDTH_SHARE)
 
-    def attention_time(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig, backward: bool) -> Amount:
+    def attention_time(self, tokens: float, pairs: float, parallel: ParallelConfig, backward: bool) -> float:
         """Seconds of one layer's core attention on one device: its share of the heads (TP) and of
         every document's pairs and rows (CP), at the attention backend's rate."""
         local_tokens, local_pairs = tokens / parallel.cp, pairs / parallel.cp
