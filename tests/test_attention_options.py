@@ -69,6 +69,22 @@ def test_blockwise_torch_kernel_equals_the_dense_mask_reference(monkeypatch, pat
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
 
 
+def test_deterministic_mode_off_the_cpu_runs_every_segment_as_tiles(monkeypatch):
+    """On a GPU, deterministic mode keeps SDPA's GPU backward out: every segment runs the tiles
+    (forced here on the CPU), with the same result."""
+    q, k, v, cu_q, cu_kv, max_q, max_kv = varlen_inputs([(0, 20), (13, 9)])
+    want = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.3, 0.0)
+    assert not kernels._tiles_everywhere(torch.device("cpu"), True)
+    assert kernels._tiles_everywhere(torch.device("cuda"), True)
+    assert not kernels._tiles_everywhere(torch.device("cuda"), False)
+    monkeypatch.setattr(kernels, "_tiles_everywhere", lambda device, deterministic: deterministic)
+    calls = []
+    monkeypatch.setattr(kernels, "segment_attention", lambda *args: calls.append(args))
+    got = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.3, 0.0, deterministic=True)
+    assert calls == []
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("path", ["split", (16, 64)])
 def test_blockwise_torch_kernel_builds_no_query_by_key_mask(monkeypatch, path):
     """No SDPA call gets a mask, and nothing of query x key size is saved for backward: a slice
@@ -342,7 +358,8 @@ def test_timeline_uses_the_host_clock_without_a_gpu():
     from megatron_slimpack.runtime.pipeline.timing import EventStamp, Timeline
 
     timeline = Timeline(gather=False)
-    assert timeline.clock == ("cuda" if torch.cuda.is_available() else "host")
+    timeline.start(rank=0, stage=0)
+    assert timeline.clock == ("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "host")
     host = Timeline(gather=False, clock="host")
     host.start(rank=0, stage=0)
     stamp = host.now()

@@ -277,21 +277,31 @@ def prefix_causal_attention(qs: Tensor, ks: Tensor, vs: Tensor, scale: float, dr
                                        query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
 
 
+def _tiles_everywhere(device: torch.device, deterministic: bool) -> bool:
+    """Whether the torch kernel runs every segment as tiles: deterministic mode off the CPU."""
+    return bool(deterministic) and device.type != "cpu"
+
+
 def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None, deterministic=False):
     """The torch kernel (CPU, tests, and the reference of the probe), block by block: a segment
     without a KV prefix is one SDPA call with `is_causal` (plain causal), a segment with a prefix
     runs `prefix_causal_attention`; no query x key mask is ever built. `bounds`: cu_q
     and cu_kv as host ints where the caller has them (reading them back is a host sync).
-    `deterministic`: both paths are deterministic already (fixed summation order)."""
+    `deterministic` (Megatron's --deterministic-mode): on the CPU every path is deterministic;
+    elsewhere every segment then runs the tiles (fixed summation order), not SDPA's GPU backward."""
     bounds_q, bounds_kv = bounds if bounds is not None else (None, None)
     bounds_q = bounds_q if bounds_q is not None else cu_q.tolist()
     bounds_kv = bounds_kv if bounds_kv is not None else cu_kv.tolist()
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    tiled = _tiles_everywhere(q.device, deterministic)
     outputs = []
     for i in range(len(bounds_q) - 1):
         qs = q[bounds_q[i]:bounds_q[i + 1]]
         ks, vs = k[bounds_kv[i]:bounds_kv[i + 1]], v[bounds_kv[i]:bounds_kv[i + 1]]
-        if qs.shape[0] == 0 or qs.shape[0] == ks.shape[0]:
+        if tiled and qs.shape[0]:
+            outputs.append(PrefixCausalAttention.apply(qs, ks, vs, float(scale), float(dropout_p),
+                                                       QUERY_BLOCK, KEY_BLOCK))
+        elif qs.shape[0] == 0 or qs.shape[0] == ks.shape[0]:
             outputs.append(segment_attention(qs, ks, vs, None, scale, dropout_p))
         else:
             outputs.append(prefix_causal_attention(qs, ks, vs, scale, dropout_p))
