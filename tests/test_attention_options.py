@@ -277,6 +277,14 @@ def test_transformer_engines_unfused_path_is_refused_and_passed_over(monkeypatch
         backend_probe.choose_backend(_config(), torch.device("cpu"), lambda name: module)
 
 
+def test_auto_on_a_gpu_with_only_the_torch_kernel_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_installed", lambda package: False)
+    with pytest.raises(kernels.NoFusedAttentionBackend, match="'auto' on a GPU.*Install flash-attn >= 2.1"):
+        kernels.resolve_backend("auto")
+    assert kernels.resolve_backend("torch") == "torch"  # asked for by name: it runs
+
+
 # ---- the probe's verdict per shape class -------------------------------------------------------
 def test_the_probe_runs_once_per_shape_class(monkeypatch, megatron_cpu):
     from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention

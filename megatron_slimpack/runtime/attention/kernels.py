@@ -49,6 +49,16 @@ class UnfusedAttentionError(SlimPackError):
     Engine's unfused attention) was about to run: at long context it does not fit in memory."""
 
 
+class NoFusedAttentionBackend(SlimPackError):
+    """No fused attention backend runs this model's sliced attention on this GPU; only unfused paths
+    (the torch kernel) are left, too slow and memory-hungry for training at long context."""
+
+
+FUSED_INSTALL_HINT = ("Install flash-attn >= 2.1 (pip install flash-attn --no-build-isolation) or Transformer "
+                      "Engine with cuDNN >= 9.6; or choose the attention backend 'torch' explicitly to run it "
+                      "anyway (tests, debugging)")
+
+
 def check_attention_options(config) -> None:
     """Refuse the TransformerConfig attention options that not every backend honours with a KV
     prefix: sliding windows (`window_size`) and softmax variants other than vanilla
@@ -381,9 +391,15 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """'auto' -> the fastest available; an explicit name is checked, with a clear error."""
+    """'auto' -> the fastest available (on a GPU a fused one: NoFusedAttentionBackend where only
+    the torch kernel is there); an explicit name is checked, with a clear error."""
     if backend == "auto":
-        return available_backends()[0]
+        fastest = available_backends()[0]
+        if fastest == "torch" and torch.cuda.is_available():
+            raise NoFusedAttentionBackend("attention backend 'auto' on a GPU: neither flash-attn >= 2.1 nor a "
+                                          "Transformer Engine whose megatron-core extension imports is installed, "
+                                          "and the torch kernel is not fused. " + FUSED_INSTALL_HINT)
+        return fastest
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
     if backend != "torch":
