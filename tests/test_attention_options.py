@@ -43,10 +43,21 @@ def varlen_inputs(segments, heads=4, groups=2, dim=8, dtype=torch.float32, seed=
 
 
 # ---- the torch kernel, block by block ------------------------------------------------------------
-@pytest.mark.parametrize("query_block, key_block", [(256, 1024), (8, 16), (5, 7)])
-def test_blockwise_torch_kernel_equals_the_dense_mask_reference(monkeypatch, query_block, key_block):
-    monkeypatch.setattr(kernels, "QUERY_BLOCK", query_block)
-    monkeypatch.setattr(kernels, "KEY_BLOCK", key_block)
+# "split": the CPU's two fused blocks combined by log-sum-exp; (query, key) tile sizes: the tiled
+# online softmax that runs on other devices and with dropout.
+BLOCKWISE_PATHS = ["split", (256, 1024), (8, 16), (5, 7)]
+
+
+def use_path(monkeypatch, path):
+    if path != "split":
+        monkeypatch.setattr(kernels, "_cpu_flash_ops", lambda: None)
+        monkeypatch.setattr(kernels, "QUERY_BLOCK", path[0])
+        monkeypatch.setattr(kernels, "KEY_BLOCK", path[1])
+
+
+@pytest.mark.parametrize("path", BLOCKWISE_PATHS)
+def test_blockwise_torch_kernel_equals_the_dense_mask_reference(monkeypatch, path):
+    use_path(monkeypatch, path)
     q, k, v, cu_q, cu_kv, max_q, max_kv = varlen_inputs([(37, 29), (0, 50), (3, 1), (64, 33)])
     grad = torch.randn(q.shape[0], q.shape[1], v.shape[-1])
     got = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.3, 0.0)
@@ -58,9 +69,27 @@ def test_blockwise_torch_kernel_equals_the_dense_mask_reference(monkeypatch, que
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
 
 
-def test_blockwise_torch_kernel_builds_no_query_by_key_mask(monkeypatch):
+def test_deterministic_mode_off_the_cpu_runs_every_segment_as_tiles(monkeypatch):
+    """On a GPU, deterministic mode keeps SDPA's GPU backward out: every segment runs the tiles
+    (forced here on the CPU), with the same result."""
+    q, k, v, cu_q, cu_kv, max_q, max_kv = varlen_inputs([(0, 20), (13, 9)])
+    want = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.3, 0.0)
+    assert not kernels._tiles_everywhere(torch.device("cpu"), True)
+    assert kernels._tiles_everywhere(torch.device("cuda"), True)
+    assert not kernels._tiles_everywhere(torch.device("cuda"), False)
+    monkeypatch.setattr(kernels, "_tiles_everywhere", lambda device, deterministic: deterministic)
+    calls = []
+    monkeypatch.setattr(kernels, "segment_attention", lambda *args: calls.append(args))
+    got = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.3, 0.0, deterministic=True)
+    assert calls == []
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["split", (16, 64)])
+def test_blockwise_torch_kernel_builds_no_query_by_key_mask(monkeypatch, path):
     """No SDPA call gets a mask, and nothing of query x key size is saved for backward: a slice
     of 64 queries with 448 prefix keys saves its inputs, output and log-sum-exp only."""
+    use_path(monkeypatch, path)
     masks = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -69,8 +98,6 @@ def test_blockwise_torch_kernel_builds_no_query_by_key_mask(monkeypatch):
         return sdpa(*args, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
-    monkeypatch.setattr(kernels, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(kernels, "KEY_BLOCK", 64)
     lq, lk = 64, 512
     q, k, v, cu_q, cu_kv, max_q, max_kv = varlen_inputs([(lk - lq, lq), (0, 40)])
     saved = []
@@ -94,12 +121,19 @@ def test_blockwise_attention_gradients_with_dropout():
     assert not torch.allclose(attend(q, k, v), prefix_causal_attention(q, k, v, 0.5, 0.0))
 
 
-def test_blockwise_attention_in_bf16_is_close_to_fp32():
+@pytest.mark.parametrize("path", ["split", (64, 128)])
+def test_blockwise_attention_in_bf16_is_close_to_fp32(monkeypatch, path):
+    use_path(monkeypatch, path)
     q, k, v, *_ = varlen_inputs([(300, 100)], dtype=torch.float32)
     want = prefix_causal_attention(q, k, v, 0.35)
-    got = prefix_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.35)
-    assert got.dtype == torch.bfloat16
-    assert float((got.float() - want).norm() / want.norm()) < 1e-2
+    grad = torch.randn(want.shape)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    low = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
+    got = prefix_causal_attention(*low, 0.35)
+    got_grads = torch.autograd.grad(got, low, grad.bfloat16())
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    for g, w in zip([got, *got_grads], [want, *want_grads]):
+        assert float((g.float() - w).norm() / w.norm()) < 1e-2
 
 
 # ---- softmax scale and deterministic mode reach the kernels --------------------------------------
@@ -243,6 +277,14 @@ def test_transformer_engines_unfused_path_is_refused_and_passed_over(monkeypatch
         backend_probe.choose_backend(_config(), torch.device("cpu"), lambda name: module)
 
 
+def test_auto_on_a_gpu_with_only_the_torch_kernel_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_installed", lambda package: False)
+    with pytest.raises(kernels.NoFusedAttentionBackend, match="'auto' on a GPU.*Install flash-attn >= 2.1"):
+        kernels.resolve_backend("auto")
+    assert kernels.resolve_backend("torch") == "torch"  # asked for by name: it runs
+
+
 # ---- the probe's verdict per shape class -------------------------------------------------------
 def test_the_probe_runs_once_per_shape_class(monkeypatch, megatron_cpu):
     from megatron_slimpack.runtime.attention.core import SlicedDotProductAttention
@@ -324,7 +366,8 @@ def test_timeline_uses_the_host_clock_without_a_gpu():
     from megatron_slimpack.runtime.pipeline.timing import EventStamp, Timeline
 
     timeline = Timeline(gather=False)
-    assert timeline.clock == ("cuda" if torch.cuda.is_available() else "host")
+    timeline.start(rank=0, stage=0)
+    assert timeline.clock == ("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "host")
     host = Timeline(gather=False, clock="host")
     host.start(rank=0, stage=0)
     stamp = host.now()

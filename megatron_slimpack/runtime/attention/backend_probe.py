@@ -24,8 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...errors import SlimPackError
-from .kernels import available_backends, cu_seqlens, torch_kernel
+from .kernels import FUSED_INSTALL_HINT, NoFusedAttentionBackend, available_backends, cu_seqlens, torch_kernel
 
 log = logging.getLogger("megatron_slimpack.attention")
 
@@ -35,11 +34,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 FUSED_BACKENDS = ("te", "flash")  # what the probe may choose; torch is the reference
-
-
-class NoFusedAttentionBackend(SlimPackError):
-    """No fused attention backend runs this model's sliced attention on this GPU; only unfused paths
-    (the torch kernel) are left, too slow and memory-hungry for training at long context."""
 
 
 @dataclass(frozen=True)
@@ -142,9 +136,7 @@ def choose_backend(config, device, build) -> BackendChoice:
     reasons = "; ".join(f"{name}: {why}" for name, why in passed_over.items()) or "neither is installed"
     raise NoFusedAttentionBackend(
         f"no fused attention backend runs the sliced attention ({shape.describe()}): {reasons}. Only the unfused "
-        "torch kernel is left, far too slow for training on a GPU. Install flash-attn >= 2.1 (pip install "
-        "flash-attn --no-build-isolation) or Transformer Engine with cuDNN >= 9.6; or choose the attention "
-        "backend 'torch' explicitly to run it anyway (tests, debugging)")
+        "torch kernel is left, far too slow for training on a GPU. " + FUSED_INSTALL_HINT)
 
 
 _verdicts: dict[ShapeClass, BackendChoice | NoFusedAttentionBackend] = {}

@@ -27,6 +27,7 @@ from .kernels import (  # noqa: F401  (re-exported: the runtime's public names)
     BACKENDS,
     KERNELS,
     BackendUnavailable,
+    NoFusedAttentionBackend,
     UnfusedAttentionError,
     UnsupportedAttentionOption,
     available_backends,

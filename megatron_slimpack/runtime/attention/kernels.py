@@ -8,8 +8,10 @@ document's prefix and, causally, their own tokens):
      megatron-core module subclass; its unfused path is refused, `UnfusedAttentionError`);
   2. flash-attn `flash_attn_varlen_func(causal=True)` (bottom-right since 2.1);
   3. torch, block by block: `scaled_dot_product_attention(is_causal=True)` per segment without a
-     prefix, `PrefixCausalAttention` (tiles with an online softmax) per segment with one; no
-     query x key mask is built. CPU, tests, and the probe's reference.
+     prefix; per segment with one, the prefix block (unmasked) and the own block (causal) combined
+     by log-sum-exp (`SplitPrefixAttention`, torch's fused CPU kernel), or, on other devices and
+     with dropout, tiles with an online softmax (`PrefixCausalAttention`); no query x key mask is
+     built. CPU, tests, and the probe's reference.
 Every backend takes the softmax scale; flash-attn also Megatron's deterministic mode (TE reads
 NVTE_ALLOW_NONDETERMINISTIC_ALGO, the torch kernel is deterministic). Sliding windows and softmax
 variants are refused (`check_attention_options`).
@@ -45,6 +47,16 @@ class UnsupportedAttentionOption(SlimPackError):
 class UnfusedAttentionError(SlimPackError):
     """An attention path that would build the full query x key score matrix (e.g. Transformer
     Engine's unfused attention) was about to run: at long context it does not fit in memory."""
+
+
+class NoFusedAttentionBackend(SlimPackError):
+    """No fused attention backend runs this model's sliced attention on this GPU; only unfused paths
+    (the torch kernel) are left, too slow and memory-hungry for training at long context."""
+
+
+FUSED_INSTALL_HINT = ("Install flash-attn >= 2.1 (pip install flash-attn --no-build-isolation) or Transformer "
+                      "Engine with cuDNN >= 9.6; or choose the attention backend 'torch' explicitly to run it "
+                      "anyway (tests, debugging)")
 
 
 def check_attention_options(config) -> None:
@@ -210,28 +222,96 @@ class PrefixCausalAttention(torch.autograd.Function):
                 None, None, None, None)
 
 
+def _cpu_flash_ops():
+    """torch's fused CPU flash-attention forward (returning the log-sum-exp) and backward, or None
+    where this torch lacks them."""
+    aten = torch.ops.aten
+    try:
+        return (aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class SplitPrefixAttention(torch.autograd.Function):
+    """Exact bottom-right causal attention of one segment on the CPU in two fused blocks: queries
+    against the prefix keys (unmasked) and against their own keys (causal, a square), combined by
+    their log-sum-exps. Backward runs the fused backward of each block with the combined output
+    and log-sum-exp (what the combined softmax's gradient needs). Neither block has a mask; the
+    fused CPU kernel holds one tile of scores at a time. Saves the inputs, the output and the
+    log-sum-exp (fp32) per query and head, as `PrefixCausalAttention` does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        forward_op, _ = _cpu_flash_ops()
+        prefix = k.shape[0] - q.shape[0]
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out_prefix, lse_prefix = forward_op(qh, kh[:, :, :prefix], vh[:, :, :prefix], 0.0, False, scale=scale)
+        out_own, lse_own = forward_op(qh, kh[:, :, prefix:], vh[:, :, prefix:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_prefix, lse_own)
+        acc_dtype = lse.dtype
+        out = (out_prefix.to(acc_dtype) * torch.exp(lse_prefix - lse)[..., None]
+               + out_own.to(acc_dtype) * torch.exp(lse_own - lse)[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out.squeeze(0).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, backward_op = _cpu_flash_ops()
+        q, k, v, out, lse = ctx.saved_tensors
+        prefix = k.shape[0] - q.shape[0]
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        grad = grad_out.transpose(0, 1).unsqueeze(0).contiguous()
+        dq_prefix, dk_prefix, dv_prefix = backward_op(grad, qh, kh[:, :, :prefix], vh[:, :, :prefix], out, lse,
+                                                      0.0, False, scale=ctx.scale)
+        dq_own, dk_own, dv_own = backward_op(grad, qh, kh[:, :, prefix:], vh[:, :, prefix:], out, lse,
+                                             0.0, True, scale=ctx.scale)
+
+        def tokens_first(x: Tensor) -> Tensor:
+            return x.squeeze(0).transpose(0, 1)
+
+        return (tokens_first(dq_prefix + dq_own), tokens_first(torch.cat([dk_prefix, dk_own], dim=2)),
+                tokens_first(torch.cat([dv_prefix, dv_own], dim=2)), None)
+
+
 def prefix_causal_attention(qs: Tensor, ks: Tensor, vs: Tensor, scale: float, dropout_p: float = 0.0, *,
                             query_block: int | None = None, key_block: int | None = None) -> Tensor:
-    """Bottom-right causal attention of one segment with a KV prefix, tile by tile (no dense mask)."""
+    """Bottom-right causal attention of one segment with a KV prefix, block by block (no dense
+    mask): on the CPU without dropout two fused blocks (`SplitPrefixAttention`), otherwise tiles
+    (`PrefixCausalAttention`; explicit tile sizes also select it)."""
+    tiles_asked = query_block is not None or key_block is not None
+    if qs.device.type == "cpu" and dropout_p == 0 and not tiles_asked and _cpu_flash_ops() is not None:
+        return SplitPrefixAttention.apply(qs, ks, vs, float(scale))
     return PrefixCausalAttention.apply(qs, ks, vs, float(scale), float(dropout_p),
                                        query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
+
+
+def _tiles_everywhere(device: torch.device, deterministic: bool) -> bool:
+    """Whether the torch kernel runs every segment as tiles: deterministic mode off the CPU."""
+    return bool(deterministic) and device.type != "cpu"
 
 
 def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None, deterministic=False):
     """The torch kernel (CPU, tests, and the reference of the probe), block by block: a segment
     without a KV prefix is one SDPA call with `is_causal` (plain causal), a segment with a prefix
-    runs `PrefixCausalAttention` tile by tile; no query x key mask is ever built. `bounds`: cu_q
+    runs `prefix_causal_attention`; no query x key mask is ever built. `bounds`: cu_q
     and cu_kv as host ints where the caller has them (reading them back is a host sync).
-    `deterministic`: both paths are deterministic already (fixed summation order)."""
+    `deterministic` (Megatron's --deterministic-mode): on the CPU every path is deterministic;
+    elsewhere every segment then runs the tiles (fixed summation order), not SDPA's GPU backward."""
     bounds_q, bounds_kv = bounds if bounds is not None else (None, None)
     bounds_q = bounds_q if bounds_q is not None else cu_q.tolist()
     bounds_kv = bounds_kv if bounds_kv is not None else cu_kv.tolist()
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    tiled = _tiles_everywhere(q.device, deterministic)
     outputs = []
     for i in range(len(bounds_q) - 1):
         qs = q[bounds_q[i]:bounds_q[i + 1]]
         ks, vs = k[bounds_kv[i]:bounds_kv[i + 1]], v[bounds_kv[i]:bounds_kv[i + 1]]
-        if qs.shape[0] == 0 or qs.shape[0] == ks.shape[0]:
+        if tiled and qs.shape[0]:
+            outputs.append(PrefixCausalAttention.apply(qs, ks, vs, float(scale), float(dropout_p),
+                                                       QUERY_BLOCK, KEY_BLOCK))
+        elif qs.shape[0] == 0 or qs.shape[0] == ks.shape[0]:
             outputs.append(segment_attention(qs, ks, vs, None, scale, dropout_p))
         else:
             outputs.append(prefix_causal_attention(qs, ks, vs, scale, dropout_p))
@@ -311,9 +391,15 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """'auto' -> the fastest available; an explicit name is checked, with a clear error."""
+    """'auto' -> the fastest available (on a GPU a fused one: NoFusedAttentionBackend where only
+    the torch kernel is there); an explicit name is checked, with a clear error."""
     if backend == "auto":
-        return available_backends()[0]
+        fastest = available_backends()[0]
+        if fastest == "torch" and torch.cuda.is_available():
+            raise NoFusedAttentionBackend("attention backend 'auto' on a GPU: neither flash-attn >= 2.1 nor a "
+                                          "Transformer Engine whose megatron-core extension imports is installed, "
+                                          "and the torch kernel is not fused. " + FUSED_INSTALL_HINT)
+        return fastest
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
     if backend != "torch":

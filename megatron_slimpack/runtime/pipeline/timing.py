@@ -128,10 +128,11 @@ class Timeline:
     """
 
     def __init__(self, group=None, track_memory: bool = False, gather: bool = True, clock: str = "auto"):
-        """clock: "auto" (CUDA events where a GPU is present, else the host's), "cuda" or "host"."""
+        """clock: "auto" (CUDA events where this process uses a GPU, else the host's: decided at
+        `start`), "cuda" or "host"."""
         if clock not in ("auto", "cuda", "host"):
             raise ValueError(f"Timeline clock {clock!r}: choose auto, cuda or host")
-        self.clock = ("cuda" if torch.cuda.is_available() else "host") if clock == "auto" else clock
+        self.clock = clock
         self._origin_event = None
         self.group = group
         self.track_memory = track_memory
@@ -149,6 +150,9 @@ class Timeline:
         self.memory = []
         if sync and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.barrier(group=self.group)
+        if self.clock == "auto":
+            # A process that never initialised CUDA runs its steps on the CPU even on a GPU machine.
+            self.clock = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "host"
         self.origin = time.perf_counter()
         self._origin_event = _new_event() if self.clock == "cuda" else None
 
