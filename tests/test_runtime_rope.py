@@ -30,3 +30,17 @@ def test_continuation_slice_gets_whole_document_phases(megatron_cpu):
     # megatron's own THD table would restart the slice at position 0: phases differ
     restarted = apply_rotary_pos_emb(packed, rotary(15), config=config, cu_seqlens=params.cu_seqlens_q)
     assert not torch.allclose(restarted[9:], whole[25:40, 0], atol=1e-3)
+
+
+def test_rotary_tables_are_asked_for_in_power_of_two_sizes():
+    """megatron caches a rotary table per length asked for: rounding up to a power of two keeps a
+    run's tables at most twice the largest, whatever lengths its MicroPacks have."""
+    from megatron_slimpack.runtime.attention.seq_params import SlicedSeqParams
+
+    def rows(kv: int, padding: int = 0) -> int:
+        return SlicedSeqParams(qkv_format="thd", max_seqlen_attn_kv=kv, padding=padding).rotary_rows
+
+    assert [rows(n) for n in (1, 2, 3, 1000, 1024, 1025, 131072)] == [1, 2, 4, 1024, 1024, 2048, 131072]
+    assert rows(100, padding=300) == 512
+    sizes = {rows(n) for n in range(1, 5000, 7)}
+    assert sum(sizes) < 2 * max(sizes)

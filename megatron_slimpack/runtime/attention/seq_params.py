@@ -110,11 +110,14 @@ class SlicedSeqParams(PackedSeqParams):
 
     @property
     def rotary_rows(self) -> Optional[int]:
-        """Rows of a rotary table that covers every current token's position, known on the host:
-        slices end by the longest prefix + slice, padding rows count from 0."""
+        """Rows of a rotary table that covers every current token's position, known on the host
+        (slices end by the longest prefix + slice, padding rows count from 0), rounded up to a
+        power of two: megatron caches one table per length asked for, so the tables of a run stay
+        at most twice the largest (the cost model's `rope_table_bytes`)."""
         if self.max_seqlen_attn_kv is None:
             return None
-        return max(self.max_seqlen_attn_kv, self.padding, 1)
+        rows = max(self.max_seqlen_attn_kv, self.padding, 1)
+        return 1 << (rows - 1).bit_length()
 
 
 @dataclass
