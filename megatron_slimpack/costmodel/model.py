@@ -92,8 +92,8 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     rotated q (h), k (kv), the QKV output storage that v views (h + 2kv), its output (h) and the
     log-sum-exp per head; linear_proj's input, the second norm and linear_fc1's input (4h + 1); fc1's
     output and SwiGLU's (fc1 + 3f). A slice with a KV prefix also keeps the concatenated K and V
-    (2kv per key) and its bottom-right mask in the compute dtype, per query x key entry
-    (`per_masked_entry`, not split by tensor parallelism).
+    (2kv per key); its blockwise attention (prefix block and causal block combined by log-sum-exp)
+    keeps no query x key mask, so `per_masked_entry` is 0 (a profile may still fit one).
     """
     h, kv, f, d = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.head_dim
     fc1 = 2 * f if model.swiglu else f
@@ -104,7 +104,7 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
         per_token = ((3 * h + 1) + 4 * d + (h + kv + h + 2 * kv + h + model.num_attention_heads) + (4 * h + 1)
                      + fc1 + 3 * f)
         return ActivationCoefficients(per_token * dtype_bytes, 0.0, per_prefix_token, (3 * h + 1) * dtype_bytes,
-                                      per_masked_entry=dtype_bytes)
+                                      per_masked_entry=0.0)
     # ... plus the rotated q and k the kernel saves (h + kv): the runtime's RoPE writes new tensors.
     per_token = (2 * h + 2) + (h + 2 * kv) + (h + kv) + h + h + fc1 + f
     return ActivationCoefficients(per_token * dtype_bytes, 0.0, per_prefix_token, (2 * h + 1) * dtype_bytes)
