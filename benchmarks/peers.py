@@ -237,9 +237,11 @@ def corpus_lengths(corpus: str, seed: int) -> np.ndarray:
 
 
 def imbalance_degree(plan: ms.Plan, cost: ms.CostModel) -> float:
-    """max / mean over the step's micro-batches of their compute on one stage (forward +
-    backward, the cost model's), communication and the last stage's head left out."""
+    """max / mean over the step's micro-batches of their time on one (not the last) stage,
+    forward + backward, priced with the plan's strategy's declared overlaps (as the simulator
+    prices it): exposed communication included, the output layer left out."""
     parallel = plan.parallel
+    cost = cost.with_overlaps(strategy_spec(plan.strategy).overlaps)
     work = [cost.forward_time(mp.num_tokens, mp.attention_pairs, parallel)
             + cost.backward_time(mp.num_tokens, mp.attention_pairs, parallel)
             for replica in plan.replicas for mp in replica.micropacks]
