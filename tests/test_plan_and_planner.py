@@ -76,23 +76,24 @@ def test_long_document_is_cost_balanced_sliced_with_shorter_later_slices():
 
 
 def test_slices_of_a_long_document_cost_the_same_seconds_at_their_own_efficiency():
-    """Later slices are shorter (longer prefix) and so run at lower kernel efficiency: balancing
-    work alone leaves them up to 15% slower here; balanced on seconds they are within 1%, and a
-    chain's MicroPacks are topped up with sand only as far as their own efficiency allows."""
+    """Later slices are shorter (longer prefix) and so run at lower GEMM efficiency: balancing
+    work alone leaves them up to 13% slower here (4K MicroPacks over 4-way context parallelism:
+    a device's GEMMs get about 1K rows); balanced on seconds they are within 1%, and a chain's
+    MicroPacks are topped up with sand only as far as their own efficiency allows."""
     import dataclasses
 
     from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, cut_document, pack_micropacks
     from megatron_slimpack.planner.work import WorkRates
 
-    parallel = ParallelConfig(dp=1, pp=1, tp=8)
-    rates = WorkRates.from_cost(COST, parallel, 16384)
-    assert rates.half_tokens > 0 and rates.size_penalty(4096) > rates.size_penalty(16384) == pytest.approx(1.0)
+    parallel = ParallelConfig(dp=1, pp=1, tp=8, cp=4)
+    rates = WorkRates.from_cost(COST, parallel, 4096)
+    assert rates.half_tokens > 0 and rates.size_penalty(1024) > rates.size_penalty(4096) == pytest.approx(1.0)
 
     def seconds(pieces):
         return np.array([COST.forward_time(p.length, p.attention_pairs, parallel)
                          + COST.backward_time(p.length, p.attention_pairs, parallel) for p in pieces])
 
-    options = PackOptions(16384, 16384)
+    options = PackOptions(4096, 4096)
     balanced = seconds(cut_document(Sample(0, 131072), options, rates))
     work_only = seconds(cut_document(Sample(0, 131072), options, dataclasses.replace(rates, half_tokens=0.0)))
     assert balanced.max() / balanced.min() < 1.01 < 1.1 < work_only.max() / work_only.min()
@@ -691,30 +692,34 @@ def test_token_cap_grows_past_a_power_of_two_into_the_memory_left():
 
 
 LLAMA_13B = ms.CostModel.analytic("llama-13b", "h100-sxm")
-TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=2, cp=4, recompute="none")  # 13B: two 64K MicroPacks just fit
+# Llama 3 70B: stage 0 of tp8 pp2 cp4 just holds two 64K MicroPacks (99.6% of what is left after
+# weights and optimizer state), and two with their logits would not fit.
+LLAMA3_70B = ms.CostModel.analytic("llama3-70b", "h100-sxm")
+TIGHT_PP2 = ParallelConfig(dp=8, pp=2, tp=8, cp=4, recompute="none")
 
 
 def test_token_cap_counts_logits_only_on_the_last_stage():
     """1F1B holds pp MicroPacks on stage 0 and one, with its logits, on the last stage. Charging
-    every one of the pp the logits capped 13B tp2 pp2 cp4 at 60K tokens, below the 64K sequences
-    Megatron's own packing runs there within memory (the simulator agrees)."""
+    every one of the pp the logits would cap Llama 3 70B tp8 pp2 cp4 below 64K tokens, the
+    sequences Megatron's own packing runs there within memory (the simulator agrees)."""
     from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
     from megatron_slimpack.planner.strategies import new_planner
     from megatron_slimpack.simulator.dag import simulate
 
     context = 65536
     config = ms.SlimPackConfig(context_length=context, strategy="megatron-fixed")
-    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
-    assert 2 * LLAMA_13B.activation_bytes(context, context ** 2 / 2, TIGHT_PP2, last_stage=True) > budget
-    assert auto_token_cap(LLAMA_13B, TIGHT_PP2, config) == context
-    plan = new_planner("megatron-fixed").plan([context] * 64, TIGHT_PP2, LLAMA_13B, config).validate()
-    assert max(simulate(plan, LLAMA_13B, detail=False).peak_memory_bytes) <= LLAMA_13B.memory_budget_bytes()
+    budget = activation_budget(LLAMA3_70B, TIGHT_PP2)
+    assert 2 * LLAMA3_70B.activation_bytes(context, context ** 2 / 2, TIGHT_PP2, last_stage=True) > budget
+    assert auto_token_cap(LLAMA3_70B, TIGHT_PP2, config) == context
+    plan = new_planner("megatron-fixed").plan([context] * 64, TIGHT_PP2, LLAMA3_70B, config).validate()
+    assert max(simulate(plan, LLAMA3_70B, detail=False).peak_memory_bytes) <= LLAMA3_70B.memory_budget_bytes()
 
 
 def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned():
     """Packing to even costs slices documents that fit a MicroPack, and a chain holds all its
     MicroPacks until its backward: with 64K MicroPacks on a tight pp2 layout no schedule of that
-    packing fits, and without the plain packing the planner fell to half-size MicroPacks."""
+    packing fits, and without the plain packing the planner fell to half-size MicroPacks (about 3%
+    slower here: smaller MicroPacks cost only their GEMMs' efficiency and per-pack overheads)."""
     from megatron_slimpack.planner.slimpack.ladder import SizeLadder
     from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
     from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, SortedSamples, pack_micropacks
@@ -725,22 +730,22 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
     context = 65536
     config = ms.SlimPackConfig(context_length=context, max_micropack_tokens=context)
     lengths = GlobalBatchSampler(load_lengths("github", seed=0), context, 256, seed=0).next_batch().lengths
-    cap = auto_token_cap(LLAMA_13B, TIGHT_PP2, config)
-    rates = WorkRates.from_cost(LLAMA_13B, TIGHT_PP2, cap)
+    cap = auto_token_cap(LLAMA3_70B, TIGHT_PP2, config)
+    rates = WorkRates.from_cost(LLAMA3_70B, TIGHT_PP2, cap)
     samples = samples_of(lengths)
-    budget = activation_budget(LLAMA_13B, TIGHT_PP2)
+    budget = activation_budget(LLAMA3_70B, TIGHT_PP2)
     even = pack_micropacks(SortedSamples(samples, rates), PackOptions(cap, cap, even_costs=True), rates)
     assert any(piece.length < lengths[piece.sample_id]
                for pack in even for piece in pack.slices)  # sliced to even costs
-    search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, TIGHT_PP2, False, [0], budget)
+    search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA3_70B, TIGHT_PP2, False, [0], budget)
     assert not search.consider(even, cap) and search.best is None
-    replica, outcome = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False)
+    replica, outcome = plan_replica(samples, LLAMA3_70B, TIGHT_PP2, config, rates, cap, [0], False)
     assert outcome.micropack_tokens == cap == context
     assert all(piece.length == lengths[piece.sample_id] for pack in replica.micropacks for piece in pack.slices)
     ladder = SizeLadder.below_cap(cap, config)
     halved = SizeLadder(tuple(tokens for tokens in ladder.micropack_tokens if tokens <= cap // 2))
-    _, halved_outcome = plan_replica(samples, LLAMA_13B, TIGHT_PP2, config, rates, cap, [0], False, ladder=halved)
-    assert outcome.makespan_s < 0.95 * halved_outcome.makespan_s
+    _, halved_outcome = plan_replica(samples, LLAMA3_70B, TIGHT_PP2, config, rates, cap, [0], False, ladder=halved)
+    assert outcome.makespan_s < 0.98 * halved_outcome.makespan_s
 
 
 def test_only_documents_longer_than_a_micropack_are_merged_for_memory():
@@ -842,15 +847,15 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
 
     cost, parallel = (ms.CostModel.analytic("llama-70b", "h100-sxm"),
                       ParallelConfig(dp=4, pp=8, tp=4, recompute="selective"))
-    config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=18432, solver_time_limit_s=60,
+    config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=16384, solver_time_limit_s=60,
                                solver_deterministic_limit=0.1)
-    tunables, ladder = config.tunables, SizeLadder.below_cap(18432, config)
+    tunables, ladder = config.tunables, SizeLadder.below_cap(16384, config)
     lengths = [131072] + [int(x) for x in np.random.default_rng(4).lognormal(8, 1.3, 300).clip(16, 16384)]
     with pytest.raises(DoesNotFit, match="131072-token document") as caught:
-        merge_group_sizes(lengths, cost, parallel, [18432], True)
+        merge_group_sizes(lengths, cost, parallel, [16384], True)
     assert caught.value.sample_ids == (0,) and caught.value.bytes_needed > caught.value.bytes_available
     largest, groups = largest_merged_micropack(lengths, cost, parallel, ladder, True)
-    assert largest % tunables.size_granule == 0 and tunables.min_micropack_tokens < largest < 18432
+    assert largest % tunables.size_granule == 0 and tunables.min_micropack_tokens < largest < 16384
     assert largest not in ladder.micropack_tokens
     assert np.array_equal(groups, merge_group_sizes(lengths, cost, parallel, [largest], True))
     with pytest.raises(DoesNotFit, match="131072-token document"):
@@ -862,46 +867,53 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
                                                                                                  *rest))
     best_without_base_merge(lengths, parallel, cost, config).plan.validate()
     for_smallest = merge_group_sizes(lengths, cost, parallel, list(ladder.micropack_tokens), True)
-    assert [sizing.token_cap for sizing in planned] == [18432, largest]
+    assert [sizing.token_cap for sizing in planned] == [16384, largest]
     assert np.array_equal(planned[0].group_ranks, for_smallest) and np.array_equal(planned[1].group_ranks, groups)
     assert groups[0] > for_smallest[0]
     planned.clear()  # a slice size the user set is kept: one sizing, at the cap
     best_without_base_merge(lengths, parallel, cost, config.with_(slice_tokens=4096)).plan.validate()
-    assert [sizing.token_cap for sizing in planned] == [18432]
+    assert [sizing.token_cap for sizing in planned] == [16384]
 
 
 def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does():
     """MicroPack sizes are tried largest first on a ladder a quarter to a third apart; where one
     does not fit and the next does, the sizes between are bisected, and the largest that fits (here
-    next to a 128K document's chain) beats the ladder's."""
+    next to a 128K document's chain) beats the ladder's. The device is a stand-in whose GEMMs want
+    large MicroPacks (one saturating curve, half efficiency at 32K tokens): on the published H100
+    rates a MicroPack's size barely changes its efficiency, and smaller ones, with shorter
+    pipeline bubbles, win whatever fits."""
+    from dataclasses import replace
+
     from megatron_slimpack.planner.slimpack.ladder import SizeLadder
     from megatron_slimpack.planner.slimpack.memory import activation_budget, auto_token_cap
     from megatron_slimpack.planner.slimpack.pack_phase import SortedSamples
     from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, plan_replica
     from megatron_slimpack.planner.work import WorkRates
 
-    parallel = ParallelConfig(dp=1, pp=4, tp=4, recompute="selective")
+    parallel = ParallelConfig(dp=1, pp=4, tp=8, recompute="selective")
+    cost = ms.CostModel.analytic("llama-13b", replace(LLAMA_13B.hardware, kernels="generic",
+                                                      half_efficiency_tokens=32768))
     context = 131072
     config = ms.SlimPackConfig(context_length=context)
     lengths = [context] + [int(x) for x in np.random.default_rng(6).lognormal(8, 1.3, 200).clip(16, 8192)]
-    samples, cap = samples_of(lengths), auto_token_cap(LLAMA_13B, parallel, config)
-    rates = WorkRates.from_cost(LLAMA_13B, parallel, cap)
+    samples, cap = samples_of(lengths), auto_token_cap(cost, parallel, config)
+    rates = WorkRates.from_cost(cost, parallel, cap)
     ladder = SizeLadder.below_cap(cap, config).micropack_tokens
 
     def fits(size):
-        search = ReplicaSearch(SortedSamples(samples, rates), rates, LLAMA_13B, parallel, False, [0],
-                               activation_budget(LLAMA_13B, parallel))
+        search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, False, [0],
+                               activation_budget(cost, parallel))
         return search.try_size(size)
 
     first_fit = next(index for index, size in enumerate(ladder) if fits(size))
     assert first_fit > 0
     too_large, below = ladder[first_fit - 1], ladder[first_fit]
-    _, outcome = plan_replica(samples, LLAMA_13B, parallel, config, rates, cap, [0], False)
+    _, outcome = plan_replica(samples, cost, parallel, config, rates, cap, [0], False)
     assert below < outcome.micropack_tokens < too_large
     assert outcome.micropack_tokens % config.tunables.size_granule == 0
     # Sizes a ladder step apart are not bisected with refine_fraction 1: the ladder alone.
     rungs_only = config.with_(tunables=PlannerTunables(refine_fraction=1))
-    _, rung_outcome = plan_replica(samples, LLAMA_13B, parallel, rungs_only, rates, cap, [0], False)
+    _, rung_outcome = plan_replica(samples, cost, parallel, rungs_only, rates, cap, [0], False)
     assert rung_outcome.micropack_tokens in ladder and outcome.makespan_s < rung_outcome.makespan_s
 
 
@@ -988,7 +1000,7 @@ def test_packing_bound_never_exceeds_the_replica_schedule(cp):
 
 
 @pytest.mark.parametrize("model, layout, context, short_max, groups, faster", [
-    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 49152, 8192, (1, 2), 0),
+    ("llama-7b", dict(dp=4, pp=4, tp=2, recompute="none"), 32768, 8192, (1, 2), 0),
     ("llama-7b", dict(dp=4, pp=2, tp=2, recompute="none"), 65536, 8192, (2, 4), 1),
 ])
 def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout, context, short_max, groups, faster):

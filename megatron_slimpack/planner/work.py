@@ -24,10 +24,15 @@ class WorkRates:
     forward_per_pair: float
     backward_per_token: float
     backward_per_pair: float
-    # The analytic model's kernels run a MicroPack of t tokens at t / (t + half_tokens) of peak
+    # The analytic model's GEMMs run a MicroPack of t tokens at t / (t + half_tokens) of peak
     # efficiency: the rates hold at `reference_tokens`, a smaller MicroPack costs more per unit.
     reference_tokens: float = 0.0
     half_tokens: float = 0.0
+    # Seconds (forward + backward, all stages) a MicroPack costs whatever its size: the GEMMs'
+    # row overhead (rows cost rows + half_tokens) and the collectives' latencies. The rates spread
+    # it over `reference_tokens`; attention and element-wise work have no such term (varlen
+    # attention runs each document at its own length's rate, whatever the pack).
+    per_pack: float = 0.0
 
     @classmethod
     def from_cost(cls, cost: CostModel, parallel: ParallelConfig, reference_tokens: int) -> "WorkRates":
@@ -47,7 +52,20 @@ class WorkRates:
         # Efficiency is a function of a device's share of the tokens: in whole-MicroPack tokens its
         # half point is cp times larger. A profiled model has no such curve (its intercept stays).
         half = cost.pack_half_tokens(parallel)
-        return cls(forward[0], forward[1], backward[0], backward[1], float(tokens), float(half))
+        per_pack = 0.0
+        if half:
+            # Every term is affine in a MicroPack's tokens: the per-token rates at two sizes give
+            # the per-MicroPack seconds they spread over the tokens.
+            stages = cost.layers_per_stage(parallel) * parallel.virtual_stages
+
+            def per_token(size: float) -> float:
+                return sum(stages * (cost.layer_time(size, 0, parallel, backward)
+                                     + cost.tp_comm_time(size, parallel, backward)
+                                     + cost.cp_comm_time(size, parallel, backward))
+                           + cost.head_time(size, parallel, backward) for backward in (False, True)) / size
+
+            per_pack = max(0.0, (per_token(tokens) - per_token(2.0 * tokens)) * 2.0 * tokens)
+        return cls(forward[0], forward[1], backward[0], backward[1], float(tokens), float(half), per_pack)
 
     def forward(self, tokens: Amount, pairs: Amount) -> Amount:
         return self.forward_per_token * tokens + self.forward_per_pair * pairs
@@ -58,13 +76,16 @@ class WorkRates:
     def total(self, tokens: Amount, pairs: Amount) -> Amount:
         return self.forward(tokens, pairs) + self.backward(tokens, pairs)
 
-    def size_penalty(self, tokens):
-        """How much more a MicroPack of `tokens` costs per unit of work than one of the reference
-        size (scalars or arrays; 1 where the rates carry no efficiency curve)."""
+    def size_penalty(self, tokens, pairs=0.0):
+        """How much more a MicroPack of `tokens` tokens and `pairs` attention pairs costs per unit
+        of work than at the reference size (scalars or arrays; 1 where the rates carry no
+        efficiency curve): its `per_pack` seconds, which the rates spread over the reference
+        size, fall on its own tokens. Attention-heavy MicroPacks are penalised less (their
+        attention runs at its documents' rate whatever the pack's size)."""
         if not self.half_tokens:
             return 1.0 + 0.0 * tokens
-        return (((tokens + self.half_tokens) / tokens)
-                / ((self.reference_tokens + self.half_tokens) / self.reference_tokens))
+        spread = self.per_pack * (1.0 - tokens / self.reference_tokens)
+        return 1.0 + spread / self.total(tokens, pairs)
 
     def document(self, length: int) -> float:
         """Forward + backward seconds of a whole document run alone."""

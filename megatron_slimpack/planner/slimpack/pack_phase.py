@@ -103,13 +103,15 @@ def _heaviest_slice(bounds: Sequence[int], rates: WorkRates, token_cap: int) -> 
     """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
     edges = np.asarray(bounds, dtype=float)
     starts, lengths = edges[:-1], np.diff(edges)
-    work = rates.total(lengths, lengths * starts + lengths * (lengths + 1) / 2)
-    return float((work * _at_cap_efficiency(lengths, rates, token_cap)).max())
+    pairs = lengths * starts + lengths * (lengths + 1) / 2
+    work = rates.total(lengths, pairs)
+    return float((work * _at_cap_efficiency(lengths, pairs, rates, token_cap)).max())
 
 
-def _at_cap_efficiency(lengths, rates: WorkRates, token_cap: int):
-    """Factor turning work of MicroPacks of `lengths` tokens into seconds at a cap-full one's efficiency."""
-    return rates.size_penalty(lengths) / rates.size_penalty(token_cap)
+def _at_cap_efficiency(lengths, pairs, rates: WorkRates, token_cap: int):
+    """Factor turning work of MicroPacks of `lengths` tokens and `pairs` attention pairs into
+    seconds at a cap-full one's efficiency."""
+    return rates.size_penalty(lengths, pairs) / rates.size_penalty(token_cap)
 
 
 def _uniform_bounds(length: int, count: int) -> list[int]:
@@ -134,7 +136,9 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, rounds: int) -> 
             x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
             bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
         bounds.append(length)
-        weights = 1.0 / rates.size_penalty(np.diff(np.asarray(bounds, dtype=float)))
+        edges = np.asarray(bounds, dtype=float)
+        lengths = np.diff(edges)
+        weights = 1.0 / rates.size_penalty(lengths, lengths * edges[:-1] + lengths * (lengths + 1) / 2)
         shares = weights / weights.sum()
     return tuple(bounds)
 
@@ -176,7 +180,8 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     slice_costs = np.array([rates.total(p.length, p.attention_pairs) for p in pieces])
     # A slice's MicroPack runs at its own size's efficiency: a later, shorter slice costs more in
     # seconds than its work says. Costs are compared at a cap-full MicroPack's efficiency.
-    scale = _at_cap_efficiency(np.array([p.length for p in pieces], dtype=float), rates, options.token_cap)
+    scale = _at_cap_efficiency(np.array([p.length for p in pieces], dtype=float),
+                               np.array([p.attention_pairs for p in pieces], dtype=float), rates, options.token_cap)
     full_pack = rates.document(1) * options.token_cap  # a cap-full MicroPack without attention
     target = max((slice_costs * scale).tolist()
                  + [min(full_pack, float(short_cost.sum())), float(short_cost.max(initial=0.0))])
