@@ -67,7 +67,7 @@ DCP_SOURCE = ("Megatron-LM dev, examples/dynamic_context_parallel/README.md 'Slu
 WLB_MODEL = "llama-7b"
 # name -> (context, tp, cp, pp, dp, published speedup over Plain-4D, what the figure is)
 WLB_SETTINGS = {
-    "7B-128K": (131072, 8, 2, 4, 1, 1.33, "7B-128K (Figure/Table: 1.33x)"),
+    "7B-128K": (131072, 8, 2, 4, 1, 1.33, "7B-128K: 1.33x"),
     "7B-64K": (65536, 4, 2, 4, 1, 1.15, "mean of the 64K models (7B, 30B, 70B): 1.15x"),
 }
 WLB_SOURCE = "WLB-LLM, OSDI'25 (arXiv 2503.17924), Table 1 layouts and section 7 speedups"
