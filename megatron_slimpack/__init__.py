@@ -32,11 +32,12 @@ def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPack
                              sources=sources)
 
 
-def simulate(plan: Plan, cost: CostModel):
-    """Simulate one training step of `plan`; returns a `SimulationReport`."""
+def simulate(plan: Plan, cost: CostModel, *, overlaps=None):
+    """Simulate one training step of `plan`; returns a `SimulationReport`. Communication is priced
+    with the overlaps the plan's strategy declares, or `overlaps` (a `costmodel.Overlaps`) where given."""
     from .simulator.dag import simulate as run
 
-    return run(plan, cost)
+    return run(plan, cost, overlaps=overlaps)
 
 
 __all__ = [

@@ -23,7 +23,8 @@ Tasks and edges:
   sender issues them (its program order), starting when the sending task ends.
 - A DP-Merge group's task occupies stage s of every member rank at once (synchronous: it starts
   when all member devices are free and its inputs arrived). Its duration uses
-  `parallel.with_(cp=parallel.cp * k)` (k = group size), whose CP term is the group's K/V traffic.
+  `parallel.with_(cp=parallel.cp * k, dp=parallel.dp // k)` (k = group size): its CP term is the
+  group's K/V traffic, and a stage still spans tp * cp * dp ranks (the pipeline links' stride).
 - DP gradient reduction per stage (see `_dp_reduction`).
 
 Timing is list scheduling in topological order of the DAG whose edges are program order on
@@ -40,7 +41,7 @@ from typing import cast
 
 import numpy as np
 
-from ..costmodel import CostModel, overlaps_of
+from ..costmodel import CostModel, Overlaps, overlaps_of
 from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table, task_chunk
 from ..specs import GIB, ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
@@ -191,14 +192,17 @@ def per_batch_report(reports: list[SimulationReport], num_batches: int) -> Simul
     )
 
 
-def simulate(plan: Plan, cost, *, detail: bool = True, dp_buckets: int | None = None) -> SimulationReport:
+def simulate(plan: Plan, cost, *, detail: bool = True, dp_buckets: int | None = None,
+             overlaps: Overlaps | None = None) -> SimulationReport:
     """Simulate one training step of `plan` with `cost` (a `CostModel` or the same interface).
 
     detail=False skips the task records and memory timelines (peaks are still computed): the
-    planner's inner loop. `dp_buckets` overrides the number of DDP gradient buckets.
+    planner's inner loop. `dp_buckets` overrides the number of DDP gradient buckets. Communication
+    is priced with the overlaps the plan's strategy declares (`StrategySpec.overlaps`), or with
+    `overlaps` where given (a peer priced as its authors ran it, in their own system).
     """
-    if isinstance(cost, CostModel):  # priced with the communication its strategy's real run overlaps
-        cost = cost.with_overlaps(overlaps_of(plan.strategy))
+    if isinstance(cost, CostModel):
+        cost = cost.with_overlaps(overlaps if overlaps is not None else overlaps_of(plan.strategy))
     graph = _Graph(plan, cost)
     schedule = _run(graph)
     return _report(plan, cost, graph, schedule, detail, dp_buckets)
@@ -295,7 +299,9 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_fig
     count = len(replica.micropacks)
     forward_unit_of = _unit_index(replica.forward_units, count, f"{where} forward units")
     backward_unit_of = _unit_index(replica.backward_units, count, f"{where} backward units")
-    effective = parallel.with_(cp=parallel.cp * group) if group > 1 else parallel
+    # The group as k-fold context parallelism over dp/k replicas: the same ranks per stage, so
+    # pipeline neighbours stay tp * cp * dp ranks apart.
+    effective = parallel.with_(cp=parallel.cp * group, dp=max(1, parallel.dp // group)) if group > 1 else parallel
     figures = _micropack_sizes(replica, slice_figures)
     # Priced as the runtime runs them: padded for sequence parallelism (padding does no attention).
     tokens, pairs = effective.padded_tokens(figures.tokens), figures.pairs
