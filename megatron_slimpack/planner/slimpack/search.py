@@ -252,7 +252,8 @@ class _BatchPlanning:
         """A merge group planned as one replica with its ranks' worth of context parallelism;
         None (and a failure kept) where it does not fit."""
         group_ranks = len(group.dp_ranks)
-        merged = self.view.with_(cp=self.view.cp * group_ranks)
+        # k-fold context parallelism over dp/k replicas: the same ranks per stage (p2p strides)
+        merged = self.view.with_(cp=self.view.cp * group_ranks, dp=max(1, self.view.dp // group_ranks))
         members = [self.samples[i] for i in group.sample_indices]
         token_cap = self.token_cap * group_ranks  # each member holds 1/group_ranks of a merged MicroPack
         rates = WorkRates.from_cost(self.cost, merged, token_cap)
