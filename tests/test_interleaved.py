@@ -251,13 +251,12 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
 
 
 def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
-    """llama-13b 256K tp2 pp2 vpp2 dp32, the paper grid's first Wikipedia batch, documents kept
+    """llama-7b 256K tp2 pp2 vpp2 dp32, the paper grid's first Wikipedia batch, documents kept
     whole (`slice_tokens` = the context): `auto_token_cap` sizes MicroPacks (20480 tokens) for the
-    chunks a multiple of pp keeps in flight. Each replica has 181-188 of them; with Megatron's
-    table only, six of the odd counts held 50.5-55.5 GiB for 49.2 GiB and the search merged
-    replicas in pairs (base merge 2, 211.7 s simulated). Now every replica fits at base merge 1,
-    and since some needed a leaner grouping, the sizing was planned without them too (there it
-    fails: nothing sliced to merge)."""
+    chunks a multiple of pp keeps in flight. Replicas with an odd count of them do not all fit
+    Megatron's interleaved table alone: some need a leaner grouping. Every replica fits at base
+    merge 1, and since some needed a leaner grouping, the sizing was planned without them too
+    (there it fails: nothing sliced to merge)."""
     from pathlib import Path
 
     from megatron_slimpack.planner.slimpack.search import SlimPackSearch
@@ -277,7 +276,7 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     context = 256 * 1024
     wikipedia = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikipedia_lengths.txt"
     batch = GlobalBatchSampler(load_lengths(f"file:{wikipedia}", seed=0), context, 512, seed=0).next_batch()
-    cost = CostModel.analytic("llama-13b", "h100-sxm")
+    cost = CostModel.analytic("llama-7b", "h100-sxm")
     parallel = ParallelConfig(dp=32, pp=2, vpp=2, tp=2, recompute="selective")
     plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,
                              config=SlimPackConfig(context_length=context, slice_tokens=context))
