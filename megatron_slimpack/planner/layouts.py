@@ -52,6 +52,7 @@ import bisect
 import math
 import pickle
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -168,6 +169,61 @@ class LayoutResult:
             "search_time_s": self.search_time_s,
             "candidates": self.candidates,
         }
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a layout search stands, told to `best_layout`'s `progress` callback after each layout
+    it decides. `phase`: "screening" (the first batch on each layout that passed the memory
+    checks, or was bounded out) or "finishing" (every batch on the fastest screened); `done` of
+    `total` layouts of that phase decided; `best_s`: the best first-batch time screened
+    (screening) or the best mean finished (finishing) so far, None before there is one;
+    `candidates`: layouts enumerated, before the memory checks."""
+
+    strategy: str
+    phase: str
+    done: int
+    total: int
+    best_s: float | None
+    elapsed_s: float
+    candidates: int
+
+
+ProgressCallback = Callable[[SearchProgress], None]
+
+
+class _Ticker:
+    """Counts the layouts a search decides in its current phase and tells the callback after each
+    one (nothing without a callback). The callback may raise (a caller's time budget, Ctrl-C) to
+    stop the search: nothing is left half-done outside the search's own locals."""
+
+    def __init__(self, callback: ProgressCallback | None, strategy: str, started: float, candidates: int):
+        self.callback, self.strategy, self.started, self.candidates = callback, strategy, started, candidates
+        self.phase, self.done, self.total = "screening", 0, 0
+        self.best_s: float | None = None
+
+    def start(self, phase: str, total: int) -> None:
+        self.phase, self.done, self.total = phase, 0, max(total, 0)
+        self.best_s = None
+        self._tell()
+
+    def tick(self, best_s: float | None = None) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        if best_s is not None and math.isfinite(best_s):
+            self.best_s = best_s if self.best_s is None else min(self.best_s, best_s)
+        self._tell()
+
+    def each(self, items: Iterable, best_s: Callable[[], float]) -> Iterator:
+        """`items`, one tick (with `best_s()` then) as each one's turn ends."""
+        for item in items:
+            yield item
+            self.tick(best_s())
+
+    def _tell(self) -> None:
+        if self.callback is not None:
+            self.callback(SearchProgress(self.strategy, self.phase, self.done, self.total, self.best_s,
+                                         time.perf_counter() - self.started, self.candidates))
 
 
 # Rejections of layouts that were not evaluated (or not finished) because they could not win (not infeasible).
@@ -488,11 +544,12 @@ class _RemainingWork:
 
 def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel, rejected: list[Rejection],
                     finishing: float, finalists: int, evaluations: dict[int, "LayoutEvaluation"],
-                    failed: set[int], stopped: set[int], remaining: _RemainingWork | None) -> bool:
+                    failed: set[int], stopped: set[int], remaining: _RemainingWork | None,
+                    ticker: _Ticker | None = None) -> bool:
     """Every batch on the `finishing` runs fastest on the first (those not yet finished), skipping
     runs that failed a later batch or stopped; only the `finalists` fastest evaluations keep their
     plans. Given the `remaining` work, a run stops once it cannot be among the `finalists` fastest
-    finished. True when one failed now."""
+    finished. True when one failed now. `ticker` counts each run finished, stopped or failed."""
     finished, failed_now = 0, False
     for run in sorted(runs, key=lambda run: run.reports[0].iteration_time_s):
         if finished == finishing:
@@ -508,14 +565,21 @@ def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel,
                 rejected.append(rejection)
                 stopped.add(id(run))
                 run.plans.clear()
+                if ticker:
+                    ticker.tick()
                 continue
             if rejection:
                 rejected.append(rejection)
                 failed.add(id(run))
                 failed_now = True
+                if ticker:
+                    ticker.total += 1 if math.isfinite(finishing) else 0  # the next one is finished in its place
+                    ticker.tick()
                 continue
             evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
             _drop_plans_of_slower(evaluations, finalists)
+            if ticker:
+                ticker.tick(evaluations[id(run)].mean_iteration_time_s)
         finished += 1
     return failed_now
 
@@ -547,11 +611,14 @@ def best_layout(
     layouts: list[ParallelConfig] | None = None,
     finalists: int = 3,
     recompute_cascade: bool = True,
+    progress: ProgressCallback | None = None,
 ) -> LayoutResult:
     """The fastest memory-feasible layout of `gpus` GPUs for `strategy` on `batches` (lists of
     document lengths, each at most `context_length`). `layouts` replaces the enumeration (each is
     still checked: world size, model split, strategy constraints). Raises NoFeasibleLayout, whose
-    `rejected` lists every layout with its reason, when nothing fits."""
+    `rejected` lists every layout with its reason, when nothing fits. `progress`, if given, is
+    called with a `SearchProgress` as each phase starts and after each layout is decided; what it
+    raises stops the search and propagates."""
     spec = as_spec(strategy)
     started = time.perf_counter()
     if not batches:
@@ -570,7 +637,9 @@ def best_layout(
             rejected.append(rejection)
             continue
         screened.append(_Run(parallel, config))
-    runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists)
+    ticker = _Ticker(progress, spec.name, started, len(candidates))
+    ticker.start("screening", len(screened))
+    runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists, ticker=ticker)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
     stopped: set[int] = set()  # stateful runs that could no longer be among the finalists
@@ -578,7 +647,9 @@ def best_layout(
     # A stateful planner that flushes trains every document: what is left bounds its mean.
     bounded = spec.stateful and _flushes(spec.new_planner())
     remaining = _RemainingWork.of(spec, batches, cost) if bounded else None
-    while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining)
+    ticker.start("finishing", int(min(finishing, len(runs))))
+    while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining,
+                           ticker)
            and deferred):
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
         # it (bounded out by its first-batch time, its heavier recompute modes, its interleaved
@@ -586,9 +657,12 @@ def best_layout(
         for _, rejection in deferred:
             rejected.remove(rejection)
         survivors = [run for run in runs if id(run) not in failed]
+        ticker.start("screening", len(deferred))
         more, deferred = _screen(spec, [run for run, _ in deferred], first, cost, rejected, recompute_cascade,
-                                 finalists, screened=survivors)
+                                 finalists, screened=survivors, ticker=ticker)
         runs = survivors + more + [run for run in runs if id(run) in failed]
+        alive = sum(id(run) not in failed and id(run) not in stopped for run in runs)
+        ticker.start("finishing", int(min(finishing, alive)) - len(evaluations))
     runs.sort(key=lambda run: run.reports[0].iteration_time_s)
     done = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)[:finalists]
     if not done:
@@ -632,12 +706,13 @@ def _shape(parallel: ParallelConfig) -> tuple[int, ...]:
 
 
 def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: CostModel, rejected: list[Rejection],
-            recompute_cascade: bool, keep: int, screened: tuple[_Run, ...] | list[_Run] = ()
-            ) -> tuple[list[_Run], list[tuple[_Run, Rejection]]]:
+            recompute_cascade: bool, keep: int, screened: tuple[_Run, ...] | list[_Run] = (),
+            ticker: _Ticker | None = None) -> tuple[list[_Run], list[tuple[_Run, Rejection]]]:
     """Plan and simulate the first batch on each layout, most promising (lowest bound) first. The
     plans of all but the `keep` fastest so far are shelved (`_Run.shelve`). `screened`: runs
     screened before, which the cascades and the bound count. Returns the runs that fit and the
-    (run, rejection) of those not evaluated because they could not win."""
+    (run, rejection) of those not evaluated because they could not win. `ticker` counts each
+    layout as it is decided."""
     # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
     # documents or bring back earlier ones, so it is screened without the bound.
     bounded = not spec.stateful
@@ -671,7 +746,8 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     deferred: list[tuple[_Run, Rejection]] = []
     feasible: list[_Run] = []
     fastest: list[tuple[float, int]] = []  # (first-batch time, index in feasible) of the `keep` fastest
-    for run in ordered:
+    # The ticker reads `best` as each layout's turn ends: late binding is what it needs.
+    for run in ticker.each(ordered, lambda: best) if ticker else ordered:  # noqa: B023
         shape = _shape(run.parallel)
         cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
         not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)] if bounded else None)
@@ -736,7 +812,7 @@ def _no_layout_message(spec: StrategySpec, gpus: int, rejected: list[Rejection])
 
 
 __all__ = [
-    "LayoutConstraints", "Rejection", "LayoutEvaluation", "LayoutResult",
+    "LayoutConstraints", "Rejection", "LayoutEvaluation", "LayoutResult", "SearchProgress", "ProgressCallback",
     "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens",
     "iteration_lower_bound", "cheap_rejection", "best_layout",
 ]
