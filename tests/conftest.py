@@ -184,3 +184,10 @@ def with_virtual_stages(plan, vpp: int):
     for replica in plan.replicas:
         replica.stage_orders = interleaved_orders(replica.forward_units, replica.backward_units, plan.parallel.pp, vpp)
     return plan.validate()
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path_factory, monkeypatch):
+    """Each test's own $XDG_CACHE_HOME: `slimpack compare` caches search results there, and a test
+    must neither read what another (or the user's own runs) left nor write into the real home."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))

@@ -291,30 +291,52 @@ def cmd_simulate(args) -> int:
 
 # ---- compare -------------------------------------------------------------------------------------
 
+STOPPED_EXIT = 3  # `compare` stopped (Ctrl-C, --time-budget) before every strategy was final
+
+
 def cmd_compare(args) -> int:
-    from .comparison import run_comparison
+    from .comparison import SearchCache, run_comparison, write_outputs
 
     check_compare_output(args)
     config = planner_config(args)
     warn_about_inputs(args, config)
+    written: list[Path] = []
+
+    def write(partial) -> None:  # each strategy's row as soon as it is final
+        written[:] = write_outputs(partial, args.out, wide=args.wide)
+
     result = run_comparison(
         workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args),
         gpus=args.gpus, global_batch_size=args.global_batch_size, steps=args.steps, strategies=args.strategies,
-        config=config, gantt_dir=args.gantt_dir, show_progress=not args.json,
+        config=config, gantt_dir=args.gantt_dir, show_progress=not args.quiet, time_budget_s=args.time_budget,
+        cache=None if args.no_cache else SearchCache(), on_update=write if args.out else None,
     )
-    if not result.results:
+    if args.out:  # once more: the Gantt charts are named in the notes
+        write(result)
+    if not result.results and not result.unfinished:
         reasons = "; ".join(f"{name}: {reason}" for name, reason in result.failures.items())
         raise CliError(f"no strategy has a feasible layout on {args.gpus} GPUs ({reasons})")
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=float))
     elif args.csv:
-        print(result.table("csv"), end="")
+        if result.results:
+            print(result.table("csv"), end="")
     elif args.markdown:
-        print(result.markdown_document(wide=args.wide), end="")
+        if result.results:
+            print(result.markdown_document(wide=args.wide), end="")
     else:
-        print(result.table("markdown", wide=args.wide))
+        if result.results:
+            print(result.table("markdown", wide=args.wide))
         for line in result.notes():
             print(line)
+    if written and not args.quiet:
+        print(f"slimpack compare: wrote {', '.join(map(str, written))}", file=sys.stderr)
+    if result.unfinished:
+        finished = ", ".join(result.results) or "none"
+        print(f"slimpack compare: stopped, {len(result.unfinished)} strategies unfinished: "
+              + "; ".join(f"{name} ({why})" for name, why in result.unfinished.items())
+              + f". Finished: {finished}" + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
+        return STOPPED_EXIT
     return 0
 
 
@@ -428,6 +450,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--markdown", action="store_true",
                          help="a Markdown document: the table, notes as a list, Gantt charts as images")
     compare.add_argument("--gantt-dir", help="write one Gantt PNG per strategy here")
+    compare.add_argument("--out", metavar="PATH",
+                         help="write the comparison as JSON here (a .md PATH: a Markdown document, and the JSON "
+                              "beside it), rewritten as each strategy's row is final, so a stopped run keeps them")
+    compare.add_argument("--time-budget", type=positive_float, metavar="SECONDS",
+                         help="stop searching after this many seconds: the rows found so far are printed, the "
+                              f"rest marked unfinished, and the exit status is {STOPPED_EXIT} (as on Ctrl-C)")
+    compare.add_argument("--no-cache", action="store_true",
+                         help="search every strategy again, neither reading nor writing the search cache "
+                              "($XDG_CACHE_HOME or ~/.cache, /megatron-slimpack/compare)")
+    compare.add_argument("--quiet", action="store_true",
+                         help="no progress on stderr (a bar on a terminal, one line per strategy and phase otherwise)")
     add_megatron_spellings(compare)  # --seq-length
     compare.set_defaults(run=cmd_compare)
 

@@ -6,20 +6,45 @@ attention). A strategy that trains a different semantic (`StrategySpec.different
 megatron-stock, stock `pretrain_gpt.py`, whose sequences attend across document boundaries) is a
 reference: its row is labelled in the notes, every row also gets its speedup over megatron-stock
 (what a user switching from stock Megatron-LM would see), and it is never "the fastest other
-strategy" (`competitors`)."""
+strategy" (`competitors`).
+
+A comparison is long (minutes per strategy at 128 GPUs), so `run_comparison` shows its progress
+(`CompareProgress`), hands each strategy's row over as soon as it is final (`on_update`), stops
+cleanly on Ctrl-C or at a time budget with the rows it has (the rest marked unfinished, never as
+results), and keeps each strategy's search result in a cache keyed by every input it depends on
+(`SearchCache`), so a repeated comparison searches only what changed."""
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from typing import IO, Any
 
+from .. import __version__
 from ..config import SlimPackConfig
 from ..costmodel import CostModel
-from ..plan import PlanError
-from ..planner.layouts import LayoutResult, NoFeasibleLayout, best_layout
+from ..plan import Plan, PlanError
+from ..planner.layouts import (
+    LayoutEvaluation,
+    LayoutResult,
+    NoFeasibleLayout,
+    Rejection,
+    SearchProgress,
+    best_layout,
+)
 from ..planner.strategies import REGISTRY, strategy_names, strategy_spec
 from ..simulator import per_batch_report, simulate
+from ..simulator.dag import SimulationReport
 from ..simulator.report import ComparisonRow, comparison_table, write_gantt
+from ..specs import ParallelConfig
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
 STOCK = "megatron-stock"  # the stock-Megatron reference: its speedup column where it was run
@@ -81,9 +106,17 @@ class StrategyRow(ComparisonRow):
 
 @dataclass
 class ComparisonResult:
+    """`results`: each strategy's best layout; `failures`: why a strategy has none; `unfinished`:
+    strategies whose search was stopped (Ctrl-C, the time budget) before it was final, with why:
+    neither a result nor a failure; `pending`: strategies not searched yet (while it runs);
+    `cached`: strategies whose result came from the search cache."""
+
     results: dict[str, LayoutResult]
     failures: dict[str, str] = field(default_factory=dict)
     gantt_files: list[str] = field(default_factory=list)
+    unfinished: dict[str, str] = field(default_factory=dict)
+    pending: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
 
     def rows(self, *, markdown: bool = False) -> list[StrategyRow]:
         """One row per strategy with a layout; the stock speedup column where megatron-stock was
@@ -141,6 +174,8 @@ class ComparisonResult:
         """Strategies without a feasible layout, the references and what they train, how to run a
         base-merge layout in Megatron, and SlimPack's speedups."""
         lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
+        lines += [f"{name}: unfinished ({why}); no row" for name, why in self.unfinished.items()]
+        lines += [f"{name}: not searched yet" for name in self.pending]
         lines += [f"{name} is a reference, left out of the fastest other strategy: "
                   f"{strategy_spec(name).different_semantics}"
                   + (f"; the '{STOCK_HEADER}' column is each strategy's speedup over it" if name == STOCK else "")
@@ -174,6 +209,10 @@ class ComparisonResult:
             # the communication each strategy's real run overlaps, as priced, with its Megatron flags
             "overlaps": {name: strategy_spec(name).overlaps.to_dict() for name in self.results},
             "objectives": {name: objective(name) for name in self.results},
+            # strategies stopped before their search was final (no row), and why
+            "unfinished": self.unfinished,
+            "pending": self.pending,  # not searched yet: only in a file written while the comparison runs
+            "cached": self.cached,  # results read from the search cache
         }
 
 
@@ -191,16 +230,28 @@ def resolve_strategies(text: str) -> list[str]:
     return names
 
 
+class CompareStopped(Exception):
+    """Raised through a layout search to stop it: the comparison's time budget is spent."""
+
+
 def run_comparison(
     *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int | None = None,
     global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int | None = None,
     solver_time_limit_s: float | None = None, solver_deterministic_limit: float | None = None,
-    config: SlimPackConfig | None = None, gantt_dir: str | None = None, show_progress: bool = True,
-    batches: list[list[int]] | None = None,
+    config: SlimPackConfig | None = None, gantt_dir: str | None = None, show_progress: bool | str = True,
+    batches: list[list[int]] | None = None, time_budget_s: float | None = None,
+    cache: "SearchCache | None" = None, on_update: Callable[[ComparisonResult], None] | None = None,
 ) -> ComparisonResult:
     """Every strategy of `strategies` in its best layout of `gpus` GPUs on the same batches.
     `config`: the planners' configuration (its strategy is each one's in turn; default
-    `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its."""
+    `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its.
+
+    `show_progress`: True for `CompareProgress`'s choice (a bar on a terminal, log lines
+    otherwise), False for nothing, or one of its modes. `cache`: where search results are kept and
+    looked up (None: every strategy is searched). `on_update` gets the result after each strategy
+    is final (and once at the start, every strategy pending). Ctrl-C or `time_budget_s` seconds
+    stop the search: the strategy being searched and those not started are `unfinished` (cached
+    results are still read after the budget is spent, not after Ctrl-C)."""
     given = dict(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s,
                  solver_deterministic_limit=solver_deterministic_limit)
     config = (config or SlimPackConfig()).with_(**{name: value for name, value in given.items() if value is not None})
@@ -210,19 +261,363 @@ def run_comparison(
 
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]
-    result = ComparisonResult({})
-    for name in resolve_strategies(strategies):
-        if show_progress:
-            print(f"[compare] {name}: searching layouts for {gpus} GPUs ...", file=sys.stderr, flush=True)
+    names = resolve_strategies(strategies)
+    result = ComparisonResult({}, pending=list(names))
+    display = show_progress if isinstance(show_progress, CompareProgress) else CompareProgress(
+        show_progress if isinstance(show_progress, str) else "auto" if show_progress else "off")
+    started = time.monotonic()
+    deadline = None if time_budget_s is None else started + time_budget_s
+    stopped: str | None = None  # why the comparison stopped early
+
+    def tell(progress: SearchProgress) -> None:
+        display.update(progress)
+        if deadline is not None and time.monotonic() > deadline:
+            raise CompareStopped(f"the time budget of {time_budget_s:g} s was spent")
+
+    if on_update:
+        on_update(result)
+    with display:
+        index, name = 0, ""
         try:
-            result.results[name] = best_layout(name, batches, cost, gpus, context_length, config)
-        except NoFeasibleLayout as error:
-            result.failures[name] = str(error).splitlines()[0]
-        except PlanError as error:
-            result.failures[name] = str(error)
-    if gantt_dir:
+            for index, name in enumerate(names):
+                result.pending.remove(name)
+                key = cache.key(name, batches, cost, gpus, context_length, config) if cache else None
+                hit = cache.load(key) if cache and key else None
+                if hit is not None:
+                    _record(result, name, hit)
+                    result.cached.append(name)
+                    display.strategy_done(name, index, len(names), _outcome(result, name) + " (cached)")
+                elif stopped is not None or (deadline is not None and time.monotonic() > deadline):
+                    stopped = stopped or f"the time budget of {time_budget_s:g} s was spent"
+                    result.unfinished[name] = f"not searched: {stopped}"
+                else:
+                    display.strategy_started(name, index, len(names), gpus)
+                    try:
+                        outcome = _search(name, batches, cost, gpus, context_length, config, tell)
+                    except CompareStopped as why:
+                        stopped = str(why)
+                        result.unfinished[name] = f"search stopped: {stopped}"
+                        display.strategy_done(name, index, len(names), "unfinished")
+                    else:
+                        _record(result, name, outcome)
+                        if cache and key and not isinstance(outcome, str):
+                            cache.store(key, name, outcome)
+                        display.strategy_done(name, index, len(names), _outcome(result, name))
+                if on_update:
+                    on_update(result)
+        except KeyboardInterrupt:
+            # Ctrl-C, wherever it came: the strategy at hand and those after it are unfinished (a
+            # result it already has stays), nothing more is read or searched.
+            stopped = "interrupted (Ctrl-C)"
+            if name and not any(name in done for done in (result.results, result.failures, result.unfinished)):
+                result.unfinished[name] = f"search stopped: {stopped}"
+                display.strategy_done(name, index, len(names), "unfinished")
+            result.unfinished.update({rest: f"not searched: {stopped}" for rest in result.pending})
+            result.pending.clear()
+            if on_update:
+                on_update(result)
+    if gantt_dir and stopped != "interrupted (Ctrl-C)":
         _write_gantts(result, cost, Path(gantt_dir))
     return result
+
+
+def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
+            tell: Callable[[SearchProgress], None]) -> LayoutResult | NoFeasibleLayout | str:
+    """One strategy's layout search: its result, NoFeasibleLayout, or the message of another
+    PlanError (the strategy cannot plan these inputs at all)."""
+    try:
+        return best_layout(name, batches, cost, gpus, context_length, config, progress=tell)
+    except NoFeasibleLayout as error:
+        return error
+    except PlanError as error:
+        return str(error)
+
+
+def _record(result: ComparisonResult, name: str, outcome: LayoutResult | NoFeasibleLayout | str) -> None:
+    if isinstance(outcome, LayoutResult):
+        result.results[name] = outcome
+    elif isinstance(outcome, NoFeasibleLayout):
+        result.failures[name] = str(outcome).splitlines()[0]
+    else:
+        result.failures[name] = outcome
+
+
+def _outcome(result: ComparisonResult, name: str) -> str:
+    """A strategy's final outcome in a few words, for the progress display."""
+    if name in result.results:
+        found = result.results[name]
+        return f"{found.parallel.describe()}, {found.mean_iteration_time_s:.3f} s/iteration"
+    return f"no feasible layout ({result.failures.get(name, '?')})"
+
+
+# ==== progress ==================================================================================
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class CompareProgress:
+    """What a comparison shows on `stream` (stderr) while it searches. Modes: "bar" (a tqdm bar
+    where tqdm is installed, else one line redrawn with a carriage return: strategy, phase,
+    layouts done/total, best so far, elapsed and ETA), "log" (one line as each strategy and each
+    search phase starts and as each strategy ends: what a log file or a pipe can hold), "off"
+    (nothing) and "auto" (a bar on a terminal, log lines otherwise). A context manager: the bar
+    is cleared on exit."""
+
+    def __init__(self, mode: str = "auto", stream: IO[str] | None = None):
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "log"
+        if mode not in ("bar", "log", "off"):
+            raise ValueError(f"progress mode {mode!r}: use bar, log, off or auto")
+        self.mode = mode
+        self.label = ""
+        self.phase: tuple[str, str] | None = None  # (strategy, phase) of the current bar
+        self.bar: Any = None  # the tqdm bar of the current phase
+        self.line_width = 0  # of the carriage-return line drawn last
+        self.best_s: float | None = None  # the strategy's best so far, over its phases
+
+    def __enter__(self) -> "CompareProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._clear()
+
+    def strategy_started(self, name: str, index: int, count: int, gpus: int) -> None:
+        self.label, self.best_s = f"[{index + 1}/{count}] {name}", None
+        if self.mode == "log":
+            self._log(f"[compare] {name}: searching layouts for {gpus} GPUs ...")
+
+    def update(self, progress: SearchProgress) -> None:
+        if self.mode == "off":
+            return
+        if progress.best_s is not None:  # the phase's best: first-batch times, then means
+            self.best_s = progress.best_s
+        phase = (progress.strategy, progress.phase)
+        new_phase = progress.done == 0 or phase != self.phase
+        if new_phase and self.mode == "bar":
+            self._clear()  # the last phase's bar
+        self.phase = phase
+        if self.mode == "log":
+            if new_phase:
+                what = (f"the first batch on {progress.total} of {progress.candidates} layouts"
+                        if progress.phase == "screening" else f"every batch on the {progress.total} fastest layouts")
+                self._log(f"[compare] {progress.strategy}: {progress.phase}: {what}, {_clock(progress.elapsed_s)} in"
+                          + (f", best so far {self.best_s:.3f} s" if self.best_s is not None else ""))
+            return
+        best = f"best {self.best_s:.3f} s" if self.best_s is not None else "best -"
+        if _tqdm() is not None:
+            if self.bar is None:
+                self.bar = _tqdm()(total=progress.total, desc=f"{self.label} {progress.phase}", unit="layout",
+                                   file=self.stream, leave=False, dynamic_ncols=True)
+            self.bar.total = max(progress.total, progress.done)
+            self.bar.set_postfix_str(f"{best}, strategy {_clock(progress.elapsed_s)}", refresh=False)
+            self.bar.update(progress.done - self.bar.n)
+            return
+        rate = progress.elapsed_s / progress.done if progress.done else None
+        eta = _clock(rate * (progress.total - progress.done)) if rate is not None else "?"
+        self._draw(f"{self.label} {progress.phase} {progress.done}/{progress.total} layouts, {best}, "
+                   f"elapsed {_clock(progress.elapsed_s)}, ETA {eta}")
+
+    def strategy_done(self, name: str, index: int, count: int, outcome: str) -> None:
+        if self.mode == "off":
+            return
+        self._clear()
+        self._log(f"[compare] [{index + 1}/{count}] {name}: {outcome}")
+
+    def _draw(self, line: str) -> None:
+        self.stream.write("\r" + line.ljust(self.line_width))
+        self.stream.flush()
+        self.line_width = len(line)
+
+    def _clear(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.line_width:
+            self.stream.write("\r" + " " * self.line_width + "\r")
+            self.stream.flush()
+            self.line_width = 0
+        self.phase = None
+
+    def _log(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+
+@lru_cache(maxsize=1)
+def _tqdm():
+    """tqdm's bar class, None where tqdm is not installed (the bar is then one plain line)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
+# ==== partial results on disk ===================================================================
+
+
+def write_outputs(result: ComparisonResult, path: str | Path, wide: bool = True) -> list[Path]:
+    """`result` as JSON at `path`, or with a .md suffix as a Markdown document there and JSON next
+    to it (the .json suffix). Each file is replaced whole (written aside, then renamed), so a
+    reader, or a Ctrl-C, never sees half of one. Returns the files written."""
+    path = Path(path)
+    written = []
+    if path.suffix.lower() == ".md":
+        _replace(path, result.markdown_document(wide=wide) if result.results else "\n".join(
+            f"- {line}" for line in result.notes()) + "\n")
+        written.append(path)
+        path = path.with_suffix(".json")
+    _replace(path, json.dumps(result.to_dict(), indent=1, default=float) + "\n")
+    return [*written, path]
+
+
+def _replace(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    aside.write_text(text)
+    os.replace(aside, path)
+
+
+# ==== the search cache ==========================================================================
+
+CACHE_FORMAT = 1
+# What the search's result depends on in this package's code: the cost model, the planners and the
+# layout search, the simulator, plans, the specs and the configuration. A change to any of them
+# gives new cache keys.
+PLANNING_SOURCES = ("costmodel", "planner", "simulator", "plan", "specs.py", "config.py", "errors.py")
+# `best_layout`'s search options as `run_comparison` calls it (its defaults), part of every key
+SEARCH_OPTIONS = {"finalists": 3, "recompute_cascade": True, "layouts": "enumerated"}
+
+
+def cache_dir() -> Path:
+    """Where comparison search results are cached: $XDG_CACHE_HOME (default ~/.cache)/megatron-slimpack/compare."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron-slimpack" / "compare"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """This package's version and a hash of the planning code (`PLANNING_SOURCES`)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for entry in PLANNING_SOURCES:
+        files = sorted((root / entry).rglob("*.py")) if (root / entry).is_dir() else [root / entry]
+        for path in files:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{__version__}+{digest.hexdigest()[:16]}"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+class SearchCache:
+    """Each strategy's layout search result (or its "no feasible layout"), one gzipped JSON file
+    per key under `directory` (default `cache_dir()`). The key covers every input of the search:
+    the batches' lengths (so the workload, its seed, the steps, context length and global batch
+    size), the cost model's full content (model, hardware, coefficients; a profile by content),
+    the planner configuration (seed and solver limits included), the GPU count, the strategy,
+    the search options and the planning code's version. A result is kept whole: its plans and
+    reports rebuild exactly what the table, the notes, the JSON and the Gantt charts use.
+    `hits` and `misses` count look-ups."""
+
+    def __init__(self, directory: str | Path | None = None):
+        self.directory = Path(directory) if directory is not None else cache_dir()
+        self.hits = self.misses = 0
+
+    def key(self, strategy: str, batches: list[list[int]], cost: CostModel, gpus: int, context_length: int,
+            config: SlimPackConfig) -> str:
+        inputs = {
+            "format": CACHE_FORMAT, "code": code_version(), "strategy": strategy, "gpus": gpus,
+            "context_length": context_length, "batches": _digest(batches),
+            "cost": _digest(cost.to_profile_dict()), "config": dataclasses.asdict(config),
+            "search": SEARCH_OPTIONS,
+        }
+        return f"{strategy}-{_digest(inputs)[:32]}"
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.json.gz"
+
+    def load(self, key: str) -> LayoutResult | NoFeasibleLayout | None:
+        """The stored outcome, None when there is none (or it cannot be read: searched again)."""
+        path = self.path(key)
+        try:
+            with gzip.open(path, "rt") as file:
+                data = json.load(file)
+            outcome = _outcome_from_json(data)
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        except (OSError, ValueError, KeyError, TypeError, PlanError):
+            self.misses += 1  # a partial or older file: searched again, then overwritten
+            return None
+        self.hits += 1
+        return outcome
+
+    def store(self, key: str, strategy: str, outcome: LayoutResult | NoFeasibleLayout) -> None:
+        """Keep `outcome`; a cache that cannot be written is left alone (the comparison goes on)."""
+        path = self.path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with gzip.open(aside, "wt", compresslevel=3) as file:
+                json.dump(_outcome_to_json(strategy, outcome), file, default=float)
+            os.replace(aside, path)
+        except OSError as error:
+            print(f"[compare] warning: search cache not written ({error})", file=sys.stderr)
+
+
+def _evaluation_to_json(evaluation: LayoutEvaluation) -> dict:
+    return {"parallel": evaluation.parallel.to_dict(), "plans": [plan.to_dict() for plan in evaluation.plans],
+            "reports": [report.to_dict() for report in evaluation.reports], "num_batches": evaluation.num_batches}
+
+
+def _evaluation_from_json(data: dict) -> LayoutEvaluation:
+    return LayoutEvaluation(ParallelConfig.from_dict(data["parallel"]), [Plan.from_dict(p) for p in data["plans"]],
+                            [SimulationReport.from_dict(r) for r in data["reports"]], int(data["num_batches"]))
+
+
+def _rejection_to_json(rejection: Rejection) -> list:
+    return [rejection.parallel.to_dict(), rejection.kind, rejection.reason]
+
+
+def _rejection_from_json(data: list) -> Rejection:
+    return Rejection(ParallelConfig.from_dict(data[0]), str(data[1]), str(data[2]))
+
+
+def _outcome_to_json(strategy: str, outcome: LayoutResult | NoFeasibleLayout) -> dict:
+    if isinstance(outcome, NoFeasibleLayout):
+        return {"format": CACHE_FORMAT, "strategy": strategy, "no_feasible_layout": str(outcome),
+                "rejected": [_rejection_to_json(r) for r in outcome.rejected]}
+    best = next((i for i, e in enumerate(outcome.finalists) if e is outcome.best), None)
+    return {
+        "format": CACHE_FORMAT, "strategy": outcome.strategy, "gpus": outcome.gpus,
+        # the best evaluation: its index among the finalists (where the search puts it), else whole
+        "best": best if best is not None else _evaluation_to_json(outcome.best),
+        "finalists": [_evaluation_to_json(e) for e in outcome.finalists],
+        "screened": [[parallel.to_dict(), seconds] for parallel, seconds in outcome.screened],
+        "rejected": [_rejection_to_json(r) for r in outcome.rejected],
+        "search_time_s": outcome.search_time_s, "candidates": outcome.candidates,
+    }
+
+
+def _outcome_from_json(data: dict) -> LayoutResult | NoFeasibleLayout:
+    if data.get("format") != CACHE_FORMAT:
+        raise ValueError(f"cache format {data.get('format')!r}")
+    if "no_feasible_layout" in data:
+        return NoFeasibleLayout(data["no_feasible_layout"], [_rejection_from_json(r) for r in data["rejected"]])
+    finalists = [_evaluation_from_json(e) for e in data["finalists"]]
+    best = _evaluation_from_json(data["best"]) if isinstance(data["best"], dict) else finalists[int(data["best"])]
+    return LayoutResult(
+        strategy=data["strategy"], gpus=int(data["gpus"]), best=best, finalists=finalists,
+        screened=[(ParallelConfig.from_dict(p), float(t)) for p, t in data["screened"]],
+        rejected=[_rejection_from_json(r) for r in data["rejected"]],
+        search_time_s=float(data["search_time_s"]), candidates=int(data["candidates"]),
+    )
 
 
 def _write_gantts(result: "ComparisonResult", cost, directory: Path) -> None:
