@@ -87,6 +87,10 @@ def test_the_bar_without_tqdm_is_one_redrawn_line_with_best_elapsed_and_eta(monk
             display.update(progress(done))
         drawn = stream.getvalue().split("\r")[-1]
         assert drawn.startswith("[2/3] slimpack screening 3/10 layouts, best 1.500 s, elapsed 0:06, ETA 0:14")
+        for done, elapsed in ((0, 20.0), (1, 30.0)):  # the ETA is of the phase: 10 s per layout finished
+            display.update(SearchProgress("slimpack", "finishing", done, 3, 1.7 if done else None, elapsed, 40))
+        drawn = stream.getvalue().split("\r")[-1]
+        assert drawn.startswith("[2/3] slimpack finishing 1/3 layouts, best 1.700 s, elapsed 0:30, ETA 0:20")
         assert "\n" not in stream.getvalue()
     assert stream.getvalue().endswith("\r")  # cleared on exit: the next output starts on a clean line
 

@@ -238,7 +238,8 @@ def run_comparison(
     *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int | None = None,
     global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int | None = None,
     solver_time_limit_s: float | None = None, solver_deterministic_limit: float | None = None,
-    config: SlimPackConfig | None = None, gantt_dir: str | None = None, show_progress: bool | str = True,
+    config: SlimPackConfig | None = None, gantt_dir: str | None = None,
+    show_progress: bool | str | CompareProgress = True,
     batches: list[list[int]] | None = None, time_budget_s: float | None = None,
     cache: "SearchCache | None" = None, on_update: Callable[[ComparisonResult], None] | None = None,
 ) -> ComparisonResult:
@@ -247,7 +248,7 @@ def run_comparison(
     `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its.
 
     `show_progress`: True for `CompareProgress`'s choice (a bar on a terminal, log lines
-    otherwise), False for nothing, or one of its modes. `cache`: where search results are kept and
+    otherwise), False for nothing, one of its modes, or a `CompareProgress`. `cache`: where search results are kept and
     looked up (None: every strategy is searched). `on_update` gets the result after each strategy
     is final (and once at the start, every strategy pending). Ctrl-C or `time_budget_s` seconds
     stop the search: the strategy being searched and those not started are `unfinished` (cached
@@ -378,7 +379,8 @@ class CompareProgress:
         self.phase: tuple[str, str] | None = None  # (strategy, phase) of the current bar
         self.bar: Any = None  # the tqdm bar of the current phase
         self.line_width = 0  # of the carriage-return line drawn last
-        self.best_s: float | None = None  # the strategy's best so far, over its phases
+        self.best_s: float | None = None  # the best so far: of the current phase once it has one
+        self.phase_began_s = 0.0  # the search's elapsed time when the current phase began
 
     def __enter__(self) -> "CompareProgress":
         return self
@@ -400,6 +402,8 @@ class CompareProgress:
         new_phase = progress.done == 0 or phase != self.phase
         if new_phase and self.mode == "bar":
             self._clear()  # the last phase's bar
+        if new_phase:
+            self.phase_began_s = progress.elapsed_s
         self.phase = phase
         if self.mode == "log":
             if new_phase:
@@ -417,7 +421,7 @@ class CompareProgress:
             self.bar.set_postfix_str(f"{best}, strategy {_clock(progress.elapsed_s)}", refresh=False)
             self.bar.update(progress.done - self.bar.n)
             return
-        rate = progress.elapsed_s / progress.done if progress.done else None
+        rate = (progress.elapsed_s - self.phase_began_s) / progress.done if progress.done else None
         eta = _clock(rate * (progress.total - progress.done)) if rate is not None else "?"
         self._draw(f"{self.label} {progress.phase} {progress.done}/{progress.total} layouts, {best}, "
                    f"elapsed {_clock(progress.elapsed_s)}, ETA {eta}")
@@ -534,7 +538,8 @@ class SearchCache:
         inputs = {
             "format": CACHE_FORMAT, "code": code_version(), "strategy": strategy, "gpus": gpus,
             "context_length": context_length, "batches": _digest(batches),
-            "cost": _digest(cost.to_profile_dict()), "config": dataclasses.asdict(config),
+            "cost": _digest(cost.to_profile_dict()), "overlaps": repr(cost.overlaps),
+            "config": dataclasses.asdict(config),
             "search": SEARCH_OPTIONS,
         }
         return f"{strategy}-{_digest(inputs)[:32]}"
