@@ -75,9 +75,8 @@ COMPARE_SMALL = ["compare", "--workload", "longtail", "--model", "tiny", "--hard
 
 
 def test_markdown_is_a_document_with_notes_as_a_list_and_charts_as_images(monkeypatch, capsys):
-    """issue 25: `compare --markdown` did nothing (Markdown was already the default, and --csv won
-    silently); now it prints a Markdown document: the table, notes as list items (plain lines run
-    together into one paragraph) and each Gantt chart as an image."""
+    """`compare --markdown` prints a Markdown document: the table, notes as list items (plain lines
+    would run together into one paragraph) and each Gantt chart as an image."""
     real = comparison.run_comparison
 
     def with_note_and_chart(**kwargs):
@@ -91,7 +90,10 @@ def test_markdown_is_a_document_with_notes_as_a_list_and_charts_as_images(monkey
     out = capsys.readouterr().out
     table, notes, image = out.split("\n\n")
     assert table.splitlines()[0].startswith("| strategy | layout |") and len(table.splitlines()) == 4
-    assert notes == "- slimpipe: no feasible layout (no layout fits in memory)"
+    note_lines = notes.splitlines()
+    assert note_lines[0] == "- slimpipe: no feasible layout (no layout fits in memory)"
+    # the overlaps each strategy is priced with, and their Megatron flags
+    assert note_lines[1].startswith("- overlaps priced: megatron-fixed: TP") and "--overlap-grad-reduce" in notes
     assert image == "![bfd Gantt chart](charts/bfd.png)\n"
     assert cli.main(COMPARE_SMALL) == 0  # the default: the table and plain note lines
     assert "Gantt chart: charts/bfd.png" in capsys.readouterr().out
@@ -165,3 +167,16 @@ def test_compare_table_is_compact_by_default_and_wide_on_request():
     from megatron_slimpack.simulator.report import _format
 
     assert _format("planning_s", 0.000839) == "<0.001" and _format("iteration_s", 0.0123) == "0.012"
+
+
+def test_compare_json_states_each_strategys_overlaps_and_objective(capsys):
+    """Which communication each row was priced as hiding, the flags that give it on a cluster, and
+    what each strategy trains."""
+    import json
+
+    assert cli.main([*COMPARE_SMALL, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    fixed, bfd = result["overlaps"]["megatron-fixed"], result["overlaps"]["bfd"]
+    assert fixed["tp_comm"] and "--tp-comm-overlap" in fixed["flags"]
+    assert not bfd["tp_comm"] and "--tp-comm-overlap" not in bfd["flags"] and "--overlap-grad-reduce" in bfd["flags"]
+    assert result["objectives"] == {"megatron-fixed": "documents cut at sequence boundaries", "bfd": "documents whole"}

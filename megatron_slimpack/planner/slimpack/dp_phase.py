@@ -157,6 +157,7 @@ def _solve(
         solver.parameters.max_deterministic_time = deterministic_limit
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C reaches Python as KeyboardInterrupt, not a shortened solve
     # Presolve's symmetry breaking would otherwise declare the LPT hint infeasible and drop it.
     solver.parameters.keep_all_feasible_solutions_in_presolve = True
     status = solver.solve(model)
