@@ -846,16 +846,16 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
     from megatron_slimpack.planner.slimpack.search import SlimPackSearch
 
     cost, parallel = (ms.CostModel.analytic("llama-70b", "h100-sxm"),
-                      ParallelConfig(dp=4, pp=8, tp=4, recompute="selective"))
-    config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=16384, solver_time_limit_s=60,
+                      ParallelConfig(dp=4, pp=8, tp=8, recompute="selective"))
+    config = ms.SlimPackConfig(context_length=131072, max_micropack_tokens=20480, solver_time_limit_s=60,
                                solver_deterministic_limit=0.1)
-    tunables, ladder = config.tunables, SizeLadder.below_cap(16384, config)
+    tunables, ladder = config.tunables, SizeLadder.below_cap(20480, config)
     lengths = [131072] + [int(x) for x in np.random.default_rng(4).lognormal(8, 1.3, 300).clip(16, 16384)]
     with pytest.raises(DoesNotFit, match="131072-token document") as caught:
-        merge_group_sizes(lengths, cost, parallel, [16384], True)
+        merge_group_sizes(lengths, cost, parallel, [20480], True)
     assert caught.value.sample_ids == (0,) and caught.value.bytes_needed > caught.value.bytes_available
     largest, groups = largest_merged_micropack(lengths, cost, parallel, ladder, True)
-    assert largest % tunables.size_granule == 0 and tunables.min_micropack_tokens < largest < 16384
+    assert largest % tunables.size_granule == 0 and tunables.min_micropack_tokens < largest < 20480
     assert largest not in ladder.micropack_tokens
     assert np.array_equal(groups, merge_group_sizes(lengths, cost, parallel, [largest], True))
     with pytest.raises(DoesNotFit, match="131072-token document"):
@@ -867,12 +867,12 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
                                                                                                  *rest))
     best_without_base_merge(lengths, parallel, cost, config).plan.validate()
     for_smallest = merge_group_sizes(lengths, cost, parallel, list(ladder.micropack_tokens), True)
-    assert [sizing.token_cap for sizing in planned] == [16384, largest]
+    assert [sizing.token_cap for sizing in planned] == [20480, largest]
     assert np.array_equal(planned[0].group_ranks, for_smallest) and np.array_equal(planned[1].group_ranks, groups)
     assert groups[0] > for_smallest[0]
     planned.clear()  # a slice size the user set is kept: one sizing, at the cap
     best_without_base_merge(lengths, parallel, cost, config.with_(slice_tokens=4096)).plan.validate()
-    assert [sizing.token_cap for sizing in planned] == [16384]
+    assert [sizing.token_cap for sizing in planned] == [20480]
 
 
 def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_that_does():

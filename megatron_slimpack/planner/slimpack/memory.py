@@ -99,7 +99,8 @@ def merge_group_sizes(lengths: list[int], cost: CostModel, parallel: ParallelCon
 
     def need(length: int, ranks: int) -> float:
         # A merge group's MicroPacks hold `ranks` x the MicroPack size: each member keeps its share.
-        merged = parallel.with_(cp=parallel.cp * ranks)
+        # k-fold context parallelism over dp/k replicas: each member keeps its own optimizer shard
+        merged = parallel.with_(cp=parallel.cp * ranks, dp=max(1, parallel.dp // ranks))
         return min(document_memory_bytes(length, cost, merged, tokens * ranks) for tokens in micropack_tokens)
 
     for index in np.argsort(lengths)[::-1]:
