@@ -99,6 +99,8 @@ def test_activation_terms_of_one_layer_by_hand():
     # selective recompute frees what only the kernel saved (the prefix concatenation), nothing else
     selective = LLAMA.activation_bytes(1000.0, 0.0, parallel.with_(recompute="selective"), prefix_tokens=300.0)
     assert selective / LLAMA.layers_per_stage(parallel) == pytest.approx(1000 * per_token)
+    # a slice's K/V kept for later slices: bf16 leaves and their fp32 gradient accumulators
+    assert LLAMA.kv_cache_bytes(1000.0, parallel) == pytest.approx(32 * 2 * 1000 * kv * (2 + 4))
     # full recompute keeps each layer's input only
     full = LLAMA.activation_bytes(1000.0, 0.0, parallel.with_(recompute="full"))
     assert full / LLAMA.layers_per_stage(parallel) == pytest.approx(1000 * h * 2)

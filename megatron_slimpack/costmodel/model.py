@@ -561,9 +561,10 @@ class CostModel:
         return self.activation_bytes(tokens, pairs, parallel.with_(recompute="none")) / self.layers_per_stage(parallel)
 
     def kv_cache_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
-        """K/V leaves of a sample's finished slices plus their accumulating gradients, one stage."""
-        per_layer = 2 * tokens * self.model.kv_hidden_size / (parallel.tp * parallel.cp) * self.dtype_bytes
-        return 2 * self.layers_per_stage(parallel) * per_layer
+        """K/V leaves of a sample's finished slices (model dtype) plus their gradients, which the
+        runtime accumulates in fp32 across the slices that read them, one stage."""
+        elements = 2 * tokens * self.model.kv_hidden_size / (parallel.tp * parallel.cp)
+        return self.layers_per_stage(parallel) * elements * (self.dtype_bytes + 4.0)
 
     def memory_budget_bytes(self) -> float:
         return self.hardware.memory_bytes * self.hardware.usable_memory_fraction
