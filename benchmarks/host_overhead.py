@@ -5,8 +5,9 @@
 The plan: one global batch of 1024 x 128K tokens of Wikipedia documents (about 133,000
 documents), llama-70b on 128 H100s in SlimPack's layout for that cell of the paper grid
 (tp4 pp8 dp4, selective recompute), planned by the project's planner with the analytic H100 cost
-model (about 20 s on a 2-core VM; `--plan` loads a saved one). The simulated step is the
-project's DAG simulator on the same plan and cost model.
+model (20-90 s on the shared 2-core VM; `--plan` loads a saved one). Without the shipped
+lengths (../shared/data/wikipedia_lengths.txt) the `longtail` generator stands in. The simulated
+step is the project's DAG simulator on the same plan and cost model.
 
 Every rank of a data-parallel replica does the same host work whatever its pipeline stage or
 tensor rank, so the figures are per data-parallel rank, over the replica plans it runs (its

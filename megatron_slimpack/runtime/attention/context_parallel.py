@@ -115,55 +115,64 @@ def split_micropack(lengths: Sequence[int], group_size: int) -> list[list[list[i
     return out
 
 
-def token_owners(lengths: np.ndarray, group_size: int) -> np.ndarray:
-    """The group rank that holds each token of a MicroPack (natural pack order), exactly as
-    `split_micropack` deals them, computed for all tokens at once."""
+def owner_runs(lengths: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A MicroPack's tokens (natural pack order) as runs of consecutive tokens held by one group
+    rank, exactly as `split_micropack` deals them: the 2k chunks of each slice of >= 2k tokens,
+    and every single token of a shorter slice. Returns each run's (owner, size, slice), computed
+    for all runs at once: there are at most 2k per slice, far fewer than tokens."""
     k, lengths = group_size, np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if k == 1:
-        return np.zeros(total, dtype=np.int64)
-    slice_of = np.repeat(np.arange(len(lengths)), lengths)
-    offset = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    # short slices (< 2k tokens): round-robin, the rotation carried over the MicroPack's short slices
-    short = np.where(lengths < 2 * k, lengths, 0)
+    long = lengths >= 2 * k
+    runs = np.where(long, 2 * k, lengths)
+    run_slice = np.repeat(np.arange(len(lengths)), runs)
+    index = np.arange(int(runs.sum()), dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)  # within its slice
+    # short slices: round-robin, the rotation carried over the MicroPack's short slices
+    short = np.where(long, 0, lengths)
     rotation = (np.cumsum(short) - short) % k
-    owner = (rotation[slice_of] + offset) % k
     # long slices: 2k chunks of `base` tokens, the first `a` and the last `b` one token longer
-    rows = np.flatnonzero(lengths[slice_of] >= 2 * k)
-    if len(rows):
-        n, j = lengths[slice_of[rows]], offset[rows]
-        base, extra = np.divmod(n, 2 * k)
-        a, b = np.minimum(extra, k), np.maximum(extra - k, 0)
-        head, middle = a * (base + 1), (2 * k - a - b) * base
-        chunk = np.where(j < head, j // (base + 1),
-                         np.where(j < head + middle, a + (j - head) // base,
-                                  2 * k - b + (j - head - middle) // (base + 1)))
-        owner[rows] = np.where(chunk < k, chunk, 2 * k - 1 - chunk)  # rank i: chunks i and 2k-1-i
-    return owner
+    base, extra = np.divmod(lengths[run_slice], 2 * k)
+    a, b = np.minimum(extra, k), np.maximum(extra - k, 0)
+    in_long = long[run_slice]
+    size = np.where(in_long, base + ((index < a) | (index >= 2 * k - b)), 1)
+    owner = np.where(in_long, np.where(index < k, index, 2 * k - 1 - index),  # rank i: chunks i and 2k-1-i
+                     (rotation[run_slice] + index) % k)
+    return owner, size, run_slice
+
+
+def token_owners(lengths: np.ndarray, group_size: int) -> np.ndarray:
+    """The group rank that holds each token of a MicroPack (natural pack order)."""
+    owner, size, _ = owner_runs(lengths, group_size)
+    return np.repeat(owner, size)
+
+
+def _run_offsets(size: np.ndarray) -> np.ndarray:
+    """Each token's offset within its run, for runs of these sizes laid end to end."""
+    return np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size, size)
 
 
 class _Split:
-    """A MicroPack's tokens over a merge group, as host arrays (see `token_owners`): each member
-    holds its tokens slice by slice in pack order, within a slice in position order, i.e. in
-    natural pack order."""
+    """A MicroPack's tokens over a merge group, as host arrays built from the owner runs
+    (`owner_runs`): each member holds its tokens slice by slice in pack order, within a slice in
+    position order, i.e. in natural pack order."""
 
     def __init__(self, table: np.ndarray, group_size: int, group_rank: int):
         lengths = table[:, 2] - table[:, 1]
-        owner = token_owners(lengths, group_size)
-        counts = np.bincount(owner, minlength=group_size)
-        # stable sort by owner (radix sort on small ints): every member's tokens in natural order
-        order = np.argsort(owner.astype(np.int32), kind="stable")
-        first = np.cumsum(counts) - counts
-        local = np.empty(len(owner), dtype=np.int64)
-        local[order] = np.arange(len(owner), dtype=np.int64) - np.repeat(first, counts)
+        owner, size, run_slice = owner_runs(lengths, group_size)
+        counts = np.bincount(owner, weights=size, minlength=group_size).astype(np.int64)
+        run_start = np.cumsum(size) - size  # natural index of each run's first token
+        # each run's first row in its owner's share: the sizes of the owner's earlier runs
+        order = np.argsort(owner, kind="stable")
+        ahead = np.cumsum(size[order]) - size[order]
+        local_start = np.empty_like(size)
+        local_start[order] = ahead - (np.cumsum(counts) - counts)[owner[order]]
         self.counts = counts.tolist()
         self.bounds = np.concatenate([[0], np.cumsum(lengths)])
         # row of the padded, gathered buffer (member-major, `padded` rows each) of each natural token
-        self.gather_index = owner * int(counts.max(initial=0)) + local
-        self.mine = order[first[group_rank]:first[group_rank] + counts[group_rank]]  # natural indices
-        slice_of = np.repeat(np.arange(len(lengths)), lengths)[self.mine]
+        self.gather_index = np.repeat(owner * int(counts.max(initial=0)) + local_start, size) + _run_offsets(size)
+        mine = np.flatnonzero(owner == group_rank)
+        self.mine = np.repeat(run_start[mine], size[mine]) + _run_offsets(size[mine])  # natural indices
+        slice_of = np.repeat(run_slice[mine], size[mine])
         self.positions = table[slice_of, 1] + self.mine - self.bounds[slice_of]
-        self.per_slice = np.bincount(slice_of, minlength=len(lengths))  # local tokens per slice
+        self.per_slice = np.bincount(run_slice[mine], weights=size[mine], minlength=len(lengths)).astype(np.int64)
 
 
 def _check_mergeable(micropack: MicroPack, group_size: int) -> None:
