@@ -890,7 +890,7 @@ def test_the_heaviest_replica_bisects_between_a_size_that_does_not_fit_and_one_t
     from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, plan_replica
     from megatron_slimpack.planner.work import WorkRates
 
-    parallel = ParallelConfig(dp=1, pp=4, tp=8, recompute="selective")
+    parallel = ParallelConfig(dp=1, pp=8, tp=4, recompute="selective")
     cost = ms.CostModel.analytic("llama-13b", replace(LLAMA_13B.hardware, kernels="generic",
                                                       half_efficiency_tokens=32768))
     context = 131072
