@@ -148,7 +148,8 @@ def replica_summary(plan: Plan, cost: CostModel) -> list[dict]:
     rows: list[dict[str, Any]] = []
     for index, replica in enumerate(plan.replicas):
         slices = [s for m in replica.micropacks for s in m.slices]
-        merged = plan.parallel.with_(cp=plan.parallel.cp * len(replica.dp_ranks))
+        group = len(replica.dp_ranks)  # k-fold context parallelism over dp/k replicas
+        merged = plan.parallel.with_(cp=plan.parallel.cp * group, dp=max(1, plan.parallel.dp // group))
         stage_forward = sum(cost.forward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
         stage_backward = sum(cost.backward_time(m.num_tokens, m.attention_pairs, merged) for m in replica.micropacks)
         pipeline_s = predicted.get(tuple(replica.dp_ranks), None if replica.micropacks else 0.0)

@@ -290,7 +290,9 @@ def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int], cost:
     longest = max(lengths)
     if rule == "merged-document":
         group = parallel.dp & -parallel.dp  # merge groups are powers of two dividing dp
-        return document_memory_bytes(longest, cost, parallel.with_(cp=parallel.cp * group))
+        # a merge group of k ranks: k-fold context parallelism over dp/k replicas
+        merged = parallel.with_(cp=parallel.cp * group, dp=max(1, parallel.dp // group))
+        return document_memory_bytes(longest, cost, merged)
     tokens = {
         "sequence": min(context_length, sum(lengths)),
         "document": longest,

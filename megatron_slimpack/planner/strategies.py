@@ -64,7 +64,7 @@ def no_slower_than_fixed_grouping(plan: Plan, lengths: list[int], parallel: Para
     if parallel.cp > 1 or plan.metadata.get("base_merge"):
         return plan
     try:
-        candidate = prefix_keeping_fixed_plan(lengths, parallel, cost, config).validate()
+        candidate = baselines.fixed.prefix_keeping_fixed_plan(lengths, parallel, cost, config).validate()
     except PlanError:  # the batch does not deal evenly over the ranks, or a rule the grouping breaks
         return plan
     candidate = replace(candidate, strategy=plan.strategy)
@@ -107,7 +107,6 @@ def _slimpack_no_merge(lengths, parallel, cost, config, *, sources=None):
 
 # Every other registering module (it imports `registry`, never this module).
 from . import baselines  # noqa: E402,F401
-from .baselines.fixed import prefix_keeping_fixed_plan  # noqa: E402
 
 # ---- the complete registry ---------------------------------------------------------------------
 
