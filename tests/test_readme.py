@@ -1,4 +1,4 @@
-"""The README's Python snippet runs as written (issue 25: `lengths` was undefined)."""
+"""The README's Python snippet runs as written."""
 from __future__ import annotations
 
 import re
