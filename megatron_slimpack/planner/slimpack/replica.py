@@ -98,9 +98,8 @@ class ReplicaSearch:
 
         With a pipeline, MicroPacks are first packed to even costs, which also slices documents
         that fit one; a chain holds all its MicroPacks until its backward, so where that packing
-        does not fit and it sliced such a document, the plain packing is tried too (docs/history.md,
-        eighth session: 13B tp2 pp2 cp4 runs whole documents in 64K MicroPacks, more than 5%
-        faster than half-size ones)."""
+        does not fit and it sliced such a document, the plain packing is tried too (13B tp2 pp2
+        cp4 runs whole documents in 64K MicroPacks more than 5% faster than half-size ones)."""
         if self.best is not None and packing_bound_s(self.ordered, micropack_tokens, self.cost,
                                                      self.parallel) >= self.best[1].makespan_s:
             return True

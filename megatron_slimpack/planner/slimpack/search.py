@@ -76,20 +76,18 @@ class SlimPackSearch:
         fastest predicted plan kept; the next base merge is tried only where none of them fits
         memory (`DoesNotFit`). Within an attempt, replicas that do not fit get larger groups
         (`plan_sizing`), each replica walks its `SizeLadder` (`replica.plan_replica`) and each
-        size tries the even-cost packing, then the plain one (`ReplicaSearch.try_size`).
-        Figures: docs/history.md, the session named."""
+        size tries the even-cost packing, then the plain one (`ReplicaSearch.try_size`)."""
         base_merge = self.config.base_merge
         while True:
             # Long documents in the fewest ranks; their replicas' MicroPacks shrink to fit next to
-            # their chains. Neither sizing wins everywhere: at 7B this one does (seventh session).
+            # their chains. Neither sizing wins everywhere: at 7B this one does.
             yield Attempt(base_merge, Sizing.SMALLEST_GROUPS)
-            # The largest MicroPack a merge group allows (bisected in size_granule steps, ninth
-            # session): at 70B tp4 pp8 dp4 128K, 1094 s against 1386 s (seventh session).
+            # The largest MicroPack a merge group allows (bisected in size_granule steps): at 70B
+            # tp4 pp8 dp4 128K, 1094 s against 1386 s with the smallest groups.
             # A slice size the user set is kept: no second sizing.
             if not self.config.slice_tokens:
                 yield Attempt(base_merge, Sizing.LARGEST_MICROPACKS)
-            # Nothing fits: every MicroPack shared by twice the ranks, each holding half of it
-            # (fifth session).
+            # Nothing fits: every MicroPack shared by twice the ranks, each holding half of it.
             base_merge *= 2
             if not self.use_merge or self.parallel.dp % base_merge:
                 return
@@ -162,7 +160,7 @@ class SlimPackSearch:
         """Plan with the sizing's groups. They come from a per-document estimate; where replicas'
         real schedules still do not fit, their sliced documents get twice the group and the batch
         is planned again (all the replicas that failed at once: replicas are alike, so one at a
-        time took a planning each; eighth session: 8 plannings instead of 10)."""
+        time took a planning each: 8 plannings instead of 10)."""
         group_ranks = sizing.group_ranks
         smallest = SizeLadder.below_cap(sizing.token_cap, self.config).smallest
         largest_group = view.dp if self.use_merge else 1
@@ -190,7 +188,7 @@ def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int
     `largest_group` ranks, or when none of them is sliced: then its MicroPacks alone, at the
     ladder's smallest size, do not fit, and taking documents away one planning at a time only
     moved others into their place (documents kept whole, an interleaved layout: 600+ plannings
-    without an end, eighteenth session)."""
+    without an end)."""
     ranks = 2 * failure.group_ranks
     sliced = [i for i in failure.sample_ids if lengths[i] > smallest_micropack * failure.group_ranks]
     if ranks > largest_group or largest_group % ranks or not sliced:
@@ -269,7 +267,7 @@ class _BatchPlanning:
         """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
         searched on the heaviest one (every rung, bisected) and the others start from it, first
         fit (where it does not fit, a longer chain, the largest smaller rung that does; bisecting
-        every replica cost 65% more planning time for no gain, ninth session). A rank may get no
+        every replica cost 65% more planning time for no gain). A rank may get no
         documents (fewer heavy documents than ranks): it idles until the gradient reduction,
         which the simulator shows as DP imbalance."""
         heaviest = int(np.argmax(assignment.replica_loads))
