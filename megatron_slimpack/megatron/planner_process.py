@@ -1,4 +1,4 @@
-"""The planner iterator's worker process: planning off the training process's GIL (issue 22, item 6).
+"""The planner iterator's worker process: planning off the training process's GIL.
 
 Most of the planner is pure Python (1-7 s per global batch at paper scale). Run in a thread of the
 training process, it holds the GIL against the thread that launches the kernels, and the objects
