@@ -314,6 +314,10 @@ class SlimPackConfig:
         none_means="the planner tries several"))
     dp_merge: bool = field(default=True, metadata=option(
         "Let outlier documents be shared by a DP-Merge group."))
+    fixed_grouping_floor: bool = field(default=True, metadata=option(
+        "Where the simulator prices Megatron's fixed-length grouping of a batch (cut documents keeping "
+        "their K/V prefix) faster than SlimPack's own plan, train that grouping; off: always SlimPack's "
+        "own plan (ablations, tests of its schedules)."))
     # Every MicroPack shared by a DP-Merge group of this many replicas (planned as that much
     # context parallelism over dp / base_merge replicas); 1: only outliers are shared (and every
     # MicroPack only where no other plan fits memory).
@@ -354,8 +358,9 @@ class SlimPackConfig:
         for name in ("max_micropack_tokens", "slice_tokens"):
             if _integer(problems, values, n, name, 1, optional=True) and context and values[name] > context:
                 problems.append((name, f"{n(name)} {values[name]} exceeds {n('context_length')} {context}"))
-        if not isinstance(values["dp_merge"], bool):
-            problems.append(("dp_merge", f"{n('dp_merge')} must be True or False, got {values['dp_merge']!r}"))
+        for flag in ("dp_merge", "fixed_grouping_floor"):
+            if not isinstance(values[flag], bool):
+                problems.append((flag, f"{n(flag)} must be True or False, got {values[flag]!r}"))
         base_merge = values["base_merge"]
         if not (_is_int(base_merge) and base_merge >= 1 and base_merge & (base_merge - 1) == 0):
             problems.append(("base_merge", f"{n('base_merge')} must be a power of two >= 1, got {base_merge!r}"))

@@ -49,7 +49,7 @@ def plan_slimpack(
     shared by a DP-Merge group of k replicas: planned as k-fold context parallelism over dp / k
     replicas (`base_merge` in the metadata), run as DP-Merge groups."""
     plan = SlimPackSearch(lengths, parallel, cost, config, symmetric=symmetric, dp_merge=dp_merge).plan()
-    if not symmetric and dp_merge is None:
+    if not symmetric and dp_merge is None and config.fixed_grouping_floor:
         plan = no_slower_than_fixed_grouping(plan, lengths, parallel, cost, config)
     return with_input_sources(plan, sources, len(lengths))
 
