@@ -105,9 +105,10 @@ MODEL_FLAGS = [
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
     "--no-persist-layer-norm", "--distributed-backend", "gloo",
 ]
-# SlimPack's own plans (no fixed-grouping floor): these runs test its schedules against one rank.
+# SlimPack's own plans (no fixed-grouping floor), priced for the CPU they run on: these runs test
+# its schedules against one rank.
 SLIMPACK_FLAGS = ["--calculate-per-token-loss", "--slimpack", "--slimpack-plan-ahead", "0",
-                  "--no-slimpack-fixed-grouping-floor",
+                  "--no-slimpack-fixed-grouping-floor", "--slimpack-hardware", "cpu",
                   "--slimpack-solver-deterministic-limit", "0.5", "--slimpack-solver-time-limit", "30"]
 
 
