@@ -28,7 +28,8 @@ CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
 MEGATRON_FLAGS = {
     "--slimpack-strategy", "--slimpack-slice-tokens", "--slimpack-max-micropack-tokens",
     "--slimpack-solver-time-limit", "--slimpack-solver-deterministic-limit", "--slimpack-plan-ahead",
-    "--slimpack-dp-merge", "--no-slimpack-dp-merge", "--slimpack-base-merge", "--slimpack-cost-model",
+    "--slimpack-dp-merge", "--no-slimpack-dp-merge", "--slimpack-fixed-grouping-floor",
+    "--no-slimpack-fixed-grouping-floor", "--slimpack-base-merge", "--slimpack-cost-model",
     "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
     "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron", "--slimpack-planner-timeout",
 }
@@ -110,6 +111,7 @@ def test_cli_options_are_generated_with_the_dataclass_defaults():
     assert set(added) == {item.name for cls in CONFIGS for item in option_fields(cls, CLI)}
     assert option_strings(parser) - {"-h", "--help"} == {
         "--strategy", "--context-length", "--max-micropack-tokens", "--slice-tokens", "--dp-merge", "--no-dp-merge",
+        "--fixed-grouping-floor", "--no-fixed-grouping-floor",
         "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--cost-model", "--hardware"}
     args = parser.parse_args([])
     assert from_options(SlimPackConfig, args, CLI) == SlimPackConfig()
@@ -199,7 +201,8 @@ def test_the_python_api_validates_and_keeps_its_contract():
     config = ms.SlimPackConfig(strategy="slimpack", context_length=262144)
     assert config.to_dict() == {
         "strategy": "slimpack", "context_length": 262144, "max_micropack_tokens": None, "slice_tokens": None,
-        "dp_merge": True, "base_merge": 1, "merge_threshold": 1.25, "solver_time_limit_s": 0.5,
+        "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
+        "solver_time_limit_s": 0.5,
         "solver_deterministic_limit": None, "seed": 0, "solver_workers": 1,
         "tunables": dataclasses.asdict(PlannerTunables())}
     with pytest.raises(ValueError, match="SlimPackConfig.base_merge must be a power of two"):

@@ -180,7 +180,8 @@ def test_tunables_are_frozen_validated_and_part_of_the_config():
     assert as_dict["tunables"] == dataclasses.asdict(tunables)
     assert {key: value for key, value in as_dict.items() if key != "tunables"} == {
         "strategy": "slimpack", "context_length": 65536, "max_micropack_tokens": None, "slice_tokens": None,
-        "dp_merge": True, "base_merge": 1, "merge_threshold": 1.25, "solver_time_limit_s": 0.5,
+        "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
+        "solver_time_limit_s": 0.5,
         "solver_deterministic_limit": None, "seed": 0, "solver_workers": 1}
 
 
