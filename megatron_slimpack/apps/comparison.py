@@ -71,9 +71,14 @@ def objective(name: str) -> str:
 def overlap_note(name: str) -> str:
     """The communication overlaps a strategy is priced with, and the Megatron flags that give them."""
     overlaps = strategy_spec(name).overlaps
+    return f"{name}: {_overlap_words(name)} ({' '.join(overlaps.flags()) or 'no overlap flags'})"
+
+
+def _overlap_words(name: str) -> str:
+    overlaps = strategy_spec(name).overlaps
     tp = "TP hidden behind GEMMs" if overlaps.tp_comm else "TP serial"
     cp = "CP ring overlapped" if overlaps.cp_exchange else "CP gathered before attention"
-    return f"{name}: {tp}, {cp} ({' '.join(overlaps.flags()) or 'no overlap flags'})"
+    return f"{tp}, {cp}"
 
 
 def competitors(names, strategy: str) -> list[str]:
@@ -117,6 +122,7 @@ class ComparisonResult:
     unfinished: dict[str, str] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
+    explanations: list[str] = field(default_factory=list)  # why SlimPack is slower where it is (`why_slower`)
 
     def rows(self, *, markdown: bool = False) -> list[StrategyRow]:
         """One row per strategy with a layout; the stock speedup column where megatron-stock was
@@ -185,7 +191,7 @@ class ComparisonResult:
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
         lines += ["overlaps priced: " + "; ".join(overlap_note(name) for name in self.results)] if self.results else []
         headline = self.headline() if len(self.results) > 1 else None
-        return lines + ([headline] if headline else [])
+        return lines + ([headline] if headline else []) + self.explanations
 
     def markdown_document(self, wide: bool = True) -> str:
         """The comparison as Markdown to paste into a page: the table, the notes as a list (plain
@@ -213,6 +219,7 @@ class ComparisonResult:
             "unfinished": self.unfinished,
             "pending": self.pending,  # not searched yet: only in a file written while the comparison runs
             "cached": self.cached,  # results read from the search cache
+            "explanations": self.explanations,  # why SlimPack is slower than a competitor, where it is
         }
 
 
@@ -317,9 +324,45 @@ def run_comparison(
             result.pending.clear()
             if on_update:
                 on_update(result)
+    result.explanations = why_slower(result, cost)
     if gantt_dir and stopped != "interrupted (Ctrl-C)":
         _write_gantts(result, cost, Path(gantt_dir))
     return result
+
+
+def why_slower(result: ComparisonResult, cost: CostModel, strategy: str = "slimpack") -> list[str]:
+    """One line per competitor faster than `strategy`, saying where its time goes: the same plans
+    priced with `strategy`'s overlaps (what its runtime hides that `strategy`'s cannot) and the
+    attention pairs each trains per step (documents cut at sequence boundaries lose their prefix).
+    Empty where `strategy` is fastest or has no row."""
+    mine = result.results.get(strategy)
+    if mine is None:
+        return []
+    own_overlaps = strategy_spec(strategy).overlaps
+    lines = []
+    for name in competitors(result.results, strategy):
+        theirs = result.results[name]
+        if theirs.mean_iteration_time_s >= mine.mean_iteration_time_s or not theirs.plans:
+            continue
+        serial = sum(simulate(plan, cost, detail=False, overlaps=own_overlaps).iteration_time_s
+                     for plan in theirs.plans) / theirs.best.num_batches
+        pairs = sum(_attention_pairs(plan) for plan in theirs.plans) / sum(_attention_pairs(p) for p in mine.plans)
+        because = []
+        if strategy_spec(name).overlaps != own_overlaps:
+            outcome = ("slower: it wins by the communication its runtime hides" if serial >= mine.mean_iteration_time_s
+                       else "still faster")
+            because.append(f"priced with {strategy}'s overlaps ({_overlap_words(strategy)}) its plans take "
+                           f"{serial:.3f} s, {outcome}")
+        if pairs < 0.995:
+            because.append(f"it computes {pairs:.1%} of {strategy}'s attention pairs ({objective(name)})")
+        lines.append(f"{strategy} is slower than {name} ({mine.mean_iteration_time_s:.3f} s vs "
+                     f"{theirs.mean_iteration_time_s:.3f} s): " + ("; ".join(because) or "on the same overlaps and "
+                                                                  "objective: a plan its search did not find"))
+    return lines
+
+
+def _attention_pairs(plan: Plan) -> float:
+    return float(sum(micropack.attention_pairs for replica in plan.replicas for micropack in replica.micropacks))
 
 
 def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,

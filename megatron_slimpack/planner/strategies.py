@@ -59,12 +59,16 @@ def no_slower_than_fixed_grouping(plan: Plan, lengths: list[int], parallel: Para
     """`plan`, or Megatron's fixed-length grouping with prefixes kept (`prefix_keeping_fixed_plan`)
     where the simulator prices that faster and it fits: SlimPack never plans a step its own model
     prices slower than fixed-length packing's (the same objective, run by the same runtime, priced
-    with SlimPack's overlaps). Layouts with a base merge are left as planned (the grouping's cp
-    would be Megatron's context parallelism, not DP-Merge groups)."""
-    if parallel.cp > 1 or plan.metadata.get("base_merge"):
-        return plan
+    with SlimPack's overlaps). On a layout with cp k, or a plan with a base merge k, the grouping
+    is made for the view SlimPack planned (dp / k replicas, k-fold context parallelism) and shared
+    by the same DP-Merge groups (`shared_by_groups`): each sequence's MicroPack is held by k ranks,
+    as Megatron's context parallelism holds it."""
+    base_merge = int(plan.metadata.get("base_merge", 1))
+    view = parallel.with_(dp=parallel.dp // base_merge, cp=parallel.cp * base_merge)
     try:
-        candidate = baselines.fixed.prefix_keeping_fixed_plan(lengths, parallel, cost, config).validate()
+        candidate = baselines.fixed.prefix_keeping_fixed_plan(lengths, view, cost, config).validate()
+        if base_merge > 1:
+            candidate = shared_by_groups(candidate, parallel, base_merge).validate()
     except PlanError:  # the batch does not deal evenly over the ranks, or a rule the grouping breaks
         return plan
     candidate = replace(candidate, strategy=plan.strategy)

@@ -15,7 +15,7 @@ from ...plan import (
 )
 from ...specs import ParallelConfig
 from ..registry import register
-from .common import INTERLEAVED, assemble_plan, deal_contiguous, input_sources, whole_documents
+from .common import INTERLEAVED, assemble_plan, deal_contiguous, input_sources, meet_interleaved_count, whole_documents
 from .sequences import concatenate_and_cut, piece_metadata, piece_sources, sequence_first_sources
 
 
@@ -57,8 +57,9 @@ def prefix_keeping_fixed_plan(lengths: list[int], parallel: ParallelConfig, cost
     candidate (its plan is never priced slower than this), and the demo measures megatron-fixed's
     packing with it without changing the objective. With data parallelism a document's pieces
     must stay on one replica (the K/V prefix is local), so the documents are dealt to the replicas
-    in contiguous runs of about equal tokens, each cut into sequences of its own. Samples are the
-    input lengths."""
+    in contiguous runs of about equal tokens, each cut into sequences of its own; with virtual
+    stages a rank's count is brought to what interleaved 1F1B takes (`meet_interleaved_count`).
+    Samples are the input lengths."""
     new = tuple.__new__
     per_rank: list[list[MicroPack]] = []
     sequences = 0
@@ -68,6 +69,8 @@ def prefix_keeping_fixed_plan(lengths: list[int], parallel: ParallelConfig, cost
         per_rank.append([MicroPack([new(Slice, (first + piece.document, piece.offset,
                                                 piece.offset + piece.sample.length)) for piece in sequence])
                          for sequence in cut])
+    # A rank's own cut may end one sequence short of what interleaved 1F1B takes: split one in two.
+    per_rank = meet_interleaved_count(per_rank, parallel, config.context_length, "the fixed-length grouping")
     return assemble_plan(per_rank, samples_of(lengths), parallel, cost, config, config.context_length,
                          {"fixed_length_grouping": True, "num_sequences": sequences},
                          input_sources(lengths, None))
