@@ -18,8 +18,9 @@ from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
 TINY = CostModel.analytic("tiny", "cpu")
 CONTEXT = 4096
+# One worker: these tests watch the searches in this process (the parallel ones are at the end).
 SMALL = ["compare", "--workload", "longtail", "--model", "tiny", "--hardware", "cpu", "--gpus", "2",
-         "--context-length", str(CONTEXT), "--global-batch-size", "4"]
+         "--context-length", str(CONTEXT), "--global-batch-size", "4", "--workers", "1"]
 THREE = ["--strategies", "megatron-fixed,bfd,slimpack"]
 
 
@@ -272,3 +273,39 @@ def test_cache_keys_cover_the_cost_model_configuration_and_batches():
         cache.key("slimpack", tiny_batches(), TINY, 2, CONTEXT, config.with_(seed=5)),
     ]
     assert len({key, *others}) == 6
+
+
+# ---- strategies searched in parallel ----------------------------------------------------------
+
+def without_timings(data: dict) -> dict:
+    """A comparison's JSON without the wall-clock figures (search and planning times)."""
+    for layout in data["layouts"].values():
+        layout.pop("search_time_s")
+    for row in data["rows"]:
+        row.pop("planning_s")
+    return data
+
+
+def test_two_workers_find_what_one_finds(capsys):
+    argv = [*SMALL[:-2], "--steps", "2", "--strategies", "megatron-fixed,bfd,wlb-llm,slimpack",
+            "--solver-deterministic-limit", "0.2", "--no-cache"]
+    one = without_timings(compare_json([*argv, "--workers", "1"], capsys))
+    two = without_timings(compare_json([*argv, "--workers", "2"], capsys))
+    assert [row["strategy"] for row in two["rows"]] == ["megatron-fixed", "bfd", "wlb-llm", "slimpack"]
+    assert two == one
+
+
+def test_parallel_searches_are_cached_and_read_back(capsys):
+    argv = [*SMALL[:-1], "2", *THREE]
+    first = compare_json(argv, capsys)
+    again = compare_json(argv, capsys)
+    assert first["cached"] == [] and again["cached"] == ["megatron-fixed", "bfd", "slimpack"]
+    assert without_timings(again)["rows"] == without_timings(first)["rows"]
+
+
+def test_a_time_budget_stops_the_workers_and_exits_3(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    assert cli.main([*SMALL[:-1], "2", *THREE, "--out", str(out), "--time-budget", "1e-9", "--quiet"]) == 3
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["unfinished"] == {
+        name: "search stopped: the time budget of 1e-09 s was spent" for name in ("megatron-fixed", "bfd", "slimpack")}

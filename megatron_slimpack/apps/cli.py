@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -311,6 +312,7 @@ def cmd_compare(args) -> int:
         gpus=args.gpus, global_batch_size=args.global_batch_size, steps=args.steps, strategies=args.strategies,
         config=config, gantt_dir=args.gantt_dir, show_progress=not args.quiet, time_budget_s=args.time_budget,
         cache=None if args.no_cache else SearchCache(), on_update=write if args.out else None,
+        workers=args.workers,
     )
     if args.out:  # once more: the Gantt charts are named in the notes
         write(result)
@@ -462,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "($XDG_CACHE_HOME or ~/.cache, /megatron-slimpack/compare)")
     compare.add_argument("--quiet", action="store_true",
                          help="no progress on stderr (a bar on a terminal, one line per strategy and phase otherwise)")
+    compare.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                         help="processes searching strategies at once; the result is the same for any count "
+                              "(default: every core, %(default)s here; 1: one strategy after another, with a "
+                              "progress bar per layout)")
     add_megatron_spellings(compare)  # --seq-length
     compare.set_defaults(run=cmd_compare)
 

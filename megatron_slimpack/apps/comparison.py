@@ -19,10 +19,12 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -249,8 +251,11 @@ def run_comparison(
     show_progress: bool | str | CompareProgress = True,
     batches: list[list[int]] | None = None, time_budget_s: float | None = None,
     cache: "SearchCache | None" = None, on_update: Callable[[ComparisonResult], None] | None = None,
+    workers: int = 1,
 ) -> ComparisonResult:
     """Every strategy of `strategies` in its best layout of `gpus` GPUs on the same batches.
+    `workers` > 1: the strategies not in the cache are searched in that many processes at once
+    (`_search_in_parallel`); each search is the same as alone, so the result is too.
     `config`: the planners' configuration (its strategy is each one's in turn; default
     `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its.
 
@@ -284,6 +289,11 @@ def run_comparison(
 
     if on_update:
         on_update(result)
+    if workers > 1 and len(names) > 1:
+        _search_in_parallel(names, result, display, workers, batches, cost, gpus, context_length, config, cache,
+                            deadline, time_budget_s, on_update)
+        stopped = "interrupted (Ctrl-C)" if any("Ctrl-C" in why for why in result.unfinished.values()) else None
+        names = []  # searched
     with display:
         index, name = 0, ""
         try:
@@ -365,8 +375,75 @@ def _attention_pairs(plan: Plan) -> float:
     return float(sum(micropack.attention_pairs for replica in plan.replicas for micropack in replica.micropacks))
 
 
+def _search_in_parallel(names: list[str], result: ComparisonResult, display: "CompareProgress", workers: int,
+                        batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
+                        cache: "SearchCache | None", deadline: float | None, time_budget_s: float | None,
+                        on_update: Callable[[ComparisonResult], None] | None) -> None:
+    """The strategies of `names` searched in `workers` processes (spawned: CP-SAT's threads do not
+    survive a fork), cached ones read first; each worker searches one strategy at a time. Rows are
+    recorded in `names` order whatever order the searches end in, so the result is the serial
+    one's. The time budget or Ctrl-C terminates the workers: the strategies not ended are
+    unfinished."""
+    count = len(names)
+    todo: list[tuple[int, str, str | None]] = []  # (index, name, cache key) of those to search
+    for index, name in enumerate(names):
+        result.pending.remove(name)
+        key = cache.key(name, batches, cost, gpus, context_length, config) if cache else None
+        hit = cache.load(key) if cache and key else None
+        if hit is not None:
+            _record(result, name, hit)
+            result.cached.append(name)
+            display.strategy_done(name, index, count, _outcome(result, name) + " (cached)")
+        else:
+            todo.append((index, name, key))
+    if on_update:
+        on_update(result)
+    if not todo:
+        return
+    pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"))
+    stopped: str | None = None
+    # The longest searches first (SlimPack's, which plan every replica; stateful ones, which run
+    # every screened layout on every batch), so the last to start are short.
+    todo.sort(key=lambda entry: (not strategy_spec(entry[1]).sizes_to_memory, not strategy_spec(entry[1]).stateful))
+    try:
+        running = {name: (index, key, pool.submit(_search, name, batches, cost, gpus, context_length, config))
+                   for index, name, key in todo}
+        for index, name, _ in todo:
+            display.strategy_started(name, index, count, gpus)
+        while running:
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, _ = wait([job for _, _, job in running.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+            if not done:
+                stopped = f"the time budget of {time_budget_s:g} s was spent"
+                break
+            for name in [name for name, (_, _, job) in running.items() if job in done]:
+                index, key, job = running.pop(name)
+                outcome = job.result()  # a worker that died raises BrokenProcessPool here
+                _record(result, name, outcome)
+                if cache and key and not isinstance(outcome, str):
+                    cache.store(key, name, outcome)
+                display.strategy_done(name, index, count, _outcome(result, name))
+                if on_update:
+                    on_update(result)
+    except KeyboardInterrupt:
+        stopped = "interrupted (Ctrl-C)"
+    finally:
+        # A search cannot be cancelled once running: its worker is terminated (the executor has no
+        # public way to do it before Python 3.14's terminate_workers).
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    for name in [name for _, name, _ in todo if name not in result.results and name not in result.failures]:
+        result.unfinished[name] = f"search stopped: {stopped}"
+    order = {name: index for index, name in enumerate(names)}
+    result.results = dict(sorted(result.results.items(), key=lambda item: order[item[0]]))
+    result.failures = dict(sorted(result.failures.items(), key=lambda item: order[item[0]]))
+    if on_update and stopped:
+        on_update(result)
+
+
 def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
-            tell: Callable[[SearchProgress], None]) -> LayoutResult | NoFeasibleLayout | str:
+            tell: Callable[[SearchProgress], None] | None = None) -> LayoutResult | NoFeasibleLayout | str:
     """One strategy's layout search: its result, NoFeasibleLayout, or the message of another
     PlanError (the strategy cannot plan these inputs at all)."""
     try:

@@ -237,6 +237,9 @@ class NoFeasibleLayout(PlanError):
         super().__init__(message)
         self.rejected = rejected
 
+    def __reduce__(self):  # pickled whole (a comparison's worker process hands it back)
+        return type(self), (str(self), self.rejected)
+
 
 # ==== enumeration and cheap checks ==============================================================
 
