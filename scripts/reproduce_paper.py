@@ -31,9 +31,11 @@ What Megatron-LM (core_v0.16.1) cannot express, said next to each affected run i
     absolute position embeddings: RoPE positions come from 0..s-1 regardless. So the megatron-fixed
     runs attend causally across documents (the megatron-stock semantic), with
     --no-create-attention-mask-in-dataloader so the unused dense mask is never built.
-  * context parallelism for the plugin's other strategies (wlb-llm, slimpipe, ...): --slimpack refuses
-    --context-parallel-size > 1 and only slimpack/slimpack-sym read a cp as --slimpack-base-merge, so a
-    grid layout with cp > 1 for them has no command line (listed as not run, with the reason).
+  * context parallelism of the plugin's strategies: --slimpack refuses --context-parallel-size > 1, so
+    a grid layout with cp K runs with --context-parallel-size 1, K times the data-parallel replicas
+    and --slimpack-base-merge K: K-fold context parallelism by DP-Merge groups, as the grid priced
+    it (SlimPack's planner reads the base merge itself; the others plan the cp-K layout and share
+    each MicroPack by its group).
 
 Each run's log is parsed for Megatron's "elapsed time per iteration (ms)" lines and a table of
 ms/iteration and speedup over megatron-fixed is printed. Used through scripts/reproduce_paper.sh.
@@ -168,7 +170,7 @@ def model_options(preset: str) -> dict:
 
 def layout_options(layout: Layout, *, base_merge: bool) -> dict:
     """Megatron's parallelism and recompute flags for a grid layout. `base_merge`: the layout's cp is
-    SlimPack's base merge (cp 1 in Megatron, cp times the data-parallel replicas)."""
+    run by the plugin as a base merge (cp 1 in Megatron, cp times the data-parallel replicas)."""
     return {
         "tensor-model-parallel-size": layout.tp, "sequence-parallel": layout.tp > 1,
         "pipeline-model-parallel-size": layout.pp,
@@ -202,11 +204,6 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
             run.skip = ("simulated for comparison only: neither stock Megatron-LM nor the SlimPack runtime trains "
                         f"{strategy}")
             return run
-        if layout.cp > 1 and not spec.cp_is_base_merge:
-            run.skip = (f"its layout has context parallelism cp{layout.cp}, which Megatron cannot run for {strategy}: "
-                        "--slimpack refuses --context-parallel-size > 1, and --slimpack-base-merge (SlimPack's cp) "
-                        f"is read only by {', '.join(n for n, s in strategy_specs().items() if s.cp_is_base_merge)}")
-            return run
     options = {
         **model_options(bench["model_presets"][cell["model"]]),
         "seq-length": cell["context"], "max-position-embeddings": cell["context"],
@@ -224,7 +221,9 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
         options["no-create-attention-mask-in-dataloader"] = True
     else:
         options.update({k: v for k, v in bench.get("slimpack_args", {}).items() if k not in OWNED})
-        options.update(layout_options(layout, base_merge=spec.cp_is_base_merge))
+        # The plugin runs a layout's cp K as K-fold context parallelism by DP-Merge groups, for every
+        # strategy it trains (`planner.strategies.planning_view`), as `slimpack compare` priced it.
+        options.update(layout_options(layout, base_merge=True))
         options.update({"slimpack": True, "slimpack-strategy": strategy, "no-rope-fusion": True,
                         "slimpack-hardware": clusters[cluster].get("hardware", "h100-sxm")})
     options.update(overlap_options(strategy_specs()[strategy].overlaps, layout))

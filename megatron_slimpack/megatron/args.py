@@ -76,8 +76,9 @@ def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_options(group, SlimPackConfig, MEGATRON, help_extra={
         "strategy": f"One of: {strategy_help(trainable_only=True)}"
                     + (f" ({', '.join(simulated)}: simulated for comparison only)." if simulated else "."),
-        "base_merge": "Keep --context-parallel-size 1: a SlimPack layout with cp K from `slimpack compare` runs "
-                      "as --slimpack-base-merge K.",
+        "base_merge": "Keep --context-parallel-size 1: a layout with cp K from `slimpack compare` runs as "
+                      "--slimpack-base-merge K (K-fold context parallelism by DP-Merge groups, for every "
+                      "strategy the SlimPack runtime trains).",
     })
     add_options(group, MegatronIntegrationConfig, MEGATRON)
     return parser

@@ -63,7 +63,8 @@ PlanFunction = Callable[[GlobalBatch], Plan]
 
 class StrategyPlanFunction:
     """`plan_batch(batch) -> Plan`: the batch's lengths (checked against the context length)
-    planned by `planner` with `sources=batch.sources`, then validated. A class (not a closure) so
+    planned by `planner` with `sources=batch.sources` on the strategy's `planning_view` (a base
+    merge shares its plans by DP-Merge groups), then validated. A class (not a closure) so
     that it pickles: the planner iterator's worker process rebuilds it from these four pieces.
     `planner`'s state is the state after the batches planned."""
 
@@ -71,10 +72,11 @@ class StrategyPlanFunction:
         self.planner, self.parallel, self.cost, self.config = planner, parallel, cost, config
 
     def __call__(self, batch: GlobalBatch) -> Plan:
-        from ..planner.strategies import check_plan_input
+        from ..planner.strategies import check_plan_input, plan_on_view
 
         lengths = check_plan_input(batch.lengths, self.config.context_length)
-        return self.planner.plan(lengths, self.parallel, self.cost, self.config, sources=batch.sources).validate()
+        return plan_on_view(self.planner, lengths, self.parallel, self.cost, self.config,
+                            sources=batch.sources).validate()
 
     def __repr__(self) -> str:
         return f"StrategyPlanFunction({type(self.planner).__name__}, {self.config.strategy!r})"
@@ -95,15 +97,15 @@ def fast_forward(sampler: GlobalBatchSampler, planner, parallel, cost, config, s
     (`StepPlanner.advance`: nothing for stateless strategies; WLB-LLM's delay queues and carried
     documents as planning would leave them), without building plans. A run resumed at step N calls
     this with steps=N, then plans batch N as the uninterrupted run did."""
-    from ..planner.strategies import check_plan_input
+    from ..planner.strategies import check_plan_input, planning_view
 
     if not _is_count(steps):
         raise ResumeStateError(f"fast_forward: steps must be the number of batches already trained (an integer "
                                f">= 0), got {steps!r}")
     for _ in range(int(steps)):
         batch = sampler.next_batch()
-        planner.advance(check_plan_input(batch.lengths, config.context_length), parallel, cost, config,
-                        sources=batch.sources)
+        planner.advance(check_plan_input(batch.lengths, config.context_length), planning_view(parallel, config)[0],
+                        cost, config, sources=batch.sources)
 
 
 BACKENDS = ("auto", "process", "thread")

@@ -160,6 +160,24 @@ def new_planner(name: str) -> StepPlanner:
     return strategy_spec(name).new_planner()
 
 
+def planning_view(parallel: ParallelConfig, config: SlimPackConfig) -> tuple[ParallelConfig, int]:
+    """The layout `config.strategy` plans a run of `parallel` on, and the base merge k its plans are
+    then shared by (`shared_by_groups`; 1: none). A run with --slimpack-base-merge k has cp 1 and
+    dp times k replicas in Megatron: a strategy that reads the base merge itself (SlimPack's,
+    `cp_is_base_merge`) plans `parallel`; any other plans dp / k replicas with k-fold context
+    parallelism, the layout `slimpack compare` chose and priced for it, run as DP-Merge groups."""
+    k = 1 if strategy_spec(config.strategy).cp_is_base_merge else config.base_merge
+    return parallel.with_(dp=parallel.dp // k, cp=parallel.cp * k), k
+
+
+def plan_on_view(planner: StepPlanner, lengths: list[int], parallel: ParallelConfig, cost: CostModel,
+                 config: SlimPackConfig, sources: Sources = None) -> Plan:
+    """`planner`'s plan of one batch for a run of `parallel`, planned on its `planning_view`."""
+    view, base_merge = planning_view(parallel, config)
+    plan = planner.plan(lengths, view, cost, config, sources=sources)
+    return plan if base_merge == 1 else shared_by_groups(plan, parallel, base_merge)
+
+
 def get_strategy(name: str) -> Strategy:
     """A one-shot function for `name` (stateful strategies start from an empty state)."""
     planner = new_planner(name)
