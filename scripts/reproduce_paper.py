@@ -131,6 +131,7 @@ class Run:
     megatron_args: list[str] = field(default_factory=list)
     note: str | None = None      # what the run measures differently from the grid, if anything
     skip: str | None = None      # why there is no command line
+    tokens_per_iteration: int = 0  # global batch x sequence length
 
     @property
     def name(self) -> str:
@@ -204,11 +205,13 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
             run.skip = ("simulated for comparison only: neither stock Megatron-LM nor the SlimPack runtime trains "
                         f"{strategy}")
             return run
+    run.tokens_per_iteration = bench["global_batch_size"][cell["context"]] * cell["context"]
     options = {
         **model_options(bench["model_presets"][cell["model"]]),
         "seq-length": cell["context"], "max-position-embeddings": cell["context"],
         "micro-batch-size": 1, "global-batch-size": bench["global_batch_size"][cell["context"]],
         "train-iters": bench["train_iters"], "log-interval": bench["log_interval"], "eval-iters": 0,
+        "log-throughput": True,  # TFLOP/s per GPU in the log, next to the simulated figures
         "bf16": True, "use-distributed-optimizer": True, "calculate-per-token-loss": True,
         **{k: v for k, v in bench.get("common_args", {}).items() if k not in OWNED},
         "data-path": data_path, "split": "100,0,0",
@@ -355,21 +358,51 @@ def dry_run_text(run: Run, command: list[str], env: dict, log: Path, launcher: s
     return "\n".join(lines)
 
 
-def table(runs: list[Run], times: dict, failed: dict | None = None) -> str:
+MAX_ALLOCATED = re.compile(r"max allocated:\s*([0-9.]+)")  # Megatron's memory report, MB
+THROUGHPUT = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([0-9.]+)")  # with --log-throughput
+
+
+def log_figures(text: str, skip: int) -> dict:
+    """What a run's log measured besides its iteration time: the peak memory Megatron reports (GiB,
+    the largest over the ranks that print it) and the mean TFLOP/s per GPU after the warm-up."""
+    peaks = [float(v) / 1024 for v in MAX_ALLOCATED.findall(text)]
+    throughput = [float(v) for v in THROUGHPUT.findall(text)]
+    throughput = throughput[skip:] if len(throughput) > skip else throughput
+    return {"peak_gib": max(peaks) if peaks else None,
+            "tflops": sum(throughput) / len(throughput) if throughput else None}
+
+
+def _figure(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def table(runs: list[Run], times: dict, failed: dict | None = None, logs: Path | None = None, skip: int = 0) -> str:
+    """Measured next to simulated for every run: ms/iteration and speedup over megatron-fixed, then
+    the grid's simulated ms/iteration and the measured/simulated ratio (a run checks the cost model
+    too), tokens/s, TFLOP/s per GPU and peak memory (measured, simulated) from its log in `logs`."""
     failed = failed or {}
-    lines = ["| model | context | GPUs | dataset | strategy | layout | ms/iter | speedup vs megatron-fixed | note |",
-             "|---|---:|---:|---|---|---|---:|---:|---|"]
+    lines = ["| model | context | GPUs | dataset | strategy | layout | ms/iter | speedup vs megatron-fixed | "
+             "simulated ms/iter | measured/simulated | tokens/s | TFLOP/s/GPU | peak GiB | simulated peak GiB | note |",
+             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for run in runs:
         cell = run.cell
+        figures = cell["strategies"][run.strategy]
         ms = times.get(run.name)
         reference = times.get(run.name.rsplit(".", 1)[0] + "." + REFERENCE)
         speedup = f"{reference / ms:.2f}x" if ms and reference else "-"
+        simulated_ms = figures.get("mean_s", 0.0) * 1000 or None
+        log = logs / f"{run.name}.log" if logs else None
+        measured = log_figures(log.read_text(errors="replace"), skip) if ms and log and log.exists() else {}
         note = f"not run: {run.skip}" if run.skip else ("cross-document attention" if run.note else "")
         if run.name in failed:
             note = f"FAILED: {failed[run.name]}"
-        lines.append(f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | "
-                     f"{run.strategy} | {cell['strategies'][run.strategy]['layout']} | "
-                     f"{f'{ms:.1f}' if ms else '-'} | {speedup} | {note} |")
+        lines.append(
+            f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | "
+            f"{run.strategy} | {figures['layout']} | {_figure(ms, '.1f')} | {speedup} | "
+            f"{_figure(simulated_ms, '.1f')} | {_figure(ms / simulated_ms if ms and simulated_ms else None, '.2f')} | "
+            f"{_figure(run.tokens_per_iteration * 1000 / ms if ms and run.tokens_per_iteration else None, ',.0f')} | "
+            f"{_figure(measured.get('tflops'), '.1f')} | {_figure(measured.get('peak_gib'), '.1f')} | "
+            f"{_figure(figures.get('peak_gib'), '.1f')} | {note} |")
     return "\n".join(lines)
 
 
@@ -435,7 +468,7 @@ def main(argv=None) -> int:
                 if not args.keep_going:
                     break
     if not args.dry_run:
-        print(table(runs, times, failed))
+        print(table(runs, times, failed, logs, skip))
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; their logs are the *.failed.log files in "
               f"{logs} (a new call runs them again)", file=sys.stderr)

@@ -182,12 +182,23 @@ def test_parse_only_reads_the_logs_into_a_speedup_table(tmp_path, capsys):
     cell = "llama-7b_64k_h100-128_wikipedia"
     for strategy, ms in (("megatron-fixed", [900] + [120] * 4 + [100] * 3), ("slimpack", [50] * 5 + [80] * 3)):
         (tmp_path / f"{cell}.{strategy}.log").write_text(
-            "".join(f" iteration {i}/20 | elapsed time per iteration (ms): {v} |\n" for i, v in enumerate(ms)))
+            "".join(f" iteration {i}/20 | elapsed time per iteration (ms): {v} | throughput per GPU "
+                    f"(TFLOP/s/GPU): {10 * i} |\n" for i, v in enumerate(ms))
+            + "[Rank 0] (after 2 iterations) memory (MB) | allocated: 100.0 | max allocated: 40960.0 | reserved: 1\n"
+            + "[Rank 3] (after 2 iterations) memory (MB) | allocated: 100.0 | max allocated: 51200.0 | reserved: 1\n")
     assert reproduce_paper.main(["--parse-only", "--launcher", "torchrun", "--logs", str(tmp_path), *only]) == 0
-    rows = {line.split("|")[5].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
-    assert "| 100.0 | 1.00x |" in rows["megatron-fixed"]  # the first 5 iterations are warm-up
-    assert "| 80.0 | 1.25x |" in rows["slimpack"]
-    assert "| - | - |" in rows["wlb-llm"] and "not run" not in rows["wlb-llm"]  # no log: no figure, no excuse
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[5].strip(): line.split("|")[7:-2] for line in out[2:]}
+    (grid_cell,) = [c for c in GRID if (c["model"], c["context"], c["gpus"], c["dataset"]) == ("llama-7b", 65536, 128,
+                                                                                                "wikipedia")]
+    tokens = reproduce_paper.load_bench(ROOT / "configs" / "bench" / "paper.yaml")[0]["global_batch_size"][65536] * 65536
+    for strategy, ms in (("megatron-fixed", 100.0), ("slimpack", 80.0)):  # the first 5 iterations are warm-up
+        simulated = grid_cell["strategies"][strategy]
+        assert [cell.strip() for cell in rows[strategy]] == [
+            f"{ms:.1f}", f"{100.0 / ms:.2f}x", f"{simulated['mean_s'] * 1000:.1f}",
+            f"{ms / (simulated['mean_s'] * 1000):.2f}", f"{tokens * 1000 / ms:,.0f}", "60.0", "50.0",
+            f"{simulated['peak_gib']:.1f}"]
+    assert rows["wlb-llm"][:2] == [" - ", " - "]  # no log: no figure
 
 
 # ---- the real Megatron-LM argument parser and checks -------------------------------------------
