@@ -191,7 +191,8 @@ def test_parse_only_reads_the_logs_into_a_speedup_table(tmp_path, capsys):
     rows = {line.split("|")[5].strip(): line.split("|")[7:-2] for line in out[2:]}
     (grid_cell,) = [c for c in GRID if (c["model"], c["context"], c["gpus"], c["dataset"]) == ("llama-7b", 65536, 128,
                                                                                                 "wikipedia")]
-    tokens = reproduce_paper.load_bench(ROOT / "configs" / "bench" / "paper.yaml")[0]["global_batch_size"][65536] * 65536
+    bench = reproduce_paper.load_bench(ROOT / "configs" / "bench" / "paper.yaml")[0]
+    tokens = bench["global_batch_size"][65536] * 65536
     for strategy, ms in (("megatron-fixed", 100.0), ("slimpack", 80.0)):  # the first 5 iterations are warm-up
         simulated = grid_cell["strategies"][strategy]
         assert [cell.strip() for cell in rows[strategy]] == [
