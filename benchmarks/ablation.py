@@ -1,4 +1,4 @@
-"""What each part of SlimPack is worth, holding the layout fixed (issue 23, item 4).
+"""What each part of SlimPack is worth, holding the layout fixed.
 
 For each cell (Wikipedia lengths, 128 H100s, the analytic cost model and the simulator of the
 grid), the first `--batches` global batches are planned and simulated:

@@ -1,4 +1,4 @@
-"""What each part of SlimPack is worth when every variant gets its own best layout (issue 23, item 4).
+"""What each part of SlimPack is worth when every variant gets its own best layout.
 
 `ablation.py` holds the layout fixed at SlimPack's; here each variant goes through the grid's
 layout search (`best_layout`: TP, PP, CP / base merge, DP, recompute and virtual stages, the first
@@ -57,7 +57,7 @@ def search_variant(job: tuple) -> dict:
 def report(rows: list[dict], note: str = "") -> str:
     cells = sorted({(r["model"], r["context"]) for r in rows}, key=lambda c: (int(c[0].split("-")[1][:-1]), -c[1]))
     by_key = {(r["model"], r["context"], r["variant"]): r for r in rows}
-    lines = ["# Ablation: each variant in its own best layout (issue 23, item 4)\n",
+    lines = ["# Ablation: each variant in its own best layout\n",
              __doc__.split("\n\n")[1] + "\n",
              "Mean simulated iteration time over the batches; ratio against `slimpack`'s own best (> 1: slower "
              "without the part); the layout each search found; the commit each row ran at.\n",

@@ -1,4 +1,4 @@
-"""Asymmetric Partitioning at work (issue 23): the 1F1B stall asymmetric units could remove, why the
+"""Asymmetric Partitioning at work: the 1F1B stall asymmetric units could remove, why the
 planner's units hold one MicroPack, and what other units give in the simulator.
 
 The cell: llama-70b, 128K context, tp4 pp8 dp4 (cp 1), selective recompute, 512 Wikipedia sequences

@@ -1,4 +1,4 @@
-"""Measured CPU run of one global batch planned symmetric and asymmetric (issue 23, item 3):
+"""Measured CPU run of one global batch planned symmetric and asymmetric:
 PP=2 on two gloo processes (one thread each), the real runtime (`slimpack_forward_backward`), the
 tiny model, real text. `slimpack-sym` and `slimpack` plan the same batch; where `slimpack`'s
 forward and backward units come out the same as `slimpack-sym`'s, the asymmetric plan is built by
@@ -261,7 +261,7 @@ def main() -> int:
     load = os.getloadavg()
     names = ["slimpack-sym", asym.strategy]
     lines = [
-        "# Symmetric against asymmetric units, measured on CPU (issue 23, item 3)",
+        "# Symmetric against asymmetric units, measured on CPU",
         "",
         "One global batch, planned by `slimpack-sym` and asymmetric, run by the real runtime "
         "(`slimpack_forward_backward`): PP=2, two gloo processes with one thread each, model "

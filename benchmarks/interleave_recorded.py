@@ -1,5 +1,5 @@
 """A strategy's grid rows with virtual pipeline stages, tried at the layout the grid recorded for
-it (issue 24 part 1; SlimPack and WLB-LLM, whose rows the full search with vpp was too slow for).
+it (for strategies whose full layout search with vpp is too slow to run for every cell).
 
 The grid's layout search with vpp costs SlimPack tens of CPU-minutes per 70B/150B cell, so this
 script searches vpp only: for each cell, the strategy's recorded layout (tp, pp, cp, dp, recompute)
@@ -8,7 +8,7 @@ with every vpp the layout search would try there (1 included), through the same 
 cell's batches). Rows are written in paper_table.json's format, and with `--merge` replace the
 strategy's rows of those cells in benchmarks/results/paper_table.{json,md,png}; each records its
 commit with "vpp at recorded layout", and benchmarks/results/interleaved_<strategy>.md lists every
-cell: the first-batch time of each vpp, the row before and the row now.
+cell: the first-batch time of each vpp, the row before and the row after.
 
     python benchmarks/interleave_recorded.py --strategy slimpack --cells llama-70b/131072/128/wikipedia,... \
         --jobs 2 --out /tmp/vpp/slimpack.json
@@ -70,12 +70,12 @@ def run_cell(job: tuple) -> dict:
 
 def report(strategy: str, cells: list[dict]) -> str:
     lines = [
-        f"# {strategy}'s grid rows with virtual pipeline stages at its recorded layout (issue 24 part 1)\n",
+        f"# {strategy}'s grid rows with virtual pipeline stages at its recorded layout\n",
         f"Made by `benchmarks/interleave_recorded.py`: for each cell, {strategy}'s recorded layout with every vpp "
         "the layout search tries there, screened on the first batch by the grid's `best_layout` (interleave "
         "cascade included); the fastest on it ran all 10 batches. Not a full layout search with vpp: the other "
         "shapes (tp, pp, cp, dp, recompute) keep the plain search's choice.\n",
-        "| model | context | GPUs | dataset | first batch per layout (s) | row before | s before | row now | s now "
+        "| model | context | GPUs | dataset | first batch per layout (s) | row before | s before | row after | s after "
         "| change | commit |",
         "|---|---:|---:|---|---|---|---:|---|---:|---:|---|",
     ]

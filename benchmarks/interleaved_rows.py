@@ -1,4 +1,4 @@
-"""Rows of the paper grid re-run with virtual pipeline stages searched (issue 24 part 1), merged into
+"""Rows of the paper grid re-run with virtual pipeline stages searched, merged into
 benchmarks/results/paper_table.{json,md,png}, and what moved, old figure next to new, in
 benchmarks/results/interleaved.md.
 
@@ -33,8 +33,8 @@ def moved_rows(old: list[dict], new_cells: list[dict], merged: list[dict]) -> st
     speedup over megatron-fixed before and after in that cell."""
     before = {cell_key(cell): cell for cell in old}
     after = {cell_key(cell): cell for cell in merged}
-    lines = ["| model | context | GPUs | dataset | strategy | layout before | s before | layout now | s now | change "
-             "| SlimPack vs megatron-fixed before | now | commit |",
+    lines = ["| model | context | GPUs | dataset | strategy | layout before | s before | layout after | s after "
+             "| change | SlimPack vs megatron-fixed before | after | commit |",
              "|---|---:|---:|---|---|---|---:|---|---:|---:|---:|---:|---|"]
     for cell in new_cells:
         key = cell_key(cell)
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--before", help="the table the 'before' columns come from (default: the current one, "
                                          "before this merge)")
     parser.add_argument("--report", help="write the moved rows to this file of benchmarks/results/ with --intro "
-                                         "as its text (default: interleaved.md, the fourteenth session's re-run)")
+                                         "as its text (default: interleaved.md, the re-run with vpp searched)")
     parser.add_argument("--intro", default="", help="the report's title and text, Markdown")
     parser.add_argument("--only-commit", help="take only the rows that ran at these commits, comma-separated (runs "
                                               "made in a whole copy of the table, which holds every other row too)")
@@ -88,13 +88,11 @@ def main() -> None:
         print((RESULTS / args.report).read_text())
         return
     (RESULTS / "interleaved.md").write_text(
-        "# Grid rows re-run with virtual pipeline stages searched (issue 24 part 1)\n\n"
+        "# Grid rows re-run with virtual pipeline stages searched\n\n"
         "Each row: a strategy of a cell re-run by `benchmarks/paper_table.py` (10 batches, as the grid) with vpp "
-        "searched, the layout and mean iteration time it had before (plain 1F1B) and has now, and SlimPack's "
-        "speedup over megatron-fixed in that cell before and now. Made by `benchmarks/interleaved_rows.py` "
-        "(before: the table at eadb9f2, every row searched without virtual stages). The 256-GPU rows were first "
-        "re-run at eadb9f2 with a search that screened an interleaved layout before its plain twin and so turned "
-        "every one away as \"not evaluated\" (fixed in 25bb5d3); they were re-run at 25bb5d3.\n\n"
+        "searched; the layout and mean iteration time from the search without virtual stages (before: the table "
+        "at eadb9f2) and with them (after), and SlimPack's speedup over megatron-fixed in that cell with each. "
+        "Made by `benchmarks/interleaved_rows.py`; each row names the commit it ran at.\n\n"
         + moved_rows(old, new_cells, merged))
     print((RESULTS / "interleaved.md").read_text())
 

@@ -1,4 +1,4 @@
-"""The paper-scale comparison (issue 3): every cell of configs/bench/paper.yaml simulated with
+"""The paper-scale comparison: every cell of configs/bench/paper.yaml simulated with
 `slimpack compare` machinery — each strategy in its best memory-feasible layout for the cell's
 GPUs, the same cost model and simulator — over consecutive global batches.
 

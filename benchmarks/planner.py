@@ -1,4 +1,4 @@
-"""Planner speed and balance on the Wikipedia lengths (issue 2's benchmark).
+"""Planner speed and balance on the Wikipedia lengths.
 
 For each context length and cluster: the wall time of `plan()` per global batch (one process, CP-SAT
 with one worker) and the plan quality: the slowest data-parallel rank's simulated compute time over

@@ -1,4 +1,4 @@
-"""Does planning slow the training loop? (issue 22, item 6)
+"""Does planning slow the training loop?
 
 A training-like loop runs on the main thread while the planner iterator plans the next global
 batches beside it, three ways, over the same batches:

@@ -1,6 +1,6 @@
 """megatron-slimpack: SlimPack (fine-grained asymmetric packing) for Megatron-LM.
 
-Public contract (design.md section 8):
+Public contract (docs/design.md section 8):
 
     from megatron_slimpack import plan, simulate, CostModel, ModelSpec, ParallelConfig, SlimPackConfig
     p = plan(lengths, parallel=ParallelConfig(dp=4, pp=4, tp=8),

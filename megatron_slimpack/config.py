@@ -259,7 +259,7 @@ def _validate(instance, check: Callable[[dict, Namer], Problems]) -> None:
 @dataclass(frozen=True)
 class PlannerTunables:
     """How hard the SlimPack planner searches, not what it plans for: the defaults are the values
-    docs/history.md measured plans with (tests/golden/plans.json holds their plans)."""
+    the benchmarks and tests/golden/plans.json were planned with."""
 
     # Phase 1: the heaviest documents CP-SAT decides one by one; the rest is sand poured after it.
     max_model_items: int = 160
@@ -326,7 +326,7 @@ class SlimPackConfig:
         "parallelism inside the group); 1: only outliers are shared.", metavar="K"))
     # A sample whose cost exceeds this multiple of the mean replica load is shared by a merge group.
     merge_threshold: float = field(default=1.25, metadata=not_an_option(
-        "a planner policy tuned with the search (docs/history.md); set it from Python"))
+        "a planner policy tuned with the layout search on the paper grid; set it from Python"))
     solver_time_limit_s: float = field(default=0.5, metadata=option(
         "CP-SAT time limit in seconds for the DP phase of each step.", flag="solver-time-limit"))
     # CP-SAT's deterministic-time budget (its work units, about seconds): with one worker the plan is

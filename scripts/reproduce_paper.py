@@ -12,7 +12,7 @@ of the cell one Megatron-LM `pretrain_gpt.py` run is generated with exactly that
   slimpack, its ablations, wlb-llm, slimpipe, ...)
       --slimpack --slimpack-strategy NAME --calculate-per-token-loss --micro-batch-size 1 --no-rope-fusion;
       for slimpack and slimpack-sym a layout's cp K is a base merge: --context-parallel-size 1, K times the
-      data-parallel replicas and --slimpack-base-merge K (README, "Running on a GPU cluster").
+      data-parallel replicas and --slimpack-base-merge K (docs/megatron.md).
 
 Shared by every run: the model's sizes (megatron_slimpack.specs.MODELS; GQA as --group-query-attention
 --num-query-groups), --seq-length / --max-position-embeddings = the context, --global-batch-size = the

@@ -80,7 +80,8 @@ def test_plan_runs_with_generated_options(tmp_path, capsys):
 
 
 def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, capsys):
-    """issue 25: a llama-13b/a100 plan was simulated as llama-7b/h100 unless the flags were repeated."""
+    """`simulate` prices a plan with the model and hardware it was planned for (llama-13b/a100 here), not
+    the defaults (llama-7b/h100), without the flags being repeated."""
     out = tmp_path / "p.json"
     argv = ["plan", "--workload", "longtail", "--model", "llama-13b", "--hardware", "a100", "--tp", "8", "--pp", "2",
             "--dp", "2", "--context-length", "32768", "--global-batch-size", "16", "--steps", "2", "--out", str(out)]
@@ -114,7 +115,8 @@ def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, c
     (["profile", "--tp", "2"], "argument --tp: invalid choice: 2 (choose from 1)"),
 ])
 def test_nonsense_numbers_exit_2_naming_the_flag(argv, message, capsys):
-    """issue 25: these ran and printed nothing (or an empty table) with exit 0."""
+    """A nonsense number is an error naming the flag (exit 2), never a run that prints nothing or an
+    empty table."""
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -139,7 +141,8 @@ def test_unlikely_inputs_are_warned_about(tmp_path, capsys):
 
 
 def test_the_planning_commands_do_not_import_torch_or_megatron():
-    """issue 25: every command, even --help, imported torch and megatron-core (4-6 s, warnings)."""
+    """Building the parser imports neither torch nor megatron-core: `--help` and the planning commands
+    start in about a second, without their warnings."""
     import subprocess
     import sys
 
@@ -149,7 +152,8 @@ def test_the_planning_commands_do_not_import_torch_or_megatron():
 
 
 def test_bad_plan_files_and_inputs_are_one_line_errors(tmp_path, capsys):
-    """issue 25: tracebacks for a plan JSON that is a list, a directory given as the plan, plan(None)."""
+    """A plan JSON that is a list, a directory given as the plan and plan(None) each get one clear error,
+    not a traceback."""
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     assert cli.main(["simulate", str(listed)]) == 2
@@ -163,7 +167,8 @@ def test_bad_plan_files_and_inputs_are_one_line_errors(tmp_path, capsys):
 
 
 def test_plan_model_error_lists_the_presets(capsys):
-    """issue 25: the README said llama-150b, the preset is llama-150b-gqa; a wrong name shows them all."""
+    """A model name that is no preset (llama-150b; the preset is llama-150b-gqa) is refused with every
+    preset's name."""
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "--model", "llama-150b"])
     err = capsys.readouterr().err
@@ -177,7 +182,7 @@ def _subcommand(parser, name: str):
 
 @pytest.mark.parametrize("command", list(cli.build_parser()._subparsers._group_actions[0].choices))
 def test_every_option_has_a_help_text(command):
-    """issue 25: `slimpack <command> --help` showed bare flags (no help) for a third of them."""
+    """Every option of every `slimpack <command>` has a help text."""
     sub = _subcommand(cli.build_parser(), command)
     bare = [action.option_strings or action.dest for action in sub._actions if not (action.help or "").strip()]
     assert bare == []

@@ -1,4 +1,4 @@
-"""What `slimpack` prints and draws, as a user reads it (issue 25, "Output people read"):
+"""What `slimpack` prints and draws, as a user reads it:
 Megatron's option spellings, the plan table (DP-Merge groups apart, imbalance a max/mean ratio),
 the demo's log under its progress bar, Gantt charts readable at hundreds of MicroPacks."""
 from __future__ import annotations
@@ -128,8 +128,9 @@ def planned_outlier_group(monkeypatch):
 
 
 def test_plan_table_shows_dp_merge_groups_apart(planned_outlier_group, capsys):
-    """issue 25: with dp 4 the table showed six "replicas" (the groups among them), and a group's
-    "imbalance" (its time over the mean of the ranks' own pipelines) read 238.7 (here: 217.0)."""
+    """DP-Merge groups are listed apart from the DP ranks (with dp 4 a table of every replica plan would
+    show six "replicas"), and a group has no "imbalance" of its own (its time over the mean of the
+    ranks' own pipelines would read 217.0 here)."""
     code, printed, _ = run_cli(["plan", *SMALL, "--tp", "1", "--pp", "2", "--dp", "2"], capsys)
     assert code == 0
     ranks_part, groups_part = printed.split("DP-Merge groups (1;")
@@ -181,8 +182,8 @@ def screen(text: str) -> list[str]:
 
 
 def test_demo_log_lines_and_warnings_go_through_the_bar():
-    """issue 25: the demo's log lines and the progress bar overwrote each other. On a terminal each
-    line (and each warning of the process) lifts the bar, prints, and redraws the bar below."""
+    """The demo's log lines and the progress bar do not overwrite each other: on a terminal each line
+    (and each warning of the process) lifts the bar, prints, and redraws the bar below."""
     from megatron_slimpack.apps.demo import StepLog
 
     terminal = Terminal()
@@ -256,8 +257,8 @@ def _pixels_near(image: np.ndarray, colour: str) -> int:
 
 
 def test_gantt_of_600_micropacks_keeps_its_colours(tmp_path):
-    """issue 25: at 500+ MicroPacks white bar edges washed the colours out and forward vanished
-    (184 forward-blue pixels against 14,284 backward-orange and 106,056 pale ones before)."""
+    """At 500+ MicroPacks the bars keep their colours: forward stays visible (white bar edges would wash
+    them out: 184 forward-blue pixels against 14,284 backward-orange and 106,056 pale ones)."""
     import matplotlib.image
 
     from megatron_slimpack.simulator.report import write_gantt

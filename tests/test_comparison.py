@@ -1,5 +1,5 @@
-"""`slimpack compare` rows: one figure per batch, consistent with `plan` + `simulate` (issue 25:
-a row showed the mean time of all steps beside one step's MFU and lower bound, and beat it)."""
+"""`slimpack compare` rows: one figure per batch, consistent with `plan` + `simulate`: a row's time,
+MFU and lower bound come from the same steps, so no row beats its own bound."""
 from __future__ import annotations
 
 import contextlib
@@ -108,7 +108,7 @@ def test_output_formats_exclude_each_other(capsys):
 
 
 def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
-    """issue 24: stock pretrain_gpt.py (cross-document attention) is a reference row with its own
+    """Stock pretrain_gpt.py (cross-document attention) is a reference row with its own
     speedup column and a note saying what it trains; it is never the fastest other strategy."""
     argv = [*COMPARE_SMALL[:-1], "megatron-fixed,megatron-stock,slimpack"]
     assert cli.main([*argv, "--markdown"]) == 0
@@ -129,7 +129,7 @@ def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
 
 
 def test_gantt_charts_of_a_comparison_share_one_time_axis(tmp_path, monkeypatch):
-    """issue 25: `compare --gantt-dir` draws every strategy on the same time axis (the longest step)."""
+    """`compare --gantt-dir` draws every strategy on the same time axis (the longest step)."""
     from megatron_slimpack import comparison
     from megatron_slimpack.costmodel import CostModel
 
@@ -149,7 +149,7 @@ def test_gantt_charts_of_a_comparison_share_one_time_axis(tmp_path, monkeypatch)
 
 
 def test_compare_table_is_compact_by_default_and_wide_on_request():
-    """issue 25: a compact default table (speedup named as over megatron-fixed), every column under
+    """A compact default table (speedup named as over megatron-fixed), every column under
     --wide, and no scientific notation among the figures."""
     from megatron_slimpack import cli
 

@@ -216,8 +216,8 @@ def test_the_python_api_validates_and_keeps_its_contract():
 
 
 def test_a_config_error_crosses_processes_with_its_problems():
-    """A benchmark's worker pool sends a worker's exception back pickled; ConfigError's own
-    __init__ used to make the parent fail to unpickle it (a TypeError instead of the problem)."""
+    """A benchmark's worker pool sends a worker's exception back pickled; the parent must unpickle
+    it as the ConfigError it was (an __init__ with its own arguments would make that a TypeError)."""
     import pickle
 
     with pytest.raises(ConfigError) as caught:

@@ -64,7 +64,7 @@ def test_speed_reference_gives_drift_corrected_errors():
 
 
 def test_validate_json_is_one_document_on_stdout(monkeypatch, capsys):
-    """issue 25: `slimpack validate --json` printed its progress line on stdout before the JSON.
+    """`slimpack validate --json` prints only the JSON on stdout; its progress goes to stderr.
     (Measurement is replaced: this checks where the output goes, not what is measured.)"""
     import argparse
     import json

@@ -1,7 +1,7 @@
 """Golden plans: `Plan.fingerprint()` and the simulated makespan of fixed batches and layouts.
 
-A restructuring of the planner, the simulator or the plan format must keep these (issue 21: "one
-owner per concern" changes the code, not the plans). The batches are those of
+A restructuring of the planner, the simulator or the plan format must keep these: it changes
+the code, not the plans. The batches are those of
 `benchmarks/planner.py` (Wikipedia lengths, llama-7b, 64K-256K on 128 and 256 H100s, first batch),
 two of the paper grid's 70B/150B layouts, and every training strategy on one batch. CP-SAT stops
 on its deterministic limit, so the plans are the same on any machine.

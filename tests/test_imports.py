@@ -1,4 +1,4 @@
-"""The package has no import cycle, counting imports inside functions too (issue 21): a cycle
+"""The package has no import cycle, counting imports inside functions too: a cycle
 dodged with a function-level import is still a cycle."""
 from __future__ import annotations
 

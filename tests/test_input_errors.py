@@ -1,4 +1,4 @@
-"""Bad input gets one clear error naming the problem and the fix (issue 25): cost-model profiles,
+"""Bad input gets one clear error naming the problem and the fix: cost-model profiles,
 planner resume states; the library noise the commands silence (and what they do not); a simulation
 report's readable summary."""
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_a_good_profile_still_loads(tmp_path):
 
 
 def test_cli_bad_profile_exits_2_with_one_line(tmp_path, capsys):
-    """issue 25: a cost-model file that is not JSON."""
+    """A cost-model file that is not JSON."""
     path = tmp_path / "notes.txt"
     path.write_text("these are my notes, not a profile\n")
     for argv in (["plan"], ["compare"]):
@@ -127,8 +127,8 @@ def _corrupt(state: dict, path: tuple, value) -> dict:
      "the resume state's 'planner' is not a wlb-llm planner state: no 'step' entry"),
 ])
 def test_a_corrupt_resume_state_is_refused_and_changes_nothing(resumable, path, value, problem):
-    """issue 25: `{}`, a cursor of 1e9 or -5 ended in a KeyError or IndexError deep inside (or, -5,
-    resumed at the wrong batch)."""
+    """`{}`, a cursor of 1e9 or -5 are refused as a corrupt resume state, not a KeyError or IndexError
+    deep inside (or, -5, a resume at the wrong batch)."""
     from megatron_slimpack.megatron.data import ResumeStateError
 
     fresh, saved = resumable
@@ -206,8 +206,8 @@ IndexedDataset.__module__ = IndexedDataset.__del__.__module__ = "megatron.core.d
 
 
 def test_only_the_half_built_megatron_dataset_teardown_is_dropped():
-    """issue 25: "Exception ignored in: IndexedDataset.__del__" and a traceback after the one-line
-    error for a corrupt `megatron:` dataset."""
+    """A corrupt `megatron:` dataset gives its one-line error only: the half-built dataset's teardown
+    ("Exception ignored in: IndexedDataset.__del__" and a traceback) is dropped."""
     seen = []
     previous, sys.unraisablehook = sys.unraisablehook, seen.append
     try:
@@ -226,7 +226,7 @@ def test_only_the_half_built_megatron_dataset_teardown_is_dropped():
 
 
 def test_a_report_prints_as_a_short_summary():
-    """issue 25: `print(report)` printed a 700 KB dataclass repr."""
+    """`print(report)` prints a short summary, not the dataclass repr (700 KB for a plan)."""
     cost = CostModel.analytic("llama-7b", "h100-sxm")
     plan = ms.plan([4000, 3000, 9000, 100] * 8, parallel=ms.ParallelConfig(dp=2, pp=2, tp=2), cost=cost,
                    config=ms.SlimPackConfig(context_length=16384))

@@ -104,7 +104,7 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--slimpack-solver-time-limit", "0"), "--slimpack-solver-time-limit must be > 0"),
     (("--calculate-per-token-loss", "--slimpack-hardware", "tpu"),
      "--slimpack-hardware 'tpu' is not a hardware preset"),
-    # Megatron features the sliced runtime cannot serve (issue 22):
+    # Megatron features the sliced runtime cannot serve:
     (("--calculate-per-token-loss", "--fp8-format", "hybrid"), "--fp8-format"),
     (("--calculate-per-token-loss", "--qk-clip"), "--qk-clip"),
     (("--calculate-per-token-loss", "--log-max-attention-logit"), "--log-max-attention-logit"),
@@ -178,7 +178,7 @@ def test_validation_is_silent_without_slimpack_and_checks_the_version():
     args = parse("--slimpack", "--calculate-per-token-loss")
     validate_slimpack_args(args)  # the installed megatron-core (0.16.1) is supported
     validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--tensor-model-parallel-size", "2",
-                                 "--sequence-parallel"))  # sequence parallelism runs (issue 22)
+                                 "--sequence-parallel"))  # sequence parallelism runs
     with pytest.raises(SlimPackArgumentError, match=r"megatron-core 0\.12\.0 is not supported"):
         validate_slimpack_args(args, version=(0, 12, 0))
 

@@ -1,5 +1,5 @@
-"""megatron-stock: stock Megatron-LM `pretrain_gpt.py` without `--reset-attention-mask` (issue 24
-part 2). megatron-fixed's sequences, each one causal sequence across its document boundaries: the
+"""megatron-stock: stock Megatron-LM `pretrain_gpt.py` without `--reset-attention-mask`.
+megatron-fixed's sequences, each one causal sequence across its document boundaries: the
 same cuts, L(L+1)/2 attention pairs per sequence, never faster than megatron-fixed on a layout, a
 reference that `compare` and the paper grid label and keep out of "the fastest other strategy",
 and not trainable by the SlimPack runtime."""

@@ -1,4 +1,4 @@
-"""The planner iterator's worker process (megatron/planner_process.py; issue 22, item 6): the same
+"""The planner iterator's worker process (megatron/planner_process.py): the same
 plans as inline planning, exact resume (a stateful strategy's state included), planning errors with
 the worker's traceback, close() leaving no process behind, the thread fallback, and identical plans
 on two gloo ranks."""

@@ -61,7 +61,7 @@ class Workspace:
 
     def run(self, name: str, *, nproc: int = 1, extra=(), initial: str | None = "tied", data=None,
             **options) -> harness.TrainRun:
-        """Run once per session under `name`; `initial`: the checkpoint every comparison starts from."""
+        """Run once per test session under `name`; `initial`: the checkpoint every comparison starts from."""
         if name not in self.runs:
             load = []
             if initial is not None:
@@ -97,7 +97,7 @@ LAYOUTS = {
     "dp2": dict(nproc=2, extra=["--eval-interval", "2", "--eval-iters", "1"]),  # evaluation: Megatron's schedule
     "pp2-tied": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2"]),
     "tp2": dict(nproc=2, extra=["--tensor-model-parallel-size", "2"]),
-    # sequence parallelism (issue 22): padded MicroPacks, SP norms' gradients summed by finalize_model_grads
+    # sequence parallelism: padded MicroPacks, SP norms' gradients summed by finalize_model_grads
     "tp2-sequence-parallel-pp2": dict(nproc=4, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                       "--pipeline-model-parallel-size", "2"]),
     "dp2-base-merge-2": dict(nproc=2, extra=["--slimpack-base-merge", "2"]),
@@ -129,7 +129,7 @@ def test_untied_embeddings_with_two_stages(workspace):
 
 
 def test_virtual_stages_with_overlapped_parameter_gathers(workspace):
-    """The distributed optimizer with --overlap-param-gather under interleaving (issue 24):
+    """The distributed optimizer with --overlap-param-gather under interleaving:
     Megatron hands the schedule one param_sync_func per chunk (aligned gathers), which it launches
     chunk by chunk (`_ParamSync`); DDP's forward pre-hooks wait on them. PP=2 x vpp=2 x DP=2
     trains like DP=1 PP=1."""

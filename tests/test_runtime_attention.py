@@ -58,12 +58,12 @@ def test_compat_is_idempotent_and_undoable(megatron_cpu):
             torch.cuda.current_device()
     finally:
         compat.apply()
-        mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the session's seeded streams
+        mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the test session's seeded streams
     assert str(torch.cuda.current_device()) == "cpu"
 
 
 def test_flash_attn_before_2_1_is_not_offered(monkeypatch):
-    """flash-attn < 2.1 aligns causal masks top-left: it must never be chosen (issue 22)."""
+    """flash-attn < 2.1 aligns causal masks top-left: it must never be chosen."""
     import importlib.metadata
 
     for text, usable in (("2.0.9", False), ("2.1.0", True), ("2.8.3.post1", True), ("1.0.4", False)):

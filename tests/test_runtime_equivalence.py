@@ -1,4 +1,4 @@
-"""Sliced execution gives the gradients of running every document whole (design.md section 3)."""
+"""Sliced execution gives the gradients of running every document whole (docs/design.md section 3)."""
 import random
 
 import pytest

@@ -170,8 +170,8 @@ def test_wlb_llm_delayed_documents_keep_the_source_of_their_batch():
 @pytest.mark.parametrize("strategy", ["slimpipe", "wlb-llm", "megatron-fixed"])
 def test_demo_plans_train_on_their_documents_tokens(strategy):
     """The demo's planning function (megatron-fixed as exact-attention continuation slices): the
-    token source it trains from gives each slice its document's tokens (before the fix, slimpipe
-    failed with KeyError and wlb-llm with 'token source returned N tokens')."""
+    token source it trains from gives each slice its document's tokens (a sample id read as a batch
+    index fails slimpipe with KeyError and wlb-llm with 'token source returned N tokens')."""
     from megatron_slimpack.apps.demo import make_plan_function
 
     corpus = CodedCorpus(corpus_lengths(3))

@@ -1,7 +1,7 @@
 """`slimpack demo`: train a small Llama-style GPT on CPU with megatron-core, Megatron's fixed-length
 packing and SlimPack back to back on the same global batches, and compare them.
 
-What runs (design.md section 7, "On CPU, megatron.training cannot start"): `pp` gloo processes
+What runs (docs/design.md section 7, "On CPU, megatron.training cannot start"): `pp` gloo processes
 (torch.multiprocessing), each holding one pipeline stage of a megatron-core GPTModel built with
 the SlimPack layer spec (`runtime.model.build_gpt_model`). The data is real text with no download:
 Python's standard library source files, byte-level tokens (`workload.TextCorpus`), drawn into

@@ -1,4 +1,4 @@
-"""`slimpack profile`: measure this device and fit the cost model's coefficients (design.md 4).
+"""`slimpack profile`: measure this device and fit the cost model's coefficients (docs/design.md section 4).
 
 What is timed (median of `repeats` after a warm-up, torch threads as set by the caller, default
 1 to match one training process per core):

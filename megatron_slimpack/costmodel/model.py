@@ -1,4 +1,4 @@
-"""Time and memory of MicroPacks on one pipeline stage (design.md section 4).
+"""Time and memory of MicroPacks on one pipeline stage (docs/design.md section 4).
 
 A MicroPack's work is summarised by two numbers: its tokens `T` and its causal attention pairs
 `A` (each slice's queries against its KV prefix and itself). Linear layers scale with T,

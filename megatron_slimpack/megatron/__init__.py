@@ -1,4 +1,4 @@
-"""Integration with Megatron-LM's trainer (design.md section 7).
+"""Integration with Megatron-LM's trainer (docs/design.md section 7).
 
     from megatron_slimpack.megatron import add_slimpack_args, install
     pretrain(..., extra_args_provider=add_slimpack_args)      # megatron-core 0.16 / 0.17

@@ -1,4 +1,4 @@
-"""`--slimpack` and `--slimpack-*` flags for Megatron-LM's argument parser (design.md section 7).
+"""`--slimpack` and `--slimpack-*` flags for Megatron-LM's argument parser (docs/design.md section 7).
 
 Megatron-LM 0.16/0.17: `pretrain(..., extra_args_provider=add_slimpack_args)`; 0.18+:
 `parse_and_validate_args(extra_args_provider=add_slimpack_args, ...)`. Both call the provider
@@ -39,7 +39,7 @@ from ..config import (
 )
 from ..errors import SlimPackError
 
-# megatron-core versions whose trainer seams (design.md section 7) hooks.py knows, and the newest
+# megatron-core versions whose trainer seams (docs/design.md section 7) hooks.py knows, and the newest
 # release trained through its real trainer by the tests (tests/test_megatron_releases.py).
 SUPPORTED_MCORE = ((0, 16), (0, 17), (0, 18), (0, 19))
 NEWEST_TESTED_MCORE = (0, 19, 2)

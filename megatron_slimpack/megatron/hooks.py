@@ -1,4 +1,4 @@
-"""Plug SlimPack into Megatron-LM's trainer (design.md section 7).
+"""Plug SlimPack into Megatron-LM's trainer (docs/design.md section 7).
 
 `install(args=None)` replaces exactly these attributes (the *seams*), remembering the originals;
 `uninstall()` puts the originals back and nothing else:

@@ -3,7 +3,7 @@
 A `Plan` is everything one global batch needs: which slices of which documents form each
 MicroPack, how MicroPacks are grouped into forward units and (differently) into backward units,
 and the exact task list of every pipeline stage. It can be dumped to JSON, inspected, simulated
-and replayed; `Plan.validate()` checks every rule of design.md section 2 (`validate.py`).
+and replayed; `Plan.validate()` checks every rule of docs/design.md section 2 (`validate.py`).
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ class Plan:
 
     # ---- invariants ----------------------------------------------------------------------
     def validate(self) -> "Plan":
-        """Check every invariant of design.md section 2 (`check_plan`); raise PlanError naming the
+        """Check every invariant of docs/design.md section 2 (`check_plan`); raise PlanError naming the
         broken rule; return the plan."""
         check_plan(self.replicas, self.samples, self.sample_sources, self.repeated_documents, self.parallel,
                    self.context_length, self.max_micropack_tokens)

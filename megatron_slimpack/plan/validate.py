@@ -1,4 +1,4 @@
-"""The rules of a plan (design.md section 2): `check_plan` raises PlanError naming the broken rule
+"""The rules of a plan (docs/design.md section 2): `check_plan` raises PlanError naming the broken rule
 and the culprit. `Plan.validate` runs it; the rules read only the parts in `types.py`."""
 from __future__ import annotations
 

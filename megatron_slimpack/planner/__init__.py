@@ -1,4 +1,4 @@
-"""Planners: one global batch of document lengths -> a `Plan` (design.md sections 3-5).
+"""Planners: one global batch of document lengths -> a `Plan` (docs/design.md section 5).
 
     registry.py    the strategy registry (`StrategySpec`, layout constraints, stateful planners)
     strategies.py  planning a batch with a named strategy; the public entry `plan_global_batch`

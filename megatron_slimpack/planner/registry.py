@@ -81,7 +81,7 @@ class StepPlanner:
 def with_input_sources(plan: Plan, sources, count: int) -> Plan:
     """`plan` (whose samples are the input lengths: sample id i is lengths[i]) with sample i's
     source `sources[i]` (None: the default (i, 0), which the Plan already holds) and the documents
-    the input holds twice. Every strategy records its samples' sources (design.md section 7)."""
+    the input holds twice. Every strategy records its samples' sources (docs/design.md section 2)."""
     if sources is not None:
         sources = check_sources(sources, count)
         ids = [sample_id for sample_id, _ in plan.samples]

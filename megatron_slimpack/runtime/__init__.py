@@ -1,6 +1,6 @@
 """SlimPack runtime: sliced attention with a per-document KV cache, MicroPack batches, the stage
 executor that runs a plan's forward and backward units on megatron-core, and the schedule that
-drives it for a step (design.md section 3).
+drives it for a step (docs/design.md section 3).
 
 Import `compat` and call `compat.apply()` first on a machine without a GPU.
 

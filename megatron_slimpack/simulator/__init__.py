@@ -1,4 +1,4 @@
-"""DAG simulator of a plan's training step (design.md section 6) and its reports."""
+"""DAG simulator of a plan's training step (docs/design.md section 6) and its reports."""
 from .dag import SimulationError, SimulationReport, TaskRecord, per_batch_report, score, simulate
 from .memory import MemoryTimeline
 

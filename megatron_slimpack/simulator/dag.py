@@ -1,4 +1,4 @@
-"""DAG simulation of one training step of a `Plan` (design.md section 6).
+"""DAG simulation of one training step of a `Plan` (docs/design.md section 6).
 
 Model
 -----

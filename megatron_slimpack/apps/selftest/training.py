@@ -3,7 +3,7 @@
 
 Both runs start from the same weights and take the same SGD steps (SGD keeps a round-off
 difference of the gradients a difference of the same size in the weights; Adam would turn the
-sign of tiny gradients into full-size steps). Sliced execution is exact (design.md section 3),
+sign of tiny gradients into full-size steps). Sliced execution is exact (docs/design.md section 3),
 so per step the losses, the gradient norms and every parameter's gradient agree to round-off.
 """
 from __future__ import annotations

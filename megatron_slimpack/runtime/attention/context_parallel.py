@@ -1,4 +1,4 @@
-"""Context-parallel sliced attention inside a DP-Merge group (design.md sections 2, 3, 5).
+"""Context-parallel sliced attention inside a DP-Merge group (docs/design.md sections 2, 3, 5).
 
 The k replicas of a merge group run the group's MicroPacks together: every MicroPack's tokens
 are split across the k members, each member runs the model on its share only, and inside every
@@ -32,7 +32,7 @@ with `all_gather_into_tensor` by `GatherFromGroup`, whose backward is the matchi
 queries that attend it, delivered to the member that owns the token. The gathered rows are put
 back into natural order (`CPLayout.gather_index`, an `index_select` whose backward scatter-adds),
 so every member holds the full K/V of the MicroPack's slices. From there the single-device logic
-of design.md section 3 applies unchanged to these full tensors:
+of docs/design.md section 3 applies unchanged to these full tensors:
   * the KV prefix of earlier slices comes from the KV store, where it sits as full (gathered)
     K/V leaves on every member;
   * a slice that a later slice continues stores its full K/V as detached leaves; later slices'

@@ -1,5 +1,5 @@
 """The SlimPack core attention: a MicroPack's slices attend to their documents' earlier slices
-(design.md section 3).
+(docs/design.md section 3).
 
 megatron-core's `SelfAttention` projects q/k/v of the *current* tokens, applies RoPE and calls its
 core attention. Ours (swapped in through the layer spec, `with_sliced_core_attention`) reads each

@@ -1,4 +1,4 @@
-"""Attention kernels and backend choice (design.md section 3).
+"""Attention kernels and backend choice (docs/design.md section 3).
 
 Every kernel takes packed queries q [Tq, H, D] and keys/values k, v [Tk, G, D] with varlen
 boundaries (cu_q, cu_kv) and computes bottom-right causal attention per segment (query i of a

@@ -1,4 +1,4 @@
-"""The per-document KV store of sliced attention (design.md section 3).
+"""The per-document KV store of sliced attention (docs/design.md section 3).
 
 A slice's queries attend to its document's earlier slices. Their K/V live here, per (sample,
 layer), as detached leaves that require grad. Later slices read them through `PrefixRead`, whose

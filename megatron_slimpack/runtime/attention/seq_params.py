@@ -1,4 +1,4 @@
-"""The metadata that travels with a MicroPack into megatron-core's layers (design.md section 3).
+"""The metadata that travels with a MicroPack into megatron-core's layers (docs/design.md section 3).
 
 `SlicedSeqParams` is a `PackedSeqParams` (THD) describing the *current* tokens only
 (cu_seqlens_q == cu_seqlens_kv, so megatron's RoPE and reshapes stay right), plus which slice each

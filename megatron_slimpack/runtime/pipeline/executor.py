@@ -1,4 +1,4 @@
-"""The stage executor: runs replica plans' task lists on one pipeline stage (design.md section 3).
+"""The stage executor: runs replica plans' task lists on one pipeline stage (docs/design.md section 3).
 
 There is one executor, `StageExecutor`, for every layout: one stage and one replica is just
 pp=1. The schedule (`runtime.schedule.slimpack_forward_backward`) creates one per step and runs

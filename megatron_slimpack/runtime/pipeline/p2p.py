@@ -1,4 +1,4 @@
-"""Pipeline point-to-point as a program of grouped calls, and its deadlock check (design.md 3).
+"""Pipeline point-to-point as a program of grouped calls, and its deadlock check (docs/design.md section 3).
 
 On NCCL a send may not complete until the peer posts the matching receive, and one
 communicator's operations run in the order each rank posts them. A pipeline whose neighbours
@@ -26,7 +26,7 @@ all fails already in step 1).
 Virtual pipeline stages (`vpp` model chunks per rank, tasks `(kind, unit, chunk)`): chunk c of
 stage s is virtual stage v = c * pp + s, and transfers run between neighbouring *virtual* stages
 (the last stage's chunk c feeds stage 0's chunk c + 1; gradients go the other way). A transfer
-names its virtual stages, so each one is unique even though two ranks now exchange both kinds in
+names its virtual stages, so each one is unique even though two ranks exchange both kinds in
 both directions (with pp = 2, rank 0 sends rank 1 activations of chunk c and gradients of chunk
 c + 1). Nothing else changes: the program is still one global order, so the transfers between
 two ranks are posted in the same order at both ends and match without tags (gloo matches per

@@ -1,4 +1,4 @@
-"""The SlimPack schedule: one global-batch step of this rank's stage (design.md section 3).
+"""The SlimPack schedule: one global-batch step of this rank's stage (docs/design.md section 3).
 
 `slimpack_forward_backward` is a drop-in `forward_backward_func`: it takes Megatron's keyword
 signature (`forward_step_func, data_iterator, model, num_microbatches, seq_length,
@@ -27,7 +27,7 @@ the last stage's last chunk (`runtime.model.build_stage_chunks` builds them so).
 `(kind, unit, chunk)` name the chunk each runs on; the schedule checks the chunks against the
 plan before anything runs.
 
-DP-Merge groups (design.md section 3): a rank first runs the merge groups it belongs to, each
+DP-Merge groups (docs/design.md section 3): a rank first runs the merge groups it belongs to, each
 exactly like a replica plan on this stage (its stage order, p2p to the member's own neighbour
 stages) but on the member's share of every MicroPack, with K/V gathered over the stage's merge
 group (`groups.merge_groups`, from `runtime.merge.merge_groups`); then its own replica plan.
@@ -745,7 +745,7 @@ def slimpack_forward_backward(
         param_sync.start()
         sync.disable()
     try:
-        # DP-Merge groups first (design.md section 3): members share each outlier's tokens.
+        # DP-Merge groups first (docs/design.md section 3): members share each outlier's tokens.
         for replica in merged + [own]:
             reports = executor.run(
                 replica, _batches(replica, token_source, store, groups, executor.device, executor.sequence_shards),
