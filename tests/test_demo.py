@@ -137,6 +137,17 @@ def test_the_calibration_is_made_once_per_machine_and_reused(tmp_path, monkeypat
     assert demo.calibrated_profile(options, said.append) == path and "cached at" in said[-1]
     other = demo.DemoOptions(pp=4)  # another stage count is another calibration
     assert demo.profile_cache_key(other) != demo.profile_cache_key(options)
+    # another machine (core count) or another library version is another calibration too
+    import os
+
+    import torch
+
+    key = demo.profile_cache_key(options)
+    monkeypatch.setattr(os, "cpu_count", lambda: 97)
+    assert demo.profile_cache_key(options) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.1-other")
+    assert demo.profile_cache_key(options) != key
 
 
 @pytest.mark.slow
