@@ -87,8 +87,8 @@ def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, c
             "--dp", "2", "--context-length", "32768", "--global-batch-size", "16", "--steps", "2", "--out", str(out)]
     assert cli.main(argv) == 0
     written = [tmp_path / "p.step0.json", tmp_path / "p.step1.json"]
-    printed = capsys.readouterr().out
-    assert all(f"plan written to {path}" in printed for path in written) and f"written to {out}\n" not in printed
+    said = capsys.readouterr().err
+    assert all(f"slimpack plan: wrote {path}\n" in said for path in written) and f"wrote {out}\n" not in said
     plan = ms.Plan.from_json(written[0])
     expected = ms.simulate(plan, ms.CostModel.analytic("llama-13b", "a100")).iteration_time_s
     assert cli.main(["simulate", str(written[0]), "--json"]) == 0

@@ -88,8 +88,10 @@ def test_markdown_is_a_document_with_notes_as_a_list_and_charts_as_images(monkey
     monkeypatch.setattr(comparison, "run_comparison", with_note_and_chart)
     assert cli.main([*COMPARE_SMALL, "--markdown"]) == 0
     out = capsys.readouterr().out
-    table, notes, image = out.split("\n\n")
+    table, source, legend, notes, image = out.split("\n\n")
     assert table.splitlines()[0].startswith("| strategy | layout |") and len(table.splitlines()) == 4
+    assert source == "simulated on cpu with cost model analytic, model tiny"
+    assert legend == "legend: MFU = model FLOPs utilisation; bubble = idle share of all devices' time"
     note_lines = notes.splitlines()
     assert note_lines[0] == "- slimpipe: no feasible layout (no layout fits in memory)"
     # the overlaps each strategy is priced with, and their Megatron flags
@@ -113,7 +115,7 @@ def test_compare_shows_megatron_stock_as_a_labelled_reference(capsys):
     argv = [*COMPARE_SMALL[:-1], "megatron-fixed,megatron-stock,slimpack"]
     assert cli.main([*argv, "--markdown"]) == 0
     out = capsys.readouterr().out
-    table, notes = out.split("\n\n")[:2]
+    table, _, _, notes = out.split("\n\n")[:4]  # the table, its source and legend lines, the notes
     assert "| speedup vs megatron-fixed | speedup vs megatron-stock |" in table.splitlines()[0]
     assert any(line.startswith("| megatron-stock |") and "| 1.00x |" in line for line in table.splitlines())
     notes = notes.splitlines()

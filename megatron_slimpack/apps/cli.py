@@ -206,6 +206,9 @@ RANK_COLUMNS = [("rank", "DP rank", ""), *_WORK_COLUMNS, ("pipeline_s", "own pip
                 ("merge_groups_s", "DP-Merge s", ".3f"), ("rank_s", "rank s", ".3f"),
                 ("rank_s_over_mean", "rank s / mean", ".3f")]
 GROUP_COLUMNS = [("group", "group", ""), ("ranks", "DP ranks", ""), *_WORK_COLUMNS, ("pipeline_s", "pipeline s", ".3f")]
+# The plan table's abbreviated headers, in the words of docs/usage.md ("Reading the tables").
+PLAN_LEGEND = ("legend: F/B units = forward/backward scheduling units; F/B s/stage = forward/backward compute "
+               "seconds of the replica on one pipeline stage; DP-Merge s = time of the rank's DP-Merge groups")
 
 
 def format_plan_tables(rows: list[dict]) -> str:
@@ -226,6 +229,8 @@ def format_plan_tables(rows: list[dict]) -> str:
 
 
 def cmd_plan(args) -> int:
+    from ..simulator.report import figures_source
+
     cost = load_cost(args)
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
@@ -259,15 +264,16 @@ def cmd_plan(args) -> int:
                           "metadata": plan.metadata, "replicas": rows, "dp_imbalance_max_over_mean": dp_imbalance(rows),
                           "file": str(path) if path else None})
         print(json.dumps(steps, indent=1, default=float))
-        return 0
-    for step, lengths, plan, elapsed, path in outputs:
-        phase1 = plan.metadata.get("phase1", {})
-        print(f"step {step}: {len(lengths)} documents, {sum(lengths):,} tokens, strategy {plan.strategy}, "
-              f"{parallel.describe()}, planned in {elapsed * 1000:.0f} ms "
-              f"(CP-SAT {phase1.get('status', '-')}, gap {phase1.get('gap', 0):.2%})")
-        print(format_plan_tables(replica_summary(plan, cost)))
-        if path is not None:
-            print(f"plan written to {path}")
+    else:
+        for step, lengths, plan, elapsed, _ in outputs:
+            phase1 = plan.metadata.get("phase1", {})
+            print(f"step {step}: {len(lengths)} documents, {sum(lengths):,} tokens, strategy {plan.strategy}, "
+                  f"{parallel.describe()}, planned in {elapsed * 1000:.0f} ms "
+                  f"(CP-SAT {phase1.get('status', '-')}, gap {phase1.get('gap', 0):.2%})")
+            print(format_plan_tables(replica_summary(plan, cost)))
+        print(figures_source(cost.describe()))  # once, under the last step's tables: the same for every step
+        print(PLAN_LEGEND)
+    announce_written(args, [path for *_, path in outputs if path is not None])
     return 0
 
 
@@ -275,19 +281,35 @@ def cmd_plan(args) -> int:
 
 def cmd_simulate(args) -> int:
     from ..simulator import simulate
-    from ..simulator.report import markdown_table, summary, write_chrome_trace, write_gantt
+    from ..simulator.report import (
+        figures_source,
+        gantt_title,
+        legend,
+        markdown_table,
+        summary,
+        write_chrome_trace,
+        write_gantt,
+    )
 
     plan = Plan.from_json(args.plan).validate()
     cost = cost_of_plan(plan, args)
     report = simulate(plan, cost)
+    written = []
     if args.gantt:
-        write_gantt(report, args.gantt, title=f"{plan.strategy} {plan.parallel.describe()}")
+        title = gantt_title(plan.strategy, plan.parallel.describe(), model=cost.model.name,
+                            context_length=plan.context_length, iteration_s=report.iteration_time_s,
+                            hardware=cost.hardware.name)
+        written.append(write_gantt(report, args.gantt, title=title))
     if args.trace:
-        write_chrome_trace(report, args.trace)
+        written.append(write_chrome_trace(report, args.trace))
     if args.json:
-        print(json.dumps(report.to_dict() if args.full else summary(report), indent=1, default=float))
+        figures = report.to_dict() if args.full else {**summary(report), "cost_model": cost.describe()}
+        print(json.dumps(figures, indent=1, default=float))
     else:
         print(markdown_table([(plan.strategy, report)]))
+        print(figures_source(cost.describe()))
+        print(legend(["name", *summary(report)]))
+    announce_written(args, written)
     return 0
 
 
@@ -330,10 +352,12 @@ def cmd_compare(args) -> int:
     else:
         if result.results:
             print(result.table("markdown", wide=args.wide))
+            for line in result.footer(wide=args.wide):
+                print(line)
         for line in result.notes():
             print(line)
-    if written and not args.quiet:
-        print(f"slimpack compare: wrote {', '.join(map(str, written))}", file=sys.stderr)
+    if not args.quiet:
+        announce_written(args, [*written, *map(Path, result.gantt_files)])
     if result.unfinished:
         finished = ", ".join(result.results) or "none"
         print(f"slimpack compare: stopped, {len(result.unfinished)} strategies unfinished: "
@@ -341,6 +365,12 @@ def cmd_compare(args) -> int:
               + f". Finished: {finished}" + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
         return STOPPED_EXIT
     return 0
+
+
+def announce_written(args, paths) -> None:
+    """One line on stderr per file the command wrote, so that none goes unnoticed."""
+    for path in paths:
+        print(f"slimpack {args.command}: wrote {path}", file=sys.stderr)
 
 
 def check_compare_output(args) -> None:
@@ -463,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="search every strategy again, neither reading nor writing the search cache "
                               "($XDG_CACHE_HOME or ~/.cache, /megatron-slimpack/compare)")
     compare.add_argument("--quiet", action="store_true",
-                         help="no progress on stderr (a bar on a terminal, one line per strategy and phase otherwise)")
+                         help="nothing on stderr but errors and warnings: no progress (a bar on a terminal, one "
+                              "line per strategy and phase otherwise), no line per file written")
     compare.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                          help="processes searching strategies at once; the result is the same for any count "
                               "(default: every core, %(default)s here; 1: one strategy after another, with a "

@@ -45,8 +45,16 @@ from ..planner.layouts import (
 from ..planner.strategies import REGISTRY, strategy_names, strategy_spec
 from ..simulator import per_batch_report, simulate
 from ..simulator.dag import SimulationReport
-from ..simulator.report import ComparisonRow, comparison_table, write_gantt
+from ..simulator.report import (
+    ComparisonRow,
+    comparison_legend,
+    comparison_table,
+    figures_source,
+    gantt_title,
+    write_gantt,
+)
 from ..specs import ParallelConfig
+from .library_noise import ignore_library_warnings
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
 STOCK = "megatron-stock"  # the stock-Megatron reference: its speedup column where it was run
@@ -125,6 +133,7 @@ class ComparisonResult:
     pending: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)  # why SlimPack is slower where it is (`why_slower`)
+    cost_model: dict | None = None  # `CostModel.describe()` of the model every row is priced with
 
     def rows(self, *, markdown: bool = False) -> list[StrategyRow]:
         """One row per strategy with a layout; the stock speedup column where megatron-stock was
@@ -175,6 +184,11 @@ class ComparisonResult:
                          "(cross-document attention, a different training semantic)")
         return f"{strategy}: " + ", ".join(parts) if parts else None
 
+    def footer(self, wide: bool = True) -> list[str]:
+        """The lines under the table: where its seconds come from and what its abbreviated headers mean."""
+        legend = comparison_legend(wide)
+        return ([figures_source(self.cost_model)] if self.cost_model else []) + ([legend] if legend else [])
+
     def notes(self) -> list[str]:
         return self._remarks() + [f"Gantt chart: {path}" for path in self.gantt_files]
 
@@ -196,9 +210,10 @@ class ComparisonResult:
         return lines + ([headline] if headline else []) + self.explanations
 
     def markdown_document(self, wide: bool = True) -> str:
-        """The comparison as Markdown to paste into a page: the table, the notes as a list (plain
-        lines would run together into one paragraph) and each Gantt chart as an image."""
-        parts = [self.table("markdown", wide=wide)]
+        """The comparison as Markdown to paste into a page: the table, its footer lines (a paragraph
+        each), the notes as a list (plain lines would run together into one paragraph) and each
+        Gantt chart as an image."""
+        parts = [self.table("markdown", wide=wide), *(line + "\n" for line in self.footer(wide))]
         remarks = self._remarks()
         if remarks:
             parts.append("\n".join(f"- {line}" for line in remarks) + "\n")
@@ -222,6 +237,7 @@ class ComparisonResult:
             "pending": self.pending,  # not searched yet: only in a file written while the comparison runs
             "cached": self.cached,  # results read from the search cache
             "explanations": self.explanations,  # why SlimPack is slower than a competitor, where it is
+            "cost_model": self.cost_model,  # what every row is priced with: model, hardware, source
         }
 
 
@@ -275,7 +291,7 @@ def run_comparison(
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]
     names = resolve_strategies(strategies)
-    result = ComparisonResult({}, pending=list(names))
+    result = ComparisonResult({}, pending=list(names), cost_model=cost.describe())
     display = show_progress if isinstance(show_progress, CompareProgress) else CompareProgress(
         show_progress if isinstance(show_progress, str) else "auto" if show_progress else "off")
     started = time.monotonic()
@@ -400,7 +416,8 @@ def _search_in_parallel(names: list[str], result: ComparisonResult, display: "Co
         on_update(result)
     if not todo:
         return
-    pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                               initializer=ignore_library_warnings)
     stopped: str | None = None
     # The longest searches first (SlimPack's, which plan every replica; stateful ones, which run
     # every screened layout on every batch), so the last to start are short.
@@ -752,5 +769,9 @@ def _write_gantts(result: "ComparisonResult", cost, directory: Path) -> None:
     horizon = max((report.iteration_time_s for report in detailed.values()), default=None)
     for name, report in detailed.items():
         path = directory / f"{name}.png"
-        write_gantt(report, path, title=f"{name} {result.results[name].parallel.describe()} step 0", horizon_s=horizon)
+        layout = result.results[name]
+        title = gantt_title(name, layout.parallel.describe(), model=cost.model.name,
+                            context_length=layout.plans[0].context_length, iteration_s=report.iteration_time_s,
+                            hardware=cost.hardware.name, step=0)
+        write_gantt(report, path, title=title, horizon_s=horizon)
         result.gantt_files.append(str(path))

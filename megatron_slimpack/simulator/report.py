@@ -3,8 +3,10 @@
 - `markdown_table` / `csv_table`: one row per named report.
 - `comparison_table`: the `slimpack compare` table, rows of (strategy, layout, report,
   planning time, speedup reference).
+- `figures_source` and `legend`: the lines under a table, saying where its seconds come from and
+  what its abbreviated headers mean.
 - `write_gantt` (`gantt_figure`): PNG, one row per (data-parallel rank, pipeline stage), an
-  optional shared time axis (`horizon_s`).
+  optional shared time axis (`horizon_s`); `gantt_title` names what ran and how long it took.
 - `chrome_trace` / `write_chrome_trace`: Perfetto-compatible JSON from any task records
   (simulated `TaskRecord`s or measured ones with the same fields), so simulated and measured
   steps open side by side.
@@ -146,6 +148,37 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def figures_source(cost_model: Mapping[str, Any]) -> str:
+    """The line under a table that says where its seconds come from, from `CostModel.describe()`:
+    'simulated on h100-sxm with cost model analytic, model llama-7b' (a profile by its path)."""
+    source = str(cost_model.get("source") or "analytic")
+    if source.startswith("profile:"):
+        source = "profile " + source.removeprefix("profile:")
+    return f"simulated on {cost_model.get('hardware')} with cost model {source}, model {cost_model.get('model')}"
+
+
+# The columns whose headers are abbreviations, in the words of docs/usage.md ("Reading the tables").
+_COLUMN_WORDS = (
+    (("mfu",), "MFU = model FLOPs utilisation"),
+    (("bubble_ratio",), "bubble = idle share of all devices' time"),
+    (("dp_imbalance", "pp_imbalance"), "DP/PP imb. = max/mean compute over data-parallel ranks/pipeline stages"),
+    (("dp_reduce_exposed_s",), "DP exposed = gradient reduction after the last backward"),
+    (("lower_bound_s",), "lower bound = no plan can be faster"),
+)
+
+
+def legend(columns: Iterable[str]) -> str | None:
+    """One line spelling out the abbreviated headers among `columns` (summary keys); None if none is."""
+    present = set(columns)
+    words = [meaning for keys, meaning in _COLUMN_WORDS if present.intersection(keys)]
+    return "legend: " + "; ".join(words) if words else None
+
+
+def comparison_legend(wide: bool = True) -> str | None:
+    """`legend` of the comparison table: every column, or `COMPACT_COLUMNS` (`wide=False`)."""
+    return legend(_HEADERS if wide else COMPACT_COLUMNS)
+
+
 def _csv(rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -270,6 +303,24 @@ def gantt_figure(report_or_records, title: str | None = None, horizon_s: float |
             ax.text((start + end) / 2, row - 0.1, f"{kind}{_get(record, 'unit')}", ha="center", va="center",
                     fontsize=6, color="white", clip_on=True, zorder=len(order) + 3)
     return fig
+
+
+def context_label(tokens: int) -> str:
+    """64K for 65536 tokens; a length that is no whole number of K as it is (1,000)."""
+    return f"{tokens // 1024}K" if tokens and tokens % 1024 == 0 else f"{tokens:,}"
+
+
+def gantt_title(strategy: str, layout: str, *, model: str | None = None, context_length: int | None = None,
+                iteration_s: float | None = None, hardware: str | None = None, step: int | None = None) -> str:
+    """A chart's title: what ran and how long it took, e.g. 'slimpack, llama-7b, 64K context, tp8
+    pp4 cp1 dp4, step 0: 2.345 s per iteration, simulated on h100-sxm'; what is not given is left out."""
+    parts = [strategy, *([model] if model else []),
+             *([f"{context_label(context_length)} context"] if context_length else []), layout,
+             *([f"step {step}"] if step is not None else [])]
+    title = ", ".join(parts)
+    if iteration_s is not None:
+        title += f": {iteration_s:.3f} s per iteration" + (f", simulated on {hardware}" if hardware else "")
+    return title
 
 
 def write_gantt(report_or_records, path: str | Path, title: str | None = None,
