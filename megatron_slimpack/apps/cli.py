@@ -18,6 +18,7 @@ from . import library_noise
 from .cli_options import (
     add_megatron_spellings,
     add_model_option,
+    contradictions,
     non_negative_int,
     positive_float,
     positive_int,
@@ -533,13 +534,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    command = _subparser(parser, args.command)
+    if command is not None and (contradiction := contradictions(command, argv[argv.index(args.command) + 1:])):
+        command.error(contradiction)
     with library_noise.silenced():
         try:
             return args.run(args)
         except (PlanError, SpecError, ValueError, FileNotFoundError, CliError) as error:
             print(f"slimpack {args.command}: error: {error}", file=sys.stderr)
             return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The subcommand's own parser (its options), None without one."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
 
 
 if __name__ == "__main__":

@@ -69,3 +69,31 @@ def add_megatron_spellings(parser: argparse.ArgumentParser) -> list[str]:
             parser._option_string_actions[theirs] = action
             added.append(theirs)
     return added
+
+
+def contradictions(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """Options of `argv` that set one setting to different values (`--dp-merge --no-dp-merge`,
+    `--tp 1 --tensor-model-parallel-size 2`, `--tp 1 --tp 2`), as one message; None where there are
+    none. argparse would keep the last silently, which is seldom what the user meant. `parser` is
+    the command's own (sub)parser; tokens it does not know exactly (values, positionals,
+    abbreviations) are left to argparse."""
+    seen: dict[str, tuple[str, str]] = {}  # dest -> (what the user typed, its value)
+    problems = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            break
+        name, equals, given = token.partition("=")
+        action = parser._option_string_actions.get(name) if name.startswith("-") else None
+        if action is None or action.dest in (argparse.SUPPRESS, "help"):
+            continue
+        if action.nargs == 0:  # a flag: its value is what it stores
+            value, typed = str(action.const), name
+        else:
+            value = given if equals else next(tokens, "")
+            typed = f"{name} {value}"
+        earlier = seen.get(action.dest)
+        if earlier is not None and earlier[1] != value:
+            problems.append(f"{earlier[0]} and {typed} set the same option to different values")
+        seen[action.dest] = (typed, value)
+    return "; ".join(problems) + ": give one" if problems else None
