@@ -540,12 +540,43 @@ def main(argv: list[str] | None = None) -> int:
     command = _subparser(parser, args.command)
     if command is not None and (contradiction := contradictions(command, argv[argv.index(args.command) + 1:])):
         command.error(contradiction)
+    if (unwritable := unwritable_outputs(args)) and command is not None:
+        command.error(unwritable)
     with library_noise.silenced():
         try:
             return args.run(args)
         except (PlanError, SpecError, ValueError, FileNotFoundError, CliError) as error:
             print(f"slimpack {args.command}: error: {error}", file=sys.stderr)
             return 2
+
+
+# Where each command writes: argparse dest -> whether it names a directory (else a file).
+OUTPUTS = {"out": False, "gantt": False, "trace": False, "gantt_dir": True, "out_dir": True}
+
+
+def unwritable_outputs(args) -> str | None:
+    """Why an output path the user gave cannot be written (a missing or read-only folder, a file
+    where a folder is wanted or the reverse), checked before the work starts: a search of minutes
+    must not end in a traceback. None when every one can be."""
+    problems = []
+    for dest, is_directory in OUTPUTS.items():
+        given = getattr(args, dest, None)
+        if not given:
+            continue
+        path = Path(given)
+        flag = "--" + dest.replace("_", "-")
+        if path.exists() and path.is_dir() != is_directory:
+            problems.append(f"{flag} {given} is a {'file' if is_directory else 'directory'}; name a "
+                            f"{'directory' if is_directory else 'file'}")
+            continue
+        folder = path if is_directory and path.exists() else path.parent
+        while is_directory and not folder.exists() and folder != folder.parent:  # created with its parents
+            folder = folder.parent
+        if not folder.exists():
+            problems.append(f"{flag} {given}: the folder {folder} does not exist")
+        elif not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            problems.append(f"{flag} {given}: not writable")
+    return "; ".join(problems) or None
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:

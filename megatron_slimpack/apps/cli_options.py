@@ -72,12 +72,13 @@ def add_megatron_spellings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def contradictions(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """Options of `argv` that set one setting to different values (`--dp-merge --no-dp-merge`,
-    `--tp 1 --tensor-model-parallel-size 2`, `--tp 1 --tp 2`), as one message; None where there are
-    none. argparse would keep the last silently, which is seldom what the user meant. `parser` is
-    the command's own (sub)parser; tokens it does not know exactly (values, positionals,
-    abbreviations) are left to argparse."""
-    seen: dict[str, tuple[str, str]] = {}  # dest -> (what the user typed, its value)
+    """Options of `argv` spelled differently that set one setting to different values
+    (`--dp-merge --no-dp-merge`, `--tp 1 --tensor-model-parallel-size 2`), as one message; None
+    where there are none. argparse would keep the last silently, which is seldom what the user
+    meant. One option given twice keeps its last value, as argparse does (a launch script that
+    appends an override). `parser` is the command's own (sub)parser; tokens it does not know
+    exactly (values, positionals, abbreviations) are left to argparse."""
+    seen: dict[str, tuple[str, str, str]] = {}  # dest -> (option, what the user typed, its value)
     problems = []
     tokens = iter(argv)
     for token in tokens:
@@ -93,7 +94,7 @@ def contradictions(parser: argparse.ArgumentParser, argv: list[str]) -> str | No
             value = given if equals else next(tokens, "")
             typed = f"{name} {value}"
         earlier = seen.get(action.dest)
-        if earlier is not None and earlier[1] != value:
-            problems.append(f"{earlier[0]} and {typed} set the same option to different values")
-        seen[action.dest] = (typed, value)
+        if earlier is not None and earlier[0] != name and earlier[2] != value:
+            problems.append(f"{earlier[1]} and {typed} set the same option to different values")
+        seen[action.dest] = (name, typed, value)
     return "; ".join(problems) + ": give one" if problems else None
