@@ -72,3 +72,9 @@ def test_a_gantt_folder_that_is_a_file_is_refused_before_the_search(tmp_path, ca
                   "--global-batch-size", "4", "--strategies", "bfd", "--workers", "1", "--gantt-dir", str(taken)])
     assert stopped.value.code == 2
     assert f"--gantt-dir {taken} is a file; name a directory" in capsys.readouterr().err
+
+
+def test_cp_and_a_base_merge_together_are_refused(capsys):
+    two_replicas = [*PLAN, "--dp", "2"]  # the last --dp wins
+    assert cli.main([*two_replicas, "--cp", "2", "--base-merge", "2"]) == 2
+    assert "--cp 2 and --base-merge 2 both share every MicroPack" in capsys.readouterr().err

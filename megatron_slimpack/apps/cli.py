@@ -235,6 +235,10 @@ def cmd_plan(args) -> int:
     cost = load_cost(args)
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
+    if parallel.cp > 1 and config.base_merge > 1:
+        raise CliError(f"--cp {parallel.cp} and --base-merge {config.base_merge} both share every MicroPack over "
+                       "several ranks (a layout's cp is what `slimpack compare` reports; Megatron runs it as "
+                       "--slimpack-base-merge): give one")
     warn_about_inputs(args, config, dp=parallel.dp)
     from ..planner.strategies import new_planner
 
