@@ -42,7 +42,8 @@ def test_profile_loads_and_predicts_held_out(profiled):
 
     chunk = build_gpt_model(transformer_config(SPEC, num_layers=SPEC.num_layers), vocab_size=SPEC.vocab_size,
                             max_sequence_length=4096, backend="torch", pre_process=False, post_process=False)
-    held_out = measure_chunk(chunk, SPEC, 288, 2, 64, repeats=3)  # a shape outside the grid
+    # a shape outside the grid; the median of 9 runs, as a test beside it in the suite can slow a few
+    held_out = measure_chunk(chunk, SPEC, 288, 2, 64, repeats=9)
     forward, backward, saved = predict_point(cost, held_out, SPEC.num_layers)
     assert saved == pytest.approx(held_out.saved_bytes, rel=0.15)  # memory is deterministic
     assert 0.33 < forward / held_out.forward_s < 3.0  # time: loose (shared CPU)
