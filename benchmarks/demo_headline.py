@@ -22,15 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paper_table import current_commit  # benchmarks/ is the script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_demo(options: list[str]) -> tuple[dict, float]:
@@ -65,7 +59,8 @@ def main(argv=None) -> int:
         "# The main job's headline: `slimpack demo`, measured",
         "",
         f"`python benchmarks/demo_headline.py --runs {args.runs}"
-        + (f" -- {' '.join(demo_options)}" if demo_options else "") + f"` at commit {commit()}, "
+        + (f" -- {' '.join(demo_options)}" if demo_options else "")
+        + f"` at commit {current_commit() or 'unknown'}, "
         f"{datetime.date.today().isoformat()}, on a machine with {os.cpu_count()} cores. Demo options: "
         f"{summary['options']['steps']} steps of {summary['options']['global_batch_size']} x "
         f"{summary['options']['context_length']} tokens, PP={summary['options']['pp']}, {summary['options']['model']} "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,18 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from paper_table import current_commit  # noqa: E402  (benchmarks/ is the script's folder)
+
 from megatron_slimpack.apps.comparison import run_comparison  # noqa: E402
 from megatron_slimpack.config import SlimPackConfig  # noqa: E402
 from megatron_slimpack.costmodel import CostModel  # noqa: E402
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths  # noqa: E402
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def compare(args, batches, workers: int):
@@ -84,7 +77,8 @@ def main(argv=None) -> int:
         "",
         f"`python benchmarks/search_speed.py --model {args.model} --workload {args.workload} --gpus {args.gpus} "
         f"--context-length {args.context_length} --global-batch-size {args.global_batch_size} --steps {args.steps} "
-        f"--workers {args.workers}` at commit {commit()}, on a machine with {os.cpu_count()} cores. Every strategy, "
+        f"--workers {args.workers}` at commit {current_commit() or 'unknown'}, on a machine with "
+        f"{os.cpu_count()} cores. Every strategy, "
         f"no cache, CP-SAT stopped at {args.solver_deterministic_limit} deterministic units.",
         "",
         f"- wall time: {serial_s:.1f} s with 1 worker, {parallel_s:.1f} s with {args.workers}: "

@@ -33,7 +33,7 @@ def init_megatron(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | N
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
-    """One-process megatron-core on CPU for the whole test session."""
+    """One-process megatron-core on CPU for the whole test run."""
     init_megatron()
     yield
 

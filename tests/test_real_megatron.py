@@ -61,7 +61,7 @@ class Workspace:
 
     def run(self, name: str, *, nproc: int = 1, extra=(), initial: str | None = "tied", data=None,
             **options) -> harness.TrainRun:
-        """Run once per test session under `name`; `initial`: the checkpoint every comparison starts from."""
+        """Run once per test run under `name`; `initial`: the checkpoint every comparison starts from."""
         if name not in self.runs:
             load = []
             if initial is not None:

@@ -58,7 +58,7 @@ def test_compat_is_idempotent_and_undoable(megatron_cpu):
             torch.cuda.current_device()
     finally:
         compat.apply()
-        mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the test session's seeded streams
+        mp_random._CUDA_RNG_STATE_TRACKER = tracker  # keep the test run's seeded streams
     assert str(torch.cuda.current_device()) == "cpu"
 
 

@@ -314,13 +314,10 @@ def run_comparison(
         index, name = 0, ""
         try:
             for index, name in enumerate(names):
-                result.pending.remove(name)
-                key = cache.key(name, batches, cost, gpus, context_length, config) if cache else None
-                hit = cache.load(key) if cache and key else None
-                if hit is not None:
-                    _record(result, name, hit)
-                    result.cached.append(name)
-                    display.strategy_done(name, index, len(names), _outcome(result, name) + " (cached)")
+                cached, key = _read_cached(result, display, cache, name, index, len(names),
+                                           (batches, cost, gpus, context_length, config))
+                if cached:
+                    pass  # recorded from the cache
                 elif stopped is not None or (deadline is not None and time.monotonic() > deadline):
                     stopped = stopped or f"the time budget of {time_budget_s:g} s was spent"
                     result.unfinished[name] = f"not searched: {stopped}"
@@ -403,14 +400,9 @@ def _search_in_parallel(names: list[str], result: ComparisonResult, display: "Co
     count = len(names)
     todo: list[tuple[int, str, str | None]] = []  # (index, name, cache key) of those to search
     for index, name in enumerate(names):
-        result.pending.remove(name)
-        key = cache.key(name, batches, cost, gpus, context_length, config) if cache else None
-        hit = cache.load(key) if cache and key else None
-        if hit is not None:
-            _record(result, name, hit)
-            result.cached.append(name)
-            display.strategy_done(name, index, count, _outcome(result, name) + " (cached)")
-        else:
+        cached, key = _read_cached(result, display, cache, name, index, count,
+                                   (batches, cost, gpus, context_length, config))
+        if not cached:
             todo.append((index, name, key))
     if on_update:
         on_update(result)
@@ -457,6 +449,22 @@ def _search_in_parallel(names: list[str], result: ComparisonResult, display: "Co
     result.failures = dict(sorted(result.failures.items(), key=lambda item: order[item[0]]))
     if on_update and stopped:
         on_update(result)
+
+
+def _read_cached(result: ComparisonResult, display: "CompareProgress", cache: "SearchCache | None", name: str,
+                 index: int, count: int, inputs: tuple) -> tuple[bool, str | None]:
+    """Take `name` off the pending list and record its search from the cache where it is there.
+    Returns whether it was, and its cache key (None without a cache). `inputs`: the search's
+    (batches, cost, gpus, context_length, config)."""
+    result.pending.remove(name)
+    key = cache.key(name, *inputs) if cache else None
+    hit = cache.load(key) if cache and key else None
+    if hit is None:
+        return False, key
+    _record(result, name, hit)
+    result.cached.append(name)
+    display.strategy_done(name, index, count, _outcome(result, name) + " (cached)")
+    return True, key
 
 
 def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
