@@ -1,8 +1,16 @@
-"""`slimpack compare`'s search, one process against several, on the same inputs in one run.
+"""`slimpack compare`'s search, one process against several, or this tree's search against another
+revision's, on the same inputs in one run.
 
     python benchmarks/search_speed.py [--gpus 32] [--context-length 65536] [--global-batch-size 32]
                                       [--steps 1] [--model llama-7b] [--workload text] [--workers 2]
                                       [--out benchmarks/results/search_speed.md]
+    python benchmarks/search_speed.py --against REV [--strategies a,b] [--side-by-side] [...]
+                                      [--out benchmarks/results/search_against.md]
+
+With `--against REV`, the git revision REV is checked out to a temporary worktree and each side
+runs the comparison (one worker, no cache, the same batches) in a process of its own, one after
+the other (`--side-by-side`: both at once, one core each); the report gives each strategy's search
+time on both sides, their ratio, and whether the chosen layout and mean iteration time are the same.
 
 Runs `run_comparison` over every strategy twice without the search cache: with one worker (the
 strategies one after another) and with `--workers` processes (one strategy per worker at a time,
@@ -17,8 +25,11 @@ commit and the machine's core count.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +55,104 @@ def compare(args, batches, workers: int):
     return result, time.perf_counter() - started
 
 
+# One side of `--against`: run in a process of its own with the tree under test first on sys.path;
+# it reads the inputs as JSON and prints one JSON object per strategy.
+ONE_SIDE = """
+import json, sys, time
+inputs = json.loads(sys.stdin.read())
+from megatron_slimpack.apps.comparison import run_comparison
+from megatron_slimpack.config import SlimPackConfig
+from megatron_slimpack.costmodel import CostModel
+cost = CostModel.analytic(inputs["model"], "h100-sxm")
+config = SlimPackConfig(context_length=inputs["context_length"],
+                        solver_deterministic_limit=inputs["solver_deterministic_limit"])
+started = time.perf_counter()
+result = run_comparison(workload=inputs["workload"], model=inputs["model"], hardware="h100-sxm", cost=cost,
+                        gpus=inputs["gpus"], global_batch_size=inputs["global_batch_size"],
+                        steps=len(inputs["batches"]), strategies=inputs["strategies"], config=config,
+                        show_progress=False, batches=inputs["batches"], workers=1)
+rows = {name: {"layout": found.parallel.describe(), "mean_s": found.mean_iteration_time_s,
+               "search_s": found.search_time_s} for name, found in result.results.items()}
+rows.update({name: {"failed": str(why)} for name, why in result.failures.items()})
+print(json.dumps({"rows": rows, "wall_s": time.perf_counter() - started}))
+"""
+
+
+def run_side(tree: Path, inputs: dict) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen([sys.executable, "-c", ONE_SIDE], cwd=tree, env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdin is not None
+    process.stdin.write(json.dumps(inputs))
+    process.stdin.close()
+    return process
+
+
+def side_result(process: subprocess.Popen, tree: Path) -> dict:
+    assert process.stdout is not None
+    output = process.stdout.read()
+    if process.wait() != 0:
+        raise SystemExit(f"search_speed: the comparison with the code in {tree} failed (exit {process.returncode})")
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def against(args, batches) -> int:
+    """This tree's search against revision `args.against`'s on the same batches."""
+    inputs = {"model": args.model, "workload": args.workload, "gpus": args.gpus, "context_length": args.context_length,
+              "global_batch_size": args.global_batch_size, "strategies": args.strategies, "batches": batches,
+              "solver_deterministic_limit": args.solver_deterministic_limit}
+    with tempfile.TemporaryDirectory() as scratch:
+        old_tree = Path(scratch) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(old_tree), args.against], cwd=ROOT,
+                       check=True)
+        try:
+            if args.side_by_side:
+                running = [run_side(old_tree, inputs), run_side(ROOT, inputs)]
+                old, new = (side_result(process, tree) for process, tree in zip(running, (old_tree, ROOT)))
+            else:
+                old = side_result(run_side(old_tree, inputs), old_tree)
+                new = side_result(run_side(ROOT, inputs), ROOT)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=False)
+    rows, same = [], True
+    for name, was in old["rows"].items():
+        now = new["rows"].get(name, {})
+        agrees = was.get("layout") == now.get("layout") and was.get("mean_s") == now.get("mean_s") \
+            and was.get("failed") == now.get("failed")
+        same &= agrees
+        if "failed" in was or "failed" in now:
+            rows.append(f"| {name} | no feasible layout | | | | | {'yes' if agrees else 'NO'} |")
+            continue
+        differs = f"NO: {was['layout']}, {was['mean_s']:.3f} s before"
+        speedup = was["search_s"] / now["search_s"]
+        rows.append(f"| {name} | {now['layout']} | {now['mean_s']:.3f} | {was['search_s']:.1f} | "
+                    f"{now['search_s']:.1f} | {speedup:.2f}x | {'yes' if agrees else differs} |")
+    old_s = sum(row.get("search_s", 0.0) for row in old["rows"].values())
+    new_s = sum(row.get("search_s", 0.0) for row in new["rows"].values())
+    text = "\n".join([
+        f"# Compare search: this tree against {args.against}",
+        "",
+        f"`python benchmarks/search_speed.py --against {args.against} --model {args.model} --workload {args.workload} "
+        f"--gpus {args.gpus} --context-length {args.context_length} --global-batch-size {args.global_batch_size} "
+        f"--steps {args.steps} --strategies {args.strategies}{' --side-by-side' if args.side_by_side else ''}` "
+        f"at commit {current_commit() or 'unknown'}, on a machine with {os.cpu_count()} cores; the sides ran "
+        f"{'at once, one core each' if args.side_by_side else 'one after the other'}. One worker each, no cache, "
+        f"CP-SAT stopped at {args.solver_deterministic_limit} deterministic units.",
+        "",
+        f"- searches' time, every strategy: {old_s:.1f} s with {args.against}, {new_s:.1f} s now: "
+        f"**{old_s / new_s:.2f}x**",
+        f"- same layout and mean iteration time for every strategy: {'yes' if same else 'NO'}",
+        "",
+        f"| strategy | layout | mean iteration (s) | search, {args.against} (s) | search, now (s) | speedup | same |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+    ])
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b")
@@ -54,11 +163,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--solver-deterministic-limit", type=float, default=0.2)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "search_speed.md"))
+    parser.add_argument("--against", metavar="REV", help="compare this tree's search with git revision REV's")
+    parser.add_argument("--strategies", default="all", help="with --against: the strategies compared")
+    parser.add_argument("--side-by-side", action="store_true", help="with --against: run both sides at once")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" /
+                               ("search_against.md" if args.against else "search_speed.md"))
     sampler = GlobalBatchSampler(load_lengths(args.workload, seed=0), args.context_length, args.global_batch_size,
                                  seed=0)
     batches = [sampler.next_batch().lengths for _ in range(args.steps)]
+    if args.against:
+        return against(args, batches)
     serial, serial_s = compare(args, batches, 1)
     parallel, parallel_s = compare(args, batches, args.workers)
     rows, same = [], True

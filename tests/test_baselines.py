@@ -58,6 +58,8 @@ def test_every_strategy_has_one_spec_with_its_facts():
     assert trainable_strategy_names() == ("slimpack", "slimpack-sym", "slimpack-nomerge", "megatron-fixed", "bfd",
                                           "sorted", "wlb-llm", "slimpipe")
     assert {name for name, spec in specs.items() if spec.cp_is_base_merge} == {"slimpack", "slimpack-sym"}
+    assert {name for name, spec in specs.items() if spec.plans_by_shape} == {"megatron-fixed", "megatron-stock", "bfd",
+                                                                            "sorted", "slimpipe"}
     # megatron-stock trains another semantic (attention across documents): a reference, labelled.
     assert {name for name, spec in specs.items() if spec.is_reference} == {"megatron-stock"}
     assert all(spec.different_semantics == "" for name, spec in specs.items() if name != "megatron-stock")
@@ -76,6 +78,35 @@ def test_every_strategy_has_one_spec_with_its_facts():
     with pytest.raises(ValueError, match="minimum_in_flight"):
         register("new-one", role="baseline", trainable=False, description="x", minimum_in_flight="all")(None)
     assert "new-one" not in REGISTRY
+
+
+def test_strategies_that_plan_by_shape_plan_the_same_for_any_tp_cp_recompute_and_cost_model():
+    """`StrategySpec.plans_by_shape`: the plan depends on the layout only through dp, pp and vpp
+    (a layout search plans each shape once): the same plan on every tp, cp and recompute mode, and
+    under another model and hardware, for every strategy that says so."""
+    from megatron_slimpack.planner.strategies import strategy_specs
+
+    rng = np.random.default_rng(3)
+    lengths = [int(n) for n in np.clip(rng.lognormal(7.5, 1.6, 160), 1, 16384)]
+    costs = [COST, ms.CostModel.analytic("llama-13b", "a100")]
+    config_of = {name: ms.SlimPackConfig(strategy=name, context_length=16384)
+                 for name, spec in strategy_specs().items() if spec.plans_by_shape}
+
+    def outcome(name, parallel, cost):  # the plan without its layout and cost model's name, or the error
+        try:
+            plan = get_strategy(name)(lengths, parallel, cost, config_of[name]).validate()
+        except PlanError as error:
+            return str(error)
+        return {**plan.to_dict(), "parallel": None, "metadata": {**plan.metadata, "cost_model": None}}
+
+    planned = 0
+    for name in config_of:
+        for dp, pp, vpp in ((2, 1, 1), (2, 2, 1), (1, 4, 2), (1, 2, 2)):
+            outcomes = [outcome(name, ParallelConfig(dp=dp, pp=pp, vpp=vpp, tp=tp, cp=cp, recompute=mode), cost)
+                        for tp, cp, mode in ((1, 1, "none"), (2, 4, "selective"), (8, 2, "full")) for cost in costs]
+            assert all(each == outcomes[0] for each in outcomes), (name, dp, pp, vpp)
+            planned += isinstance(outcomes[0], dict)
+    assert planned >= 3 * len(config_of)
 
 
 def test_the_registry_sits_below_the_strategies():

@@ -339,12 +339,13 @@ def _mean_over_every_batch(strategy: str, batches: list[list[int]], parallel: Pa
     return total / len(batches)
 
 
-def test_a_stateful_strategy_runs_every_screened_layout_that_could_still_win_on_every_batch(monkeypatch):
-    """WLB-LLM's first batch is a poor guide to its mean (its queue fills over the steps): every
-    layout that fits the first batch runs the batches until its plans so far and a lower bound
-    on the rest rule it out of the `finalists` fastest; the fastest mean wins, and only the
-    finalists keep their plans. Each layout that stopped, run on its own over every batch, is
-    indeed slower than every finalist."""
+def test_a_stateful_strategy_runs_each_layout_that_could_still_win_on_every_batch(monkeypatch):
+    """WLB-LLM's first batch is a poor guide to its mean (its queue fills over the steps): each
+    layout runs every batch and the flush, in the order of a lower bound on its mean, until that
+    bound (before it runs: "bound") or its plans so far and the bound on the rest ("finish-bound")
+    rule it out of the `finalists` fastest; the fastest mean wins, and only the finalists keep
+    their plans. Each layout ruled out, run on its own over every batch, is indeed slower than
+    every finalist, and the finalists are the fastest of every layout the cascades leave."""
     from megatron_slimpack.planner import layouts
 
     context = 32768
@@ -359,18 +360,52 @@ def test_a_stateful_strategy_runs_every_screened_layout_that_could_still_win_on_
 
     monkeypatch.setattr(layouts, "_finish_run", finished)
     result = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2)
-    assert set(means) == {parallel for parallel, _ in result.screened} and len(means) > 4
-    stopped = [r for r in result.rejected if r.kind == "finish-bound"]
-    assert stopped and not any(r.kind == "bound" for r in result.rejected)
-    assert all(not r.infeasible for r in stopped)
-    for rejection in stopped:
+    assert {parallel for parallel, _ in result.screened} <= set(means) and len(means) > 4
+    ruled_out = [r for r in result.rejected if r.kind in ("bound", "finish-bound")]
+    assert {r.kind for r in ruled_out} == {"bound", "finish-bound"}
+    slowest_finalist = max(e.mean_iteration_time_s for e in result.finalists)
+    for rejection in ruled_out:
         alone = _mean_over_every_batch("wlb-llm", batches, rejection.parallel, COST_7B, context, FAST)
-        assert alone is None or alone > max(e.mean_iteration_time_s for e in result.finalists), rejection
-        assert means[rejection.parallel] is None
-    assert result.mean_iteration_time_s == min(mean for mean in means.values() if mean is not None)
-    assert [e.parallel for e in result.finalists] == sorted((p for p in means if means[p] is not None),
-                                                            key=means.get)[:2]
+        assert alone is None or alone > slowest_finalist, rejection
+        assert means.get(rejection.parallel) is None
+    cascaded = {r.parallel for r in result.rejected if r.kind in ("recompute-cascade", "interleave-cascade")}
+    alone = {parallel: _mean_over_every_batch("wlb-llm", batches, parallel, COST_7B, context, FAST)
+             for parallel in enumerate_layouts(COST_7B, 8, "wlb-llm") if parallel not in cascaded}
+    fastest = sorted((p for p in alone if alone[p] is not None), key=alone.get)[:2]
+    assert [e.parallel for e in result.finalists] == fastest
+    assert [e.mean_iteration_time_s for e in result.finalists] == pytest.approx([alone[p] for p in fastest], rel=1e-12)
     assert all(len(e.plans) >= len(batches) for e in result.finalists)
+
+
+def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape(monkeypatch):
+    """bfd's plan depends on the layout only through dp, pp and vpp (`StrategySpec.plans_by_shape`):
+    the search plans each batch once per shape, every other layout of the shape gets the same plan
+    with its own layout, and it finds what a search planning every layout finds."""
+    import dataclasses
+
+    from megatron_slimpack.planner import layouts, registry
+
+    context = 32768
+    batches = [batch(seed, 120, context) for seed in (5, 6)]
+    planned = []
+    plan_bfd = registry.REGISTRY["bfd"].factory().function
+
+    def counting(lengths, parallel, *args, **kwargs):
+        planned.append((tuple(lengths), parallel.dp, parallel.pp, parallel.vpp))
+        return plan_bfd(lengths, parallel, *args, **kwargs)
+
+    spec = dataclasses.replace(strategy_spec("bfd"), factory=lambda: registry.StepPlanner(counting))
+    shared = best_layout(spec, batches, COST_7B, 8, context, FAST)
+    assert len(planned) == len(set(planned)) and len(shared.screened) > len(planned) // 2 > 0
+    for plan, evaluation in ((plan, e) for e in shared.finalists for plan in e.plans):
+        assert plan.parallel == evaluation.parallel
+    planned.clear()
+    alone = best_layout(dataclasses.replace(spec, plans_by_shape=False), batches, COST_7B, 8, context, FAST)
+    assert len(planned) > len(set(planned))  # without it, shapes are planned again
+    assert [(e.parallel, e.mean_iteration_time_s) for e in alone.finalists] == \
+        [(e.parallel, e.mean_iteration_time_s) for e in shared.finalists]
+    assert [p.fingerprint() for p in alone.plans] == [p.fingerprint() for p in shared.plans]
+    assert alone.screened == shared.screened
 
 
 def test_the_work_bound_is_superadditive():

@@ -57,6 +57,24 @@ def test_json_round_trip_is_lossless(tmp_path):
     again.validate()
 
 
+@pytest.mark.parametrize("strategy", ["slimpack", "megatron-fixed", "wlb-llm"])
+def test_pickle_round_trip_is_lossless(strategy):
+    """Plans pickle as slice tables (a search shelves them, a comparison's workers hand them back):
+    the same plan comes back, NamedTuples, merge groups, idle replicas and sources included."""
+    import pickle
+
+    lengths = [30000, 12000, 9000, 700, 650, 64, 2, 40000, 33000, 5000, 1]
+    plan = make_plan(lengths, dp=4, pp=2, context=40000, strategy=strategy)
+    empty = ReplicaPlan([], [], [], [[], []], [3])
+    plan.replicas.append(empty)
+    restored = pickle.loads(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+    assert restored == plan and restored.to_dict() == plan.to_dict()
+    assert type(restored.samples[0]) is Sample and type(restored.sample_sources[0]) is type(plan.sample_sources[0])
+    slices = [piece for replica in restored.replicas for pack in replica.micropacks for piece in pack.slices]
+    assert slices and all(type(piece) is Slice and type(piece.start) is int for piece in slices)
+    assert restored.replicas[-1] == empty
+
+
 def test_planner_is_deterministic_for_a_fixed_seed():
     rng = np.random.default_rng(3)
     lengths = rng.integers(1, 30000, size=300).tolist()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from pathlib import Path
 from typing import cast
+
+import numpy as np
 
 from ..specs import ParallelConfig
 from .types import PlanError, ReplicaPlan, Sample, SampleSource, sources_of
@@ -51,6 +53,13 @@ class Plan:
                     f"sample-sources: a {self.strategy} plan renumbers its samples and must give each sample's "
                     "(document, offset) in sample_sources")
             self.sample_sources = sources_of(map(tuple.__getitem__, self.samples, repeat(0)), repeat(0))
+
+    def __reduce__(self):
+        # Samples and sources as arrays (see `ReplicaPlan.__reduce__`).
+        samples, sources = (np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+                            for pairs in (self.samples, self._sources()))
+        return _plan_from_arrays, (self.replicas, samples, self.parallel, self.context_length, self.strategy,
+                                   self.max_micropack_tokens, self.metadata, sources, self.repeated_documents)
 
     # ---- queries -------------------------------------------------------------------------
     def _sources(self) -> list[SampleSource]:
@@ -155,3 +164,13 @@ class Plan:
         check_plan(self.replicas, self.samples, self.sample_sources, self.repeated_documents, self.parallel,
                    self.context_length, self.max_micropack_tokens)
         return self
+
+
+def _plan_from_arrays(replicas, samples: np.ndarray, parallel, context_length, strategy, max_micropack_tokens,
+                      metadata, sources: np.ndarray, repeated_documents) -> Plan:
+    """A `Plan` from its pickled form (`Plan.__reduce__`)."""
+    def pairs(flat: np.ndarray, kind) -> list:
+        return list(map(tuple.__new__, repeat(kind), zip(flat[0::2].tolist(), flat[1::2].tolist())))
+
+    return Plan(replicas, pairs(samples, Sample), parallel, context_length, strategy, max_micropack_tokens, metadata,
+                pairs(sources, SampleSource), repeated_documents)

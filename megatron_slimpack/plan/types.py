@@ -292,6 +292,13 @@ class ReplicaPlan:
     def backward_unit_of(self) -> dict[int, int]:
         return {mp: unit for unit, members in enumerate(self.backward_units) for mp in members}
 
+    def __reduce__(self):
+        # Pickled as one slice table (a search shelves hundreds of plans of ~10^5 slices, and a
+        # comparison's workers hand plans back): ~10x faster than NamedTuple by NamedTuple.
+        counts, table = slice_table(self.micropacks)
+        return _replica_from_table, (counts, table, self.forward_units, self.backward_units, self.stage_orders,
+                                     self.dp_ranks)
+
     def to_dict(self) -> dict:
         return {
             "dp_ranks": list(self.dp_ranks),
@@ -311,3 +318,12 @@ class ReplicaPlan:
                           for order in data["stage_orders"]],
             dp_ranks=[int(r) for r in data["dp_ranks"]],
         )
+
+
+def _replica_from_table(counts: np.ndarray, table: np.ndarray, forward_units, backward_units, stage_orders,
+                        dp_ranks) -> ReplicaPlan:
+    """A `ReplicaPlan` from its pickled form (`ReplicaPlan.__reduce__`)."""
+    slices = list(map(tuple.__new__, repeat(Slice), zip(*(column.tolist() for column in table.T))))
+    ends = np.cumsum(counts).tolist()
+    micropacks = [MicroPack(slices[start:end]) for start, end in zip([0] + ends[:-1], ends)]
+    return ReplicaPlan(micropacks, forward_units, backward_units, stage_orders, dp_ranks)

@@ -20,8 +20,7 @@ Search, cheapest checks first:
    of the batch on the layout, packed perfectly, spread over dp ranks): plan and simulate; a
    PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
    layout whose bound is already above the best screened time is not planned (branch and
-   bound; stateful strategies (`StrategySpec.stateful`), whose step may hold other documents
-   than the batch, are screened without the bound). Recompute modes cascade: selective is tried
+   bound). Recompute modes cascade: selective is tried
    only where none does not fit, full only where selective does not, since recompute only adds
    time (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
    more memory can buy larger MicroPacks). Virtual stages cascade too: vpp > 1 is tried only where
@@ -29,22 +28,18 @@ Search, cheapest checks first:
    below the best screened time, since interleaving removes only pipeline idle time (and adds p2p
    and in-flight memory). So a shape's layouts are screened together, lightest recompute mode and
    plain 1F1B first, in the order of the lowest bound among them.
-5. The best `finalists` screened layouts run every batch (stateful strategies continue the
-   planner of their screening run; one with a `flush` plans what it still delays as one more
-   step); the lowest mean iteration time wins. A stateful strategy runs every screened layout on
-   every batch: its first batch is a poor guide to its mean (WLB-LLM's queue fills over the steps;
-   at llama-70b 128K GitHub on 256 H100s its fastest layout over 10 batches is the 18th fastest on
-   the first); the result keeps the plans of the `finalists` fastest. A layout stops early, though,
-   once it cannot be among them: its plans so far plus a lower bound on the rest (what is not yet
-   trained, as `work_lower_bound`; a planner that flushes trains every document) put its mean above
-   the `finalists`-th fastest finished (`_RemainingWork`; a layout that stops is not run far
-   enough to see whether it fails a later batch, as below). Its interleave cascade
-   still compares with the first batch (without it, a llama-70b 64K search of about 3 minutes had
-   not finished in 12). Mean iteration time is the simulated time of all plans (flush included)
-   divided by the number of batches, so it is per global batch trained.
-   A finalist that fits the first batch but fails a later one (a stateful strategy's queue grows,
-   a later batch's longest document) is replaced by the next, and the layouts it left unevaluated
-   (the bound, the cascades) are screened again without it.
+5. The best `finalists` screened layouts run every batch; the lowest mean iteration time wins.
+   Mean iteration time is the simulated time of all plans (a stateful planner's flush of what it
+   still delays included) divided by the number of batches, so it is per global batch trained.
+   A finalist that fits the first batch but fails a later one (a later batch's longest document)
+   is replaced by the next, and the layouts it left unevaluated (the bound, the cascades) are
+   screened again without it.
+Stateful strategies (`StrategySpec.stateful`) skip steps 4 and 5: their first batch is a poor guide
+to their mean (WLB-LLM's queue fills over the steps; at llama-70b 128K GitHub on 256 H100s its
+fastest layout over 10 batches is the 18th fastest on the first). Each layout instead runs every
+batch, one layout after another in the order of a lower bound on its mean, skipped where that
+bound or the cascades show it cannot be among the `finalists` fastest means so far, and stopped
+as soon as its plans so far and the bound on the rest show it (`_run_in_bound_order`).
 """
 from __future__ import annotations
 
@@ -175,7 +170,8 @@ class LayoutResult:
 class SearchProgress:
     """Where a layout search stands, told to `best_layout`'s `progress` callback after each layout
     it decides. `phase`: "screening" (the first batch on each layout that passed the memory
-    checks, or was bounded out) or "finishing" (every batch on the fastest screened); `done` of
+    checks, or was bounded out; a stateful strategy's every batch, and the best mean so far) or
+    "finishing" (every batch on the fastest screened); `done` of
     `total` layouts of that phase decided; `best_s`: the best first-batch time screened
     (screening) or the best mean finished (finishing) so far, None before there is one;
     `candidates`: layouts enumerated, before the memory checks."""
@@ -429,6 +425,8 @@ class _Run:
     plans: list[Plan] = field(default_factory=list)
     reports: list[SimulationReport] = field(default_factory=list)
     shelved: bytes | None = None  # `plans`, pickled while the run is not among the fastest screened
+    # A strategy that plans by shape (`StrategySpec.plans_by_shape`): the search's `_ShapePlans`.
+    shape_plans: "_ShapePlans | None" = None
 
     @property
     def active_planner(self) -> StepPlanner:
@@ -447,20 +445,58 @@ class _Run:
             self.plans, self.shelved = pickle.loads(self.shelved), None
 
 
+class _ShapePlans:
+    """One search's plans of a strategy that plans by shape (`StrategySpec.plans_by_shape`), by
+    (batch, dp, pp, vpp): each batch is planned and validated once per shape, and every other
+    layout of the shape gets a copy (kept pickled: `Plan.__reduce__` makes that cheap, and a search
+    over ~10^5-document batches meets tens of shapes). A planning error is kept the same way."""
+
+    def __init__(self):
+        self.plans: dict[tuple[int, ...], bytes | PlanError] = {}
+
+    def plan(self, run: _Run, lengths: list[int], cost: CostModel, step: int) -> Plan:
+        key = (step, run.parallel.dp, run.parallel.pp, run.parallel.vpp)
+        kept = self.plans.get(key)
+        if isinstance(kept, PlanError):
+            raise kept
+        if kept is not None:
+            plan = pickle.loads(kept)
+            plan.parallel = run.parallel
+            return plan
+        try:
+            plan = _planned(run, lengths, cost, step)
+        except PlanError as error:
+            self.plans[key] = error
+            raise
+        self.plans[key] = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        return plan
+
+
+def _planned(run: _Run, lengths: list[int], cost: CostModel, step: int | None) -> Plan | None:
+    """The run's plan of one batch (or, with step None, the planner's flush: None where it has
+    nothing left), validated."""
+    started = time.perf_counter()
+    if step is None:
+        # An optional method of stateful planners, called only where there is one (`_flushes`).
+        plan = run.active_planner.flush(run.parallel, cost, run.config)  # type: ignore[attr-defined]
+        if plan is None:
+            return None
+    else:
+        plan = run.active_planner.plan(lengths, run.parallel, cost, run.config)
+    plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
+    return plan.validate()
+
+
 def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int | None) -> Rejection | None:
     """Plan one batch (or, with step None, the planner's flush) and simulate it."""
     where = "the final flush" if step is None else f"batch {step}"
-    started = time.perf_counter()
     try:
-        if step is None:
-            # An optional method of stateful planners, called only where there is one (`_flushes`).
-            plan = run.active_planner.flush(run.parallel, cost, run.config)  # type: ignore[attr-defined]
+        if run.shape_plans is not None and step is not None:
+            plan = run.shape_plans.plan(run, lengths, cost, step)
+        else:
+            plan = _planned(run, lengths, cost, step)
             if plan is None:
                 return None
-        else:
-            plan = run.active_planner.plan(lengths, run.parallel, cost, run.config)
-        plan.metadata.setdefault("planning_time_s", time.perf_counter() - started)
-        plan.validate()
         report = simulate(plan, cost, detail=False)
     except PlanError as error:
         kind = "planner" if isinstance(error, DoesNotFit) else "invalid"
@@ -527,6 +563,11 @@ class _RemainingWork:
     def batches(self) -> int:
         return len(self.tokens_from) - 1
 
+    def at_start(self, parallel: ParallelConfig, config: SlimPackConfig) -> float:
+        """Seconds per batch a layout takes at least over every batch, before any is planned."""
+        rest = work_lower_bound(self.spec, self.tokens_from[0], self.pairs_from[0], self.cost, parallel, config)
+        return rest / self.batches
+
     def mean_at_least(self, run: _Run) -> float:
         """Seconds per batch the run's plans so far and the rest take at least."""
         planned = len(run.reports)
@@ -548,37 +589,26 @@ class _RemainingWork:
 
 
 def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel, rejected: list[Rejection],
-                    finishing: float, finalists: int, evaluations: dict[int, "LayoutEvaluation"],
-                    failed: set[int], stopped: set[int], remaining: _RemainingWork | None,
+                    finalists: int, evaluations: dict[int, "LayoutEvaluation"], failed: set[int],
                     ticker: _Ticker | None = None) -> bool:
-    """Every batch on the `finishing` runs fastest on the first (those not yet finished), skipping
-    runs that failed a later batch or stopped; only the `finalists` fastest evaluations keep their
-    plans. Given the `remaining` work, a run stops once it cannot be among the `finalists` fastest
-    finished. True when one failed now. `ticker` counts each run finished, stopped or failed."""
+    """Every batch on the `finalists` runs fastest on the first (those not yet finished), skipping
+    runs that failed a later batch. True when one failed now. `ticker` counts each run finished
+    or failed."""
     finished, failed_now = 0, False
     for run in sorted(runs, key=lambda run: run.reports[0].iteration_time_s):
-        if finished == finishing:
+        if finished == finalists:
             break
-        if id(run) in failed or id(run) in stopped:
+        if id(run) in failed:
             continue
         if id(run) not in evaluations:
             run.unshelve()
-            means = sorted(evaluation.mean_iteration_time_s for evaluation in evaluations.values())
-            beat_s = means[finalists - 1] if len(means) >= finalists else math.inf
-            rejection = _finish_run(run, batches, cost, remaining, beat_s)
-            if rejection and rejection.kind == "finish-bound":
-                rejected.append(rejection)
-                stopped.add(id(run))
-                run.plans.clear()
-                if ticker:
-                    ticker.tick()
-                continue
+            rejection = _finish_run(run, batches, cost)
             if rejection:
                 rejected.append(rejection)
                 failed.add(id(run))
                 failed_now = True
                 if ticker:
-                    ticker.total += 1 if math.isfinite(finishing) else 0  # the next one is finished in its place
+                    ticker.total += 1  # the next one is finished in its place
                     ticker.tick()
                 continue
             evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
@@ -591,7 +621,7 @@ def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel,
 
 def _drop_plans_of_slower(evaluations: dict[int, "LayoutEvaluation"], finalists: int) -> None:
     """Plans only of the `finalists` fastest evaluations: a stateful strategy finishes every
-    screened layout, tens of them. An evaluation out of the running stays out (means are final)."""
+    layout that could win, tens of them. An evaluation out of the running stays out (means are final)."""
     ranked = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)
     for evaluation in ranked[finalists:]:
         evaluation.plans.clear()  # the run's list too
@@ -636,26 +666,24 @@ def best_layout(
     candidates = _candidates(spec, cost, gpus, layouts, rejected)
     first = batches[0]
     screened: list[_Run] = []
+    shape_plans = _ShapePlans() if spec.plans_by_shape else None
     for parallel in candidates:
         rejection = cheap_rejection(spec, first, cost, parallel, context_length)
         if rejection:
             rejected.append(rejection)
             continue
-        screened.append(_Run(parallel, config))
+        screened.append(_Run(parallel, config, shape_plans=shape_plans))
     ticker = _Ticker(progress, spec.name, started, len(candidates))
     ticker.start("screening", len(screened))
+    if spec.stateful:
+        runs, evaluations = _run_in_bound_order(spec, screened, batches, cost, rejected, recompute_cascade, finalists,
+                                                ticker)
+        return _result(spec, gpus, runs, evaluations, finalists, rejected, started, candidates)
     runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists, ticker=ticker)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
-    stopped: set[int] = set()  # stateful runs that could no longer be among the finalists
-    finishing = math.inf if spec.stateful else finalists
-    # A stateful planner that flushes trains every document: what is left bounds its mean.
-    bounded = spec.stateful and _flushes(spec.new_planner())
-    remaining = _RemainingWork.of(spec, batches, cost) if bounded else None
-    ticker.start("finishing", int(min(finishing, len(runs))))
-    while (_finish_fastest(runs, batches, cost, rejected, finishing, finalists, evaluations, failed, stopped, remaining,
-                           ticker)
-           and deferred):
+    ticker.start("finishing", min(finalists, len(runs)))
+    while _finish_fastest(runs, batches, cost, rejected, finalists, evaluations, failed, ticker) and deferred:
         # A layout that fit the first batch failed a later one. What was left unevaluated because of
         # it (bounded out by its first-batch time, its heavier recompute modes, its interleaved
         # twins) is screened again, without it.
@@ -666,9 +694,15 @@ def best_layout(
         more, deferred = _screen(spec, [run for run, _ in deferred], first, cost, rejected, recompute_cascade,
                                  finalists, screened=survivors, ticker=ticker)
         runs = survivors + more + [run for run in runs if id(run) in failed]
-        alive = sum(id(run) not in failed and id(run) not in stopped for run in runs)
-        ticker.start("finishing", int(min(finishing, alive)) - len(evaluations))
-    runs.sort(key=lambda run: run.reports[0].iteration_time_s)
+        alive = sum(id(run) not in failed for run in runs)
+        ticker.start("finishing", min(finalists, alive) - len(evaluations))
+    return _result(spec, gpus, runs, evaluations, finalists, rejected, started, candidates)
+
+
+def _result(spec: StrategySpec, gpus: int, runs: list[_Run], evaluations: dict[int, LayoutEvaluation], finalists: int,
+            rejected: list[Rejection], started: float, candidates: list[ParallelConfig]) -> LayoutResult:
+    """The search's result from its runs (those that fit the first batch) and their evaluations."""
+    runs = sorted(runs, key=lambda run: run.reports[0].iteration_time_s)
     done = sorted(evaluations.values(), key=lambda evaluation: evaluation.mean_iteration_time_s)[:finalists]
     if not done:
         raise NoFeasibleLayout(_no_layout_message(spec, gpus, rejected), rejected)
@@ -723,27 +757,7 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     bounded = not spec.stateful
     pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config) for run in runs}
-    mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
-    # Bound order, a plain 1F1B shape (tp, pp, cp, dp) at a time, at the lowest bound of its
-    # layouts. Within it the lighter recompute modes come first, as the recompute cascade needs
-    # (a lighter mode's bound can be the higher one: more activations per token leave room for
-    # smaller packs only; ordered by bound alone, a heavier mode that fit turned the lighter one
-    # away), and an interleaved layout right after its plain twin, which the interleave cascade
-    # needs evaluated first, although its bound is lower (a chunk's activations leave room for
-    # larger packs).
-    def plain_shape(parallel: ParallelConfig) -> tuple[int, ...]:
-        return _shape(parallel.with_(vpp=1))
-
-    shape_bound: dict[tuple[int, ...], float] = {}
-    for run in runs:
-        key = plain_shape(run.parallel)
-        shape_bound[key] = min(shape_bound.get(key, math.inf), bounds[id(run)])
-
-    def order(run: _Run) -> tuple:
-        key = plain_shape(run.parallel)
-        return shape_bound[key], key, mode_rank[run.parallel.recompute], run.parallel.vpp
-
-    ordered = sorted(runs, key=order)
+    ordered = _in_shape_order(runs, bounds)
     fitted = {_shape(run.parallel) for run in screened}  # shapes where a lighter recompute mode fits
     # vpp = 1 layouts that fit -> their simulated busy time
     plain = {run.parallel: run.reports[0].work_bound_s for run in screened if run.parallel.vpp == 1}
@@ -776,23 +790,108 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     return feasible, deferred
 
 
+def _in_shape_order(runs: list[_Run], bounds: dict[int, float]) -> list[_Run]:
+    """Bound order, a plain 1F1B shape (tp, pp, cp, dp) at a time, at the lowest bound of its
+    layouts. Within it the lighter recompute modes come first, as the recompute cascade needs
+    (a lighter mode's bound can be the higher one: more activations per token leave room for
+    smaller packs only; ordered by bound alone, a heavier mode that fit turned the lighter one
+    away), and an interleaved layout right after its plain twin, which the interleave cascade
+    needs evaluated first, although its bound is lower (a chunk's activations leave room for
+    larger packs). `bounds`: id(run) -> its lower bound."""
+    mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
+
+    def plain_shape(parallel: ParallelConfig) -> tuple[int, ...]:
+        return _shape(parallel.with_(vpp=1))
+
+    shape_bound: dict[tuple[int, ...], float] = {}
+    for run in runs:
+        key = plain_shape(run.parallel)
+        shape_bound[key] = min(shape_bound.get(key, math.inf), bounds[id(run)])
+
+    def order(run: _Run) -> tuple:
+        key = plain_shape(run.parallel)
+        return shape_bound[key], key, mode_rank[run.parallel.recompute], run.parallel.vpp
+
+    return sorted(runs, key=order)
+
+
+def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list[int]], cost: CostModel,
+                        rejected: list[Rejection], recompute_cascade: bool, finalists: int,
+                        ticker: _Ticker) -> tuple[list[_Run], dict[int, LayoutEvaluation]]:
+    """A stateful strategy that flushes (it trains every document): each layout runs every batch
+    and the flush, one layout after another in the order of a lower bound on its mean
+    (`_RemainingWork`: every document is trained in some step, and the bound is superadditive),
+    lightest recompute mode and plain 1F1B of a shape first (`_in_shape_order`). Its first batch
+    is a poor guide to its mean (WLB-LLM's queue fills over the steps: at llama-70b 128K GitHub on
+    256 H100s its fastest layout over 10 batches is the 18th fastest on the first), so nothing is
+    decided on it. A layout whose bound is not below the `finalists`-th fastest mean so far is not
+    run ("bound"), nor one the cascades rule out (a lighter recompute mode of its shape ran every
+    batch, or stopped because it could not win; an interleaved one whose plain twin failed, or whose
+    busy time per device per batch is not below that mean); a layout being run stops once its plans
+    so far and the bound on the rest put its mean there ("finish-bound"). Every bound is a lower
+    bound, so the `finalists` fastest means are those of running every layout to the end.
+    A planner that does not flush may leave documents untrained: nothing bounds its mean, and
+    every layout the cascades leave runs every batch.
+    Returns the runs that fit the first batch and the evaluations of those that ran every batch."""
+    remaining = _RemainingWork.of(spec, batches, cost) if _flushes(spec.new_planner()) else None
+    bounds = {id(run): remaining.at_start(run.parallel, run.config) if remaining else 0.0 for run in runs}
+    evaluations: dict[int, LayoutEvaluation] = {}
+    fitted: set[tuple[int, ...]] = set()  # shapes where a recompute mode ran every batch (or could not win)
+    busy: dict[ParallelConfig, float] = {}  # plain 1F1B layouts that ran every batch -> busy seconds per batch
+    started: list[_Run] = []
+
+    def beat_s() -> float:
+        means = sorted(evaluation.mean_iteration_time_s for evaluation in evaluations.values())
+        return means[finalists - 1] if len(means) >= finalists else math.inf
+
+    def best_mean_s() -> float:
+        return min((evaluation.mean_iteration_time_s for evaluation in evaluations.values()), default=math.inf)
+
+    for run in ticker.each(_in_shape_order(runs, bounds), best_mean_s):
+        shape = _shape(run.parallel)
+        cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
+        not_worth = _not_worth_evaluating(run.parallel, cascade, busy, beat_s(), bounds[id(run)], "mean")
+        if not_worth:
+            rejected.append(not_worth)
+            continue
+        run.planner = spec.new_planner()
+        rejection = _plan_and_simulate(run, batches[0], cost, 0) or _finish_run(run, batches, cost, remaining, beat_s())
+        if run.reports:
+            started.append(run)
+        if rejection:
+            rejected.append(rejection)
+            run.plans.clear()
+            if rejection.kind == "finish-bound":
+                fitted.add(shape)
+            continue
+        fitted.add(shape)
+        evaluation = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
+        evaluations[id(run)] = evaluation
+        if run.parallel.vpp == 1:
+            busy[run.parallel] = sum(report.work_bound_s for report in run.reports) / len(batches)
+        _drop_plans_of_slower(evaluations, finalists)
+    return started, evaluations
+
+
 def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool, plain: dict[ParallelConfig, float],
-                          best: float, bound: float | None) -> Rejection | None:
+                          best: float, bound: float | None, compared: str = "first-batch") -> Rejection | None:
     """Why a layout cannot beat the best screened one (None: evaluate it): a lighter recompute mode
-    fits its shape, the interleave cascade, or its lower bound (None: the strategy is not bounded)."""
+    fits its shape, the interleave cascade, or its lower bound (None: the strategy is not bounded).
+    `compared`: what `best` and the bound are, "first-batch" time or "mean" over every batch."""
     if lighter_recompute_fits:
         return Rejection(parallel, "recompute-cascade",
                          "not evaluated: a lighter recompute mode fits this layout, and recompute only adds time")
-    why_not = _interleave_cascade(parallel, plain, best)
+    why_not = _interleave_cascade(parallel, plain, best, compared)
     if why_not:
         return Rejection(parallel, "interleave-cascade", why_not)
     if bound is not None and bound >= best:
         return Rejection(parallel, "bound", f"not evaluated: its lower bound {bound:.3f} s is above the best "
-                                            f"first-batch time {best:.3f} s")
+                                            f"{compared} time {best:.3f} s")
     return None
 
 
-def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, float], best: float) -> str | None:
+def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, float], best: float,
+                        compared: str = "first-batch") -> str | None:
     """Why an interleaved layout is not worth evaluating (None: evaluate it): its plain 1F1B twin
     did not fit, or already spends more time busy than the best screened layout takes in all."""
     if parallel.vpp == 1:
@@ -801,7 +900,7 @@ def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, fl
     if twin not in plain:
         return f"not evaluated: {twin.describe()} does not fit (or was not evaluated), and interleaving holds more"
     if plain[twin] >= best:
-        return (f"not evaluated: {twin.describe()} is busy {plain[twin]:.3f} s per device, above the best first-batch "
+        return (f"not evaluated: {twin.describe()} is busy {plain[twin]:.3f} s per device, above the best {compared} "
                 f"time {best:.3f} s, and interleaving removes only idle time")
     return None
 

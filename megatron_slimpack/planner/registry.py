@@ -129,7 +129,7 @@ class StrategySpec:
     # A fresh planner (stateless strategies: a StepPlanner around the function; stateful: the class).
     factory: Callable[[], StepPlanner]
     # It keeps state between batches (delayed documents roll into later steps): its step may hold
-    # other documents than the batch, and a layout search screens it without the lower bound.
+    # other documents than the batch, and a layout search runs each layout over every batch.
     stateful: bool
     # The SlimPack runtime trains with it (`--slimpack-strategy` accepts it); otherwise it is
     # simulated for comparison only.
@@ -153,6 +153,10 @@ class StrategySpec:
     # Each rank runs exactly global-batch-size / dp sequences per step (Megatron's GPTDataset), so
     # with virtual stages that count must be a multiple of pp: checked when the flags are parsed.
     fixed_sequences_per_rank: bool = False
+    # Its plan depends on the layout only through dp, pp and vpp (and the config), never on the
+    # cost model, tp, cp or the recompute mode: a layout search plans and validates each batch once
+    # per (dp, pp, vpp) and gives the other layouts of that shape the same plan.
+    plans_by_shape: bool = False
     # Its layout's cp k is a base merge (every MicroPack shared by a DP-Merge group of k replicas),
     # which Megatron runs with --context-parallel-size 1, dp x k replicas and --slimpack-base-merge k.
     cp_is_base_merge: bool = False

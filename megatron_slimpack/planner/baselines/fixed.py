@@ -90,7 +90,7 @@ def _contiguous_runs(lengths: list[int], parts: int) -> list[tuple[int, int]]:
 @register("megatron-fixed", overlaps=FIXED_SHAPE, role="baseline", trainable=True,
           description="Megatron-LM GPTDataset: concatenate, cut at exactly the context length",
           minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True, constraints=INTERLEAVED,
-          fixed_sequences_per_rank=True)
+          fixed_sequences_per_rank=True, plans_by_shape=True)
 def plan_megatron_fixed(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                         sources=None) -> Plan:
     """Megatron-LM's default data path (GPTDataset + 1F1B) with per-document attention.
@@ -121,7 +121,8 @@ STOCK_SEMANTICS = ("cross-document attention: each fixed-length sequence is one 
                       "each attending causally across its document boundaries (a different training semantic; "
                       "a reference, simulated for comparison only)",
           minimum_in_flight="sequence", splits_documents=True, renumbers_samples=True,
-          different_semantics=STOCK_SEMANTICS, constraints=INTERLEAVED, fixed_sequences_per_rank=True)
+          different_semantics=STOCK_SEMANTICS, constraints=INTERLEAVED, fixed_sequences_per_rank=True,
+          plans_by_shape=True)
 def plan_megatron_stock(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                         sources=None) -> Plan:
     """Stock Megatron-LM `pretrain_gpt.py` without `--reset-attention-mask` (nor

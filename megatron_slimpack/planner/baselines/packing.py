@@ -36,7 +36,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 @register("bfd", role="baseline", trainable=True, description="best-fit-decreasing token packing (TRL, NeMo)",
-          minimum_in_flight="document", constraints=INTERLEAVED)
+          minimum_in_flight="document", constraints=INTERLEAVED, plans_by_shape=True)
 def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources=None) -> Plan:
     """Best-fit-decreasing token packing (TRL `pack_dataset(strategy="bfd")`, NeMo packed SFT).
@@ -74,7 +74,7 @@ def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[l
 
 
 @register("sorted", role="baseline", trainable=True, description="LongAlign sorted batching",
-          minimum_in_flight="document", constraints=INTERLEAVED)
+          minimum_in_flight="document", constraints=INTERLEAVED, plans_by_shape=True)
 def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                 sources=None) -> Plan:
     """LongAlign's sorted batching.

@@ -44,7 +44,8 @@ def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[Micro
 
 
 @register("slimpipe", role="baseline", trainable=True, description="SlimPipe: uniform slices, slice-level 1F1B",
-          minimum_in_flight="half-document", splits_documents=True, renumbers_samples=True)
+          minimum_in_flight="half-document", splits_documents=True, renumbers_samples=True,
+          plans_by_shape=True)
 def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                   sources=None) -> Plan:
     """SlimPipe (SC'25): uniform slicing with a slice-level 1F1B pipeline.
