@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from itertools import chain, repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import cast
 
@@ -68,7 +69,7 @@ class Plan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.length for s in self.samples)
+        return sum(map(itemgetter(1), self.samples))  # each Sample's length, without attribute lookups
 
     def sample_lengths(self) -> dict[int, int]:
         return {s.sample_id: s.length for s in self.samples}

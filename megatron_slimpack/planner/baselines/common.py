@@ -15,10 +15,10 @@ from ...plan import (
     ReplicaPlan,
     Sample,
     SampleSource,
-    Slice,
     backward_sequence,
     check_sources,
     overlapping_documents,
+    whole_slices,
 )
 from ...specs import ParallelConfig
 from ..orders import interleaved_microbatch_error, interleaved_orders, stage_orders
@@ -111,7 +111,7 @@ def _halves(micropack: MicroPack) -> list[MicroPack]:
 
 def whole_documents(samples: list[Sample]) -> MicroPack:
     """A micro-batch holding each sample whole (per-document attention masking)."""
-    return MicroPack([Slice(s.sample_id, 0, s.length) for s in samples])
+    return MicroPack(whole_slices(samples))
 
 
 def deal_contiguous(items: list[T], dp: int) -> list[list[T]]:

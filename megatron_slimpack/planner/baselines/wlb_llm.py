@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -13,10 +14,10 @@ from ...costmodel import CostModel
 from ...plan import (
     Plan,
     PlanError,
-    Sample,
     SampleSource,
     check_sources,
     overlapping_documents,
+    samples_of,
 )
 from ...specs import ParallelConfig
 from ..registry import StepPlanner, register_stateful
@@ -224,9 +225,11 @@ class WlbLlmPlanner(StepPlanner):
         used = [mb for mb in micro_batches if mb.documents]
         per_rank = _deal_by_cost(used, parallel.dp, per_replica)
         documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
-        sample_of = {(d.step, d.index): Sample(i, d.length) for i, d in enumerate(documents)}
-        micropacks = [[whole_documents([sample_of[d.step, d.index] for d in mb.documents]) for mb in mbs]
-                      for mbs in per_rank]
+        samples = samples_of(d.length for d in documents)  # sample i: documents[i], in micro-batch order
+        ends = itertools.accumulate(len(mb.documents) for mbs in per_rank for mb in mbs)
+        packs = iter(whole_documents(samples[end - len(mb.documents):end])
+                     for end, mb in zip(ends, (mb for mbs in per_rank for mb in mbs)))
+        micropacks = [[next(packs) for _ in mbs] for mbs in per_rank]
         # A replica left short (empty micro-batches: documents delayed).
         micropacks = meet_interleaved_count(micropacks, parallel, config.context_length, "wlb-llm")
         pending = self.pending
@@ -236,7 +239,6 @@ class WlbLlmPlanner(StepPlanner):
             "delayed_documents": len(pending), "delayed_tokens": sum(d.length for d in pending),
         }
         self.step += 1
-        samples = list(sample_of.values())
         new = tuple.__new__
         sources = [new(SampleSource, (d.document, d.offset)) for d in documents]
         # Its samples are whole input documents, some from earlier batches: any two that overlap are

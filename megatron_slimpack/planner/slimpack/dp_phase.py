@@ -102,9 +102,10 @@ def _merge_outliers(
             size *= 2
         if size > dp or dp % size:
             continue  # cannot merge here: the planner's memory check reports it
-        blocks = [tuple(range(start, start + size)) for start in range(0, dp, size)]
-        ranks = min(blocks, key=lambda block: fixed_load[list(block)].sum())
-        fixed_load[list(ranks)] += merged_cost(index, size)
+        # the least-loaded block of `size` consecutive ranks (the first of equal ones)
+        start = int(np.argmin(fixed_load.reshape(-1, size).sum(axis=1))) * size
+        ranks = tuple(range(start, start + size))
+        fixed_load[start:start + size] += merged_cost(index, size)
         groups.setdefault(ranks, MergeGroup(list(ranks), [])).sample_indices.append(int(index))
     return list(groups.values())
 
