@@ -383,7 +383,7 @@ def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape(monkeypa
     with its own layout, and it finds what a search planning every layout finds."""
     import dataclasses
 
-    from megatron_slimpack.planner import layouts, registry
+    from megatron_slimpack.planner import registry
 
     context = 32768
     batches = [batch(seed, 120, context) for seed in (5, 6)]
