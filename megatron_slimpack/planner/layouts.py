@@ -464,7 +464,7 @@ class _ShapePlans:
             plan.parallel = run.parallel
             return plan
         try:
-            plan = _planned(run, lengths, cost, step)
+            plan = cast(Plan, _planned(run, lengths, cost, step))  # a batch, not the flush: never None
         except PlanError as error:
             self.plans[key] = error
             raise
@@ -491,12 +491,11 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
     """Plan one batch (or, with step None, the planner's flush) and simulate it."""
     where = "the final flush" if step is None else f"batch {step}"
     try:
-        if run.shape_plans is not None and step is not None:
-            plan = run.shape_plans.plan(run, lengths, cost, step)
-        else:
-            plan = _planned(run, lengths, cost, step)
-            if plan is None:
-                return None
+        planned = (run.shape_plans.plan(run, lengths, cost, step) if run.shape_plans is not None and step is not None
+                   else _planned(run, lengths, cost, step))
+        if planned is None:
+            return None
+        plan = planned
         report = simulate(plan, cost, detail=False)
     except PlanError as error:
         kind = "planner" if isinstance(error, DoesNotFit) else "invalid"
@@ -676,9 +675,8 @@ def best_layout(
     ticker = _Ticker(progress, spec.name, started, len(candidates))
     ticker.start("screening", len(screened))
     if spec.stateful:
-        runs, evaluations = _run_in_bound_order(spec, screened, batches, cost, rejected, recompute_cascade, finalists,
-                                                ticker)
-        return _result(spec, gpus, runs, evaluations, finalists, rejected, started, candidates)
+        return _result(spec, gpus, *_run_in_bound_order(spec, screened, batches, cost, rejected, recompute_cascade,
+                                                        finalists, ticker), finalists, rejected, started, candidates)
     runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists, ticker=ticker)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
