@@ -98,6 +98,7 @@ def side_result(process: subprocess.Popen, tree: Path) -> dict:
 
 def against(args, batches) -> int:
     """This tree's search against revision `args.against`'s on the same batches."""
+    commit = current_commit() or "unknown"  # the tree searched (edits made while it runs are not in it)
     inputs = {"model": args.model, "workload": args.workload, "gpus": args.gpus, "context_length": args.context_length,
               "global_batch_size": args.global_batch_size, "strategies": args.strategies, "batches": batches,
               "solver_deterministic_limit": args.solver_deterministic_limit}
@@ -135,7 +136,7 @@ def against(args, batches) -> int:
         f"`python benchmarks/search_speed.py --against {args.against} --model {args.model} --workload {args.workload} "
         f"--gpus {args.gpus} --context-length {args.context_length} --global-batch-size {args.global_batch_size} "
         f"--steps {args.steps} --strategies {args.strategies}{' --side-by-side' if args.side_by_side else ''}` "
-        f"at commit {current_commit() or 'unknown'}, on a machine with {os.cpu_count()} cores; the sides ran "
+        f"at commit {commit}, on a machine with {os.cpu_count()} cores; the sides ran "
         f"{'at once, one core each' if args.side_by_side else 'one after the other'}. One worker each, no cache, "
         f"CP-SAT stopped at {args.solver_deterministic_limit} deterministic units.",
         "",
