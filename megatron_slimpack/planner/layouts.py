@@ -567,14 +567,17 @@ class _RemainingWork:
         rest = work_lower_bound(self.spec, self.tokens_from[0], self.pairs_from[0], self.cost, parallel, config)
         return rest / self.batches
 
-    def mean_at_least(self, run: _Run) -> float:
-        """Seconds per batch the run's plans so far and the rest take at least."""
+    def rest_at_least(self, run: _Run) -> float:
+        """Seconds the batches the run has not planned and what its planner delays take at least."""
         planned = len(run.reports)
         delayed = run.active_planner.untrained_lengths()
         tokens = self.tokens_from[planned] + sum(delayed)
         pairs = self.pairs_from[planned] + attention_pairs_bound(self.spec, delayed)
-        rest = work_lower_bound(self.spec, tokens, pairs, self.cost, run.parallel, run.config)
-        return (sum(report.iteration_time_s for report in run.reports) + rest) / self.batches
+        return work_lower_bound(self.spec, tokens, pairs, self.cost, run.parallel, run.config)
+
+    def mean_at_least(self, run: _Run) -> float:
+        """Seconds per batch the run's plans so far and the rest take at least."""
+        return (sum(report.iteration_time_s for report in run.reports) + self.rest_at_least(run)) / self.batches
 
     def stop(self, run: _Run, beat_s: float) -> Rejection | None:
         """Why the run is not worth finishing (None: go on): its mean cannot be below `beat_s`."""
@@ -825,7 +828,8 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     decided on it. A layout whose bound is not below the `finalists`-th fastest mean so far is not
     run ("bound"), nor one the cascades rule out (a lighter recompute mode of its shape ran every
     batch, or stopped because it could not win; an interleaved one whose plain twin failed, or whose
-    busy time per device per batch is not below that mean); a layout being run stops once its plans
+    busy time per device per batch, where it stopped its busy time so far and the bound of the rest,
+    is not below that mean); a layout being run stops once its plans
     so far and the bound on the rest put its mean there ("finish-bound"). Every bound is a lower
     bound, so the `finalists` fastest means are those of running every layout to the end.
     A planner that does not flush may leave documents untrained: nothing bounds its mean, and
@@ -856,17 +860,19 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
         rejection = _plan_and_simulate(run, batches[0], cost, 0) or _finish_run(run, batches, cost, remaining, beat_s())
         if run.reports:
             started.append(run)
+        stopped = rejection is not None and rejection.kind == "finish-bound"
+        if run.parallel.vpp == 1 and (stopped or not rejection):
+            # busy per device per batch: of the batches run, and at least the bound of the rest
+            rest = remaining.rest_at_least(run) if stopped and remaining else 0.0
+            busy[run.parallel] = (sum(report.work_bound_s for report in run.reports) + rest) / len(batches)
         if rejection:
             rejected.append(rejection)
             run.plans.clear()
-            if rejection.kind == "finish-bound":
+            if stopped:
                 fitted.add(shape)
             continue
         fitted.add(shape)
-        evaluation = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
-        evaluations[id(run)] = evaluation
-        if run.parallel.vpp == 1:
-            busy[run.parallel] = sum(report.work_bound_s for report in run.reports) / len(batches)
+        evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
         _drop_plans_of_slower(evaluations, finalists)
     return started, evaluations
 
