@@ -58,7 +58,7 @@ def compare(args, batches, workers: int):
 # One side of `--against`: run in a process of its own with the tree under test first on sys.path;
 # it reads the inputs as JSON and prints one JSON object per strategy.
 ONE_SIDE = """
-import json, sys, time
+import json, sys
 inputs = json.loads(sys.stdin.read())
 from megatron_slimpack.apps.comparison import run_comparison
 from megatron_slimpack.config import SlimPackConfig
@@ -66,7 +66,6 @@ from megatron_slimpack.costmodel import CostModel
 cost = CostModel.analytic(inputs["model"], "h100-sxm")
 config = SlimPackConfig(context_length=inputs["context_length"],
                         solver_deterministic_limit=inputs["solver_deterministic_limit"])
-started = time.perf_counter()
 result = run_comparison(workload=inputs["workload"], model=inputs["model"], hardware="h100-sxm", cost=cost,
                         gpus=inputs["gpus"], global_batch_size=inputs["global_batch_size"],
                         steps=len(inputs["batches"]), strategies=inputs["strategies"], config=config,
@@ -74,7 +73,7 @@ result = run_comparison(workload=inputs["workload"], model=inputs["model"], hard
 rows = {name: {"layout": found.parallel.describe(), "mean_s": found.mean_iteration_time_s,
                "search_s": found.search_time_s} for name, found in result.results.items()}
 rows.update({name: {"failed": str(why)} for name, why in result.failures.items()})
-print(json.dumps({"rows": rows, "wall_s": time.perf_counter() - started}))
+print(json.dumps({"rows": rows}))
 """
 
 

@@ -377,7 +377,7 @@ def test_a_stateful_strategy_runs_each_layout_that_could_still_win_on_every_batc
     assert all(len(e.plans) >= len(batches) for e in result.finalists)
 
 
-def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape(monkeypatch):
+def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape():
     """bfd's plan depends on the layout only through dp, pp and vpp (`StrategySpec.plans_by_shape`):
     the search plans each batch once per shape, every other layout of the shape gets the same plan
     with its own layout, and it finds what a search planning every layout finds."""
@@ -392,11 +392,16 @@ def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape(monkeypa
 
     def counting(lengths, parallel, *args, **kwargs):
         planned.append((tuple(lengths), parallel.dp, parallel.pp, parallel.vpp))
+        if parallel.pp == 2:  # a refusal, also by shape: kept and raised again for the shape's other layouts
+            raise PlanError(f"refused: dp {parallel.dp}, pp 2, vpp {parallel.vpp}")
         return plan_bfd(lengths, parallel, *args, **kwargs)
 
     spec = dataclasses.replace(strategy_spec("bfd"), factory=lambda: registry.StepPlanner(counting))
     shared = best_layout(spec, batches, COST_7B, 8, context, FAST)
-    assert len(planned) == len(set(planned)) and len(shared.screened) > len(planned) // 2 > 0
+    assert len(planned) == len(set(planned))
+    first_batch = [key for key in planned if key[0] == tuple(batches[0])]
+    given_first_batch = len(shared.screened) + sum(r.kind == "invalid" for r in shared.rejected)
+    assert given_first_batch > len(first_batch) > 0  # some layouts got another layout's plan or refusal
     for plan, evaluation in ((plan, e) for e in shared.finalists for plan in e.plans):
         assert plan.parallel == evaluation.parallel
     planned.clear()
@@ -406,6 +411,12 @@ def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape(monkeypa
         [(e.parallel, e.mean_iteration_time_s) for e in shared.finalists]
     assert [p.fingerprint() for p in alone.plans] == [p.fingerprint() for p in shared.plans]
     assert alone.screened == shared.screened
+    # A shape the planner refuses is refused again for its other layouts, with the same reason.
+    refused = [(r.parallel, r.reason) for r in shared.rejected if r.kind == "invalid"]
+    assert len({parallel.with_(tp=1, cp=1, recompute="none") for parallel, _ in refused}) < len(refused)
+    assert all(reason.endswith(f"refused: dp {parallel.dp}, pp 2, vpp {parallel.vpp}") for parallel, reason in refused)
+    assert [(r.parallel, r.kind, r.reason) for r in alone.rejected] == \
+        [(r.parallel, r.kind, r.reason) for r in shared.rejected]
 
 
 def test_the_work_bound_is_superadditive():

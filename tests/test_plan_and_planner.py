@@ -73,6 +73,7 @@ def test_pickle_round_trip_is_lossless(strategy):
     slices = [piece for replica in restored.replicas for pack in replica.micropacks for piece in pack.slices]
     assert slices and all(type(piece) is Slice and type(piece.start) is int for piece in slices)
     assert restored.replicas[-1] == empty
+    assert any(replica.is_merge_group for replica in restored.replicas) == (strategy == "slimpack")
 
 
 def test_planner_is_deterministic_for_a_fixed_seed():

@@ -29,8 +29,9 @@ Search, cheapest checks first:
    and in-flight memory). So a shape's layouts are screened together, lightest recompute mode and
    plain 1F1B first, in the order of the lowest bound among them.
 5. The best `finalists` screened layouts run every batch; the lowest mean iteration time wins.
-   Mean iteration time is the simulated time of all plans (a stateful planner's flush of what it
-   still delays included) divided by the number of batches, so it is per global batch trained.
+   Mean iteration time is the simulated time of all plans divided by the number of batches, so
+   it is per global batch trained (a stateful planner's final flush of what it still delays is
+   one more plan).
    A finalist that fits the first batch but fails a later one (a later batch's longest document)
    is replaced by the next, and the layouts it left unevaluated (the bound, the cascades) are
    screened again without it.
@@ -44,6 +45,7 @@ as soon as its plans so far and the bound on the rest show it (`_run_in_bound_or
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import pickle
 import time
@@ -449,7 +451,9 @@ class _ShapePlans:
     """One search's plans of a strategy that plans by shape (`StrategySpec.plans_by_shape`), by
     (batch, dp, pp, vpp): each batch is planned and validated once per shape, and every other
     layout of the shape gets a copy (kept pickled: `Plan.__reduce__` makes that cheap, and a search
-    over ~10^5-document batches meets tens of shapes). A planning error is kept the same way."""
+    over ~10^5-document batches meets tens of shapes). A planning error is kept too, as a copy
+    without its traceback (`outcomes.kept`: the search pauses the cyclic collector), and each
+    later layout of the shape raises a copy of it."""
 
     def __init__(self):
         self.plans: dict[tuple[int, ...], bytes | PlanError] = {}
@@ -458,7 +462,7 @@ class _ShapePlans:
         key = (step, run.parallel.dp, run.parallel.pp, run.parallel.vpp)
         kept = self.plans.get(key)
         if isinstance(kept, PlanError):
-            raise kept
+            raise copy.copy(kept)
         if kept is not None:
             plan = pickle.loads(kept)
             plan.parallel = run.parallel
@@ -466,7 +470,7 @@ class _ShapePlans:
         try:
             plan = cast(Plan, _planned(run, lengths, cost, step))  # a batch, not the flush: never None
         except PlanError as error:
-            self.plans[key] = error
+            self.plans[key] = copy.copy(error)
             raise
         self.plans[key] = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         return plan
@@ -752,10 +756,8 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     plans of all but the `keep` fastest so far are shelved (`_Run.shelve`). `screened`: runs
     screened before, which the cascades and the bound count. Returns the runs that fit and the
     (run, rejection) of those not evaluated because they could not win. `ticker` counts each
-    layout as it is decided."""
-    # Stateless strategies plan exactly the batch, so the bound holds; a stateful one may delay
-    # documents or bring back earlier ones, so it is screened without the bound.
-    bounded = not spec.stateful
+    layout as it is decided. Only stateless strategies are screened: they plan exactly the batch,
+    so its bound holds."""
     pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config) for run in runs}
     ordered = _in_shape_order(runs, bounds)
@@ -770,7 +772,7 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     for run in ticker.each(ordered, lambda: best) if ticker else ordered:  # noqa: B023
         shape = _shape(run.parallel)
         cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
-        not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)] if bounded else None)
+        not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)])
         if not_worth:
             deferred.append((run, not_worth))
             rejected.append(not_worth)
@@ -831,7 +833,8 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     busy time per device per batch, where it stopped its busy time so far and the bound of the rest,
     is not below that mean); a layout being run stops once its plans
     so far and the bound on the rest put its mean there ("finish-bound"). Every bound is a lower
-    bound, so the `finalists` fastest means are those of running every layout to the end.
+    bound, so the `finalists` fastest means are those of running every layout the cascades leave
+    to the end.
     A planner that does not flush may leave documents untrained: nothing bounds its mean, and
     every layout the cascades leave runs every batch.
     Returns the runs that fit the first batch and the evaluations of those that ran every batch."""
@@ -878,9 +881,9 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
 
 
 def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool, plain: dict[ParallelConfig, float],
-                          best: float, bound: float | None, compared: str = "first-batch") -> Rejection | None:
+                          best: float, bound: float, compared: str = "first-batch") -> Rejection | None:
     """Why a layout cannot beat the best screened one (None: evaluate it): a lighter recompute mode
-    fits its shape, the interleave cascade, or its lower bound (None: the strategy is not bounded).
+    fits its shape, the interleave cascade, or its lower bound.
     `compared`: what `best` and the bound are, "first-batch" time or "mean" over every batch."""
     if lighter_recompute_fits:
         return Rejection(parallel, "recompute-cascade",
@@ -888,7 +891,7 @@ def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool
     why_not = _interleave_cascade(parallel, plain, best, compared)
     if why_not:
         return Rejection(parallel, "interleave-cascade", why_not)
-    if bound is not None and bound >= best:
+    if bound >= best:
         return Rejection(parallel, "bound", f"not evaluated: its lower bound {bound:.3f} s is above the best "
                                             f"{compared} time {best:.3f} s")
     return None

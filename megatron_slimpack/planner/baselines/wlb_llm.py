@@ -226,10 +226,9 @@ class WlbLlmPlanner(StepPlanner):
         per_rank = _deal_by_cost(used, parallel.dp, per_replica)
         documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
         samples = samples_of(d.length for d in documents)  # sample i: documents[i], in micro-batch order
-        ends = itertools.accumulate(len(mb.documents) for mbs in per_rank for mb in mbs)
-        packs = iter(whole_documents(samples[end - len(mb.documents):end])
-                     for end, mb in zip(ends, (mb for mbs in per_rank for mb in mbs)))
-        micropacks = [[next(packs) for _ in mbs] for mbs in per_rank]
+        in_order = iter(samples)
+        micropacks = [[whole_documents(list(itertools.islice(in_order, len(mb.documents)))) for mb in mbs]
+                      for mbs in per_rank]
         # A replica left short (empty micro-batches: documents delayed).
         micropacks = meet_interleaved_count(micropacks, parallel, config.context_length, "wlb-llm")
         pending = self.pending
