@@ -309,3 +309,124 @@ def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_
     with pytest.raises(DoesNotFit, match=r"replica \[3\]"):
         search.plan_sizing(search.parallel, GroupSizing(context, np.ones(len(lengths), dtype=int)))
     assert len(plannings) == 1
+
+
+# ---- shortcuts that keep what the search finds -----------------------------------------------
+
+def test_a_walk_is_try_all_or_first_fit_one_call_at_a_time():
+    ladder = SizeLadder((8192, 6144, 4096, 3072), PlannerTunables(size_granule=256, refine_fraction=16))
+
+    def recorder(asked):
+        return lambda tokens: asked.append(tokens) or tokens <= 5000 or tokens == 8192
+
+    whole, stepped, yielded = [], [], []
+    ladder.try_all(recorder(whole))
+    for tokens in ladder.walk(recorder(stepped)):
+        yielded.append(tokens)
+        assert stepped[-1] == tokens  # each size yielded right after it was tried
+    assert stepped == whole == yielded and len(whole) > 4  # bisected between 6144 and 4096
+    first, walked = [], []
+    assert ladder.first_fit(recorder(first)) == 8192
+    assert list(ladder.walk(recorder(walked), first_fit=True)) == walked == first == [8192]
+    assert list(ladder.walk(lambda tokens: tokens < 5000, first_fit=True)) == [8192, 6144, 4096]
+
+
+def test_a_replica_search_checked_to_fit_then_finished_is_the_full_search():
+    """`fits` runs the search until a schedule fits and `finish` goes on: the same plan as
+    `plan_replica`; where nothing fits, `fits` is False and `finish` raises the same failure."""
+    from megatron_slimpack.plan import samples_of
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap
+    from megatron_slimpack.planner.slimpack.replica import plan_replica, replica_search
+    from megatron_slimpack.planner.work import WorkRates
+
+    context = 64 * K
+    parallel = ParallelConfig(dp=4, pp=2, vpp=2, tp=2)
+    config = ms.SlimPackConfig(context_length=context)
+    cost = ms.CostModel.analytic("llama-13b", "h100-sxm")
+    cap = auto_token_cap(cost, parallel, config)
+    rates = WorkRates.from_cost(cost, parallel, cap)
+    samples = samples_of([int(x) for x in np.random.default_rng(2).integers(500, cap, size=12)])
+    replica, outcome = plan_replica(samples, cost, parallel, config, rates, cap, [3], False)
+    search = replica_search(samples, cost, parallel, config, rates, cap, [3], False)
+    assert search.fits() and search.best is not None
+    paused_at = search.best[1]
+    again, again_outcome = search.finish(samples)
+    assert again_outcome == outcome and again.micropacks == replica.micropacks
+    assert (again.forward_units, again.backward_units, again.stage_orders) == (
+        replica.forward_units, replica.backward_units, replica.stage_orders)
+    assert paused_at.makespan_s >= outcome.makespan_s
+    with pytest.raises(DoesNotFit) as full:
+        plan_replica(samples, cost, parallel, config, rates, cap, [3], False, budget=1e6)
+    failing = replica_search(samples, cost, parallel, config, rates, cap, [3], False, budget=1e6)
+    assert not failing.fits()
+    with pytest.raises(DoesNotFit) as finished:
+        failing.finish(samples)
+    assert str(finished.value) == str(full.value) and finished.value.sample_ids == full.value.sample_ids
+
+
+def test_a_known_failure_stands_for_its_level_and_those_below():
+    from megatron_slimpack.planner.slimpack.search import KnownFailures
+
+    known = KnownFailures()
+    samples = [Sample(0, 9000), Sample(4, 100)]
+    key = known.key(samples, ParallelConfig(dp=4, pp=2, vpp=2), 8192, [1], None)
+    failure = DoesNotFit("replica [1] does not fit", sample_ids=[0, 4])
+    known.add(key, 1, failure)
+    failures: list[DoesNotFit] = []
+    assert not known.failed(key, 2, failures) and failures == []  # a deeper level may fit
+    assert known.failed(key, 1, failures) and known.failed(key, 0, failures)
+    assert [str(f) for f in failures] == [str(failure)] * 2 and failures[0] is not failures[1] is not failure
+    assert failures[0].__traceback__ is None
+    other = known.key(samples, ParallelConfig(dp=4, pp=2, vpp=2), 8192, [1], None, SizeLadder((8192, 4096)))
+    assert not known.failed(other, 0, failures)  # a first-fit search from a ladder is another input
+
+
+def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeypatch):
+    """llama-7b 128K, long-tailed lengths, tp1 pp4 vpp4 dp8: the plannings of an interleaved layout
+    retry with grown groups and lower leaner levels. The search with its shortcuts (failures known
+    from a deeper level not searched again, merge groups only checked to fit while the planning
+    may still fail) gives the same plan, metadata included, as without them, and took both."""
+    from megatron_slimpack.planner.slimpack import search as search_module
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    context = 128 * K
+    lengths = GlobalBatchSampler(load_lengths("longtail", seed=1), context, 64, seed=1).next_batch().lengths
+    parallel = ParallelConfig(dp=8, pp=4, vpp=4, tp=1)
+    config = ms.SlimPackConfig(context_length=context, solver_deterministic_limit=0.2)
+    known_hits, sizes_left_after_a_fit = [], []
+    failed, fits, finish = search_module.KnownFailures.failed, ReplicaSearch.fits, ReplicaSearch.finish
+
+    def counted_failed(self, key, leaner_level, failures):
+        known_hits.append(failed(self, key, leaner_level, failures))
+        return known_hits[-1]
+
+    def marked_fits(self):
+        self.paused = fits(self)
+        return self.paused
+
+    def counted_finish(self, samples):
+        if getattr(self, "paused", False):  # the sizes the full search tries after the first fit
+            sizes_left_after_a_fit.append(sum(1 for _ in self._walk))
+        return finish(self, samples)
+
+    monkeypatch.setattr(search_module.KnownFailures, "failed", counted_failed)
+    monkeypatch.setattr(ReplicaSearch, "fits", marked_fits)
+    monkeypatch.setattr(ReplicaSearch, "finish", counted_finish)
+    shortcut = SlimPackSearch(lengths, parallel, COST, config).plan()
+    assert any(known_hits) and any(sizes_left_after_a_fit)
+
+    def full_search(self):  # the walk to its end, as plan_replica, before the own replicas are planned
+        for _ in self._walk:
+            pass
+        return self.best is not None
+
+    monkeypatch.setattr(search_module.KnownFailures, "failed", lambda self, key, level, failures: False)
+    monkeypatch.setattr(ReplicaSearch, "fits", full_search)
+    full = SlimPackSearch(lengths, parallel, COST, config).plan()
+
+    def without_solver_time(metadata):  # CP-SAT's wall time differs run to run
+        return {**metadata, "phase1": {k: v for k, v in metadata["phase1"].items() if k != "time_s"}}
+
+    assert shortcut.fingerprint() == full.fingerprint()
+    assert without_solver_time(shortcut.metadata) == without_solver_time(full.metadata)

@@ -1,6 +1,7 @@
 """The MicroPack sizes a replica's search tries, and the two ways it walks them."""
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,17 +55,42 @@ class SizeLadder:
         size does not fit and the next one does, the sizes between are bisected to within
         1/`refine_fraction`: the rungs are a quarter to a third apart, and where memory decides
         the size, the largest that fits costs the least per token."""
+        for _ in self.walk(try_size):
+            pass
+
+    def walk(self, try_size: Fits, first_fit: bool = False) -> Iterator[int]:
+        """`try_all` (with `first_fit`: `first_fit`) one call at a time: yields each size right
+        after `try_size` tried it, so a caller can pause the walk (a replica first only checked to
+        fit) and resume it later."""
+        if first_fit:
+            for tokens in self.micropack_tokens:
+                fits = try_size(tokens)
+                yield tokens
+                if fits:
+                    return
+            return
         too_large = None  # the last size that did not fit, until a smaller one does
         for tokens in self.micropack_tokens:
-            if not try_size(tokens):
+            fits = try_size(tokens)
+            yield tokens
+            if not fits:
                 too_large = tokens
             elif too_large is not None:
-                self.largest_fitting(try_size, tokens, too_large, self.tunables.refine_fraction)
+                yield from self._bisection(try_size, tokens, too_large, self.tunables.refine_fraction)
                 too_large = None
 
     def largest_fitting(self, fits: Fits, low: int, high: int, fraction: int = 0) -> int:
         """Bisect, in `size_granule` steps, for the largest size that fits between `low` (fits)
         and `high` (does not); with `fraction`, stop within low / fraction."""
+        bisection = self._bisection(fits, low, high, fraction)
+        while True:
+            try:
+                next(bisection)
+            except StopIteration as done:
+                return done.value
+
+    def _bisection(self, fits: Fits, low: int, high: int, fraction: int) -> Generator[int, None, int]:
+        """`largest_fitting`, yielding each size tried; returns the largest that fits."""
         granule = self.tunables.size_granule
         while high - low > max(low // fraction if fraction else 0, granule):
             middle = (low + high) // 2 // granule * granule
@@ -74,6 +100,7 @@ class SizeLadder:
                 low = middle
             else:
                 high = middle
+            yield middle
         return low
 
 

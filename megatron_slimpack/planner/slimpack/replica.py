@@ -53,18 +53,21 @@ def plan_replica(
     if not samples:  # a rank whose only work is its share of a merge group
         idle = ReplicaPlan([], [], [], [[] for _ in range(parallel.pp)], list(dp_ranks))
         return idle, ReplicaOutcome(tuple(dp_ranks), 0.0)
+    return replica_search(samples, cost, parallel, config, rates, token_cap, dp_ranks, symmetric, ladder, budget,
+                          first_fit, leaner_level).finish(samples)
+
+
+def replica_search(
+    samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
+    rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, ladder: SizeLadder | None = None,
+    budget: float | None = None, first_fit: bool = False, leaner_level: int = len(LEANER_SCHEDULES),
+) -> "ReplicaSearch":
+    """`plan_replica`'s search of non-empty `samples`, not yet run: `ReplicaSearch.fits` runs it
+    until a schedule fits, `ReplicaSearch.finish` to its end."""
     search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
                            activation_budget(cost, parallel) if budget is None else budget, config.tunables,
                            leaner_level)
-    ladder = ladder or SizeLadder.below_cap(token_cap, config)
-    if first_fit:
-        ladder.first_fit(search.try_size)
-    else:
-        ladder.try_all(search.try_size)
-    if search.best is None:
-        raise search.does_not_fit(samples)
-    replica, outcome = search.best
-    return replica, replace(outcome, leaner_level=min(search.fitting_levels))
+    return search.follow(ladder or SizeLadder.below_cap(token_cap, config), first_fit)
 
 
 class ReplicaSearch:
@@ -81,6 +84,28 @@ class ReplicaSearch:
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
         self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack tokens) of the smallest need seen
+
+    def follow(self, ladder: SizeLadder, first_fit: bool = False) -> "ReplicaSearch":
+        """Set the walk over `ladder`'s sizes that `fits` and `finish` run (`plan_replica`)."""
+        self._walk = ladder.walk(self.try_size, first_fit)
+        return self
+
+    def fits(self) -> bool:
+        """Walk until a schedule fits (or the sizes run out); whether one does. The walk so far
+        is the full search's first steps (it prunes by the best schedule only once one fits), so
+        it fits exactly where the full search does, and `finish` goes on from here."""
+        while self.best is None and next(self._walk, None) is not None:
+            pass
+        return self.best is not None
+
+    def finish(self, samples: list[Sample]) -> tuple[ReplicaPlan, ReplicaOutcome]:
+        """Walk to the end: the best schedule of `samples` (this search's), or DoesNotFit."""
+        for _ in self._walk:
+            pass
+        if self.best is None:
+            raise self.does_not_fit(samples)
+        replica, outcome = self.best
+        return replica, replace(outcome, leaner_level=min(self.fitting_levels))
 
     @property
     def best_makespan_s(self) -> float | None:

@@ -7,6 +7,7 @@ planning an attempt runs phase 1 (`assign_to_replicas`) and every replica's sear
 """
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 from enum import Enum
@@ -16,7 +17,7 @@ import numpy as np
 
 from ...config import SlimPackConfig
 from ...costmodel import CostModel
-from ...plan import Plan, PlanError, ReplicaPlan, samples_of
+from ...plan import Plan, PlanError, ReplicaPlan, Sample, samples_of
 from ...specs import ParallelConfig
 from ..orders import LEANER_SCHEDULES
 from ..outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit, kept
@@ -24,7 +25,7 @@ from ..work import WorkRates
 from .dp_phase import Assignment, MergeGroup, assign_to_replicas
 from .ladder import SizeLadder
 from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
-from .replica import plan_replica
+from .replica import ReplicaSearch, plan_replica, replica_search
 
 
 class Sizing(Enum):
@@ -65,6 +66,7 @@ class SlimPackSearch:
                  symmetric: bool = False, dp_merge: bool | None = None):
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
         self.symmetric = symmetric
+        self.known_failures = KnownFailures()
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
         if base > 1 and (not self.use_merge or parallel.dp % base):
@@ -214,13 +216,17 @@ class _BatchPlanning:
 
     def run(self) -> PlannedBatch:
         assignment = self._assign()
-        merged = [self._merge_group(group) for group in assignment.merge_groups]
+        # Every merge group's search runs only until a schedule fits, then the replicas of their
+        # own: where any of them does not fit, this planning is discarded (its groups grow) and
+        # the rest of the fitting groups' searches would be wasted (at 256K most plannings of an
+        # interleaved layout are such retries). Otherwise the paused searches go on to their end.
+        searches = [self._merge_group(group) for group in assignment.merge_groups]
         own = self._own_replicas(assignment)
         if self.failures:
             raise ReplicasDoNotFit(self.failures)
-        planned = [entry for entry in merged if entry is not None]
-        replicas = [replica for replica, _ in planned] + [own[rank][0] for rank in range(self.view.dp)]
-        outcomes = sorted([outcome for _, outcome in planned] + [outcome for _, outcome in own.values()],
+        merged = [search.finish(members) for search, members in searches if search is not None]
+        replicas = [replica for replica, _ in merged] + [own[rank][0] for rank in range(self.view.dp)]
+        outcomes = sorted([outcome for _, outcome in merged] + [outcome for _, outcome in own.values()],
                           key=lambda outcome: outcome.sort_key)
         metadata = {
             "token_cap": self.token_cap,
@@ -246,9 +252,9 @@ class _BatchPlanning:
             tunables=config.tunables,
         )
 
-    def _merge_group(self, group: MergeGroup) -> tuple[ReplicaPlan, ReplicaOutcome] | None:
-        """A merge group planned as one replica with its ranks' worth of context parallelism;
-        None (and a failure kept) where it does not fit."""
+    def _merge_group(self, group: MergeGroup) -> tuple[ReplicaSearch, list[Sample]] | None:
+        """A merge group's search (as one replica with its ranks' worth of context parallelism),
+        run until a schedule fits, and its documents; None (and a failure kept) where none fits."""
         group_ranks = len(group.dp_ranks)
         # k-fold context parallelism over dp/k replicas: the same ranks per stage (p2p strides)
         merged = self.view.with_(cp=self.view.cp * group_ranks, dp=max(1, self.view.dp // group_ranks))
@@ -256,12 +262,20 @@ class _BatchPlanning:
         token_cap = self.token_cap * group_ranks  # each member holds 1/group_ranks of a merged MicroPack
         rates = WorkRates.from_cost(self.cost, merged, token_cap)
         budget = activation_budget(self.cost, self.view)  # a member's static memory is its own, not the merged view's
-        try:
-            return plan_replica(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
-                                self.search.symmetric, budget=budget, leaner_level=self.leaner_level)
-        except DoesNotFit as failure:
-            self.failures.append(kept(failure))
+        known = self.search.known_failures
+        key = known.key(members, merged, token_cap, group.dp_ranks, budget)
+        if known.failed(key, self.leaner_level, self.failures):
             return None
+        search = replica_search(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
+                                self.search.symmetric, budget=budget, leaner_level=self.leaner_level)
+        if not search.fits():
+            try:
+                search.finish(members)  # the walk is over: raises the search's DoesNotFit
+            except DoesNotFit as failure:
+                known.add(key, self.leaner_level, failure)
+                self.failures.append(kept(failure))
+                return None
+        return search, members
 
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
         """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
@@ -274,13 +288,18 @@ class _BatchPlanning:
         order = [heaviest] + [rank for rank in range(self.view.dp) if rank != heaviest]
         own: dict[int, tuple[ReplicaPlan, ReplicaOutcome]] = {}
         ladder: SizeLadder | None = None  # set by the first replica with documents
+        known = self.search.known_failures
         for rank in order:
             members = [self.samples[i] for i in assignment.replica_samples[rank]]
+            key = known.key(members, self.view, self.token_cap, [rank], None, ladder)
+            if known.failed(key, self.leaner_level, self.failures):
+                continue
             try:
                 own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
                                          [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
                                          leaner_level=self.leaner_level)
             except DoesNotFit as failure:
+                known.add(key, self.leaner_level, failure)
                 self.failures.append(kept(failure))
                 continue
             if members and ladder is None:
@@ -289,6 +308,40 @@ class _BatchPlanning:
                 ladder = SizeLadder.below_cap(self.token_cap, self.config).starting_at(chosen)
         return own
 
+
+class KnownFailures:
+    """Replica searches that found no schedule, by their input, with the leaner level they ran at.
+    A sizing is planned again at lower leaner levels from the same groups (the same phase 1, so the
+    same replicas), and a search that fails at a level fails at every level below: it replays a
+    subset of the same schedules, and with none fitting it prunes nothing. Such a search is not
+    run again (at llama-7b 256K tp1 pp2 vpp4 dp64 every replica of its own fails in the first
+    planning of each level). The failure kept names the leanest schedule of the deeper search;
+    a lower level's failure is never reported, as a lower level is planned only where the sizing
+    fit at a higher one."""
+
+    def __init__(self):
+        self._by_input: dict[tuple, tuple[int, DoesNotFit]] = {}
+
+    @staticmethod
+    def key(samples: list[Sample], parallel: ParallelConfig, token_cap: int, dp_ranks: list[int],
+            budget: float | None, ladder: SizeLadder | None = None) -> tuple:
+        """Every input of a replica search of one batch (its rates follow from the layout and cap;
+        the ranks appear in the failure's message); a ladder given makes it a first-fit search."""
+        return (tuple(sample.sample_id for sample in samples), parallel, token_cap, tuple(dp_ranks), budget,
+                None if ladder is None else ladder.micropack_tokens)
+
+    def failed(self, key: tuple, leaner_level: int, failures: list[DoesNotFit]) -> bool:
+        """Whether the search of `key` is known to fail at `leaner_level`; if so its failure (a
+        copy) joins `failures`."""
+        entry = self._by_input.get(key)
+        if entry is None or entry[0] < leaner_level:
+            return False
+        failures.append(copy.copy(entry[1]))
+        return True
+
+    def add(self, key: tuple, leaner_level: int, failure: DoesNotFit) -> None:
+        if key not in self._by_input or self._by_input[key][0] < leaner_level:
+            self._by_input[key] = (leaner_level, copy.copy(kept(failure)))
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
