@@ -455,14 +455,17 @@ class CostModel:
         """Fewest seconds the last pipeline stage can spend on the forward and backward of `tokens`
         (with `pairs` attention pairs) cut into packs of at most `largest_pack` tokens. Per-token
         rates only improve with pack size and per-pack costs only add, so tokens / largest_pack
-        packs of the largest size are the cheapest split; the context-parallel exchange is left out
-        (it may hide behind attention), and TP communication counts as far as it is exposed."""
+        packs of the largest size are the cheapest split. TP communication counts as far as it is
+        exposed; the context-parallel exchange counts where the run waits for all of it (a blocking
+        K/V gather: linear in tokens plus a latency per pack, so also cheapest in the largest packs)
+        and is left out where a ring hides it behind attention."""
         size = min(tokens, largest_pack)
         packs = tokens / size
         seconds = 0.0
         for backward in (False, True):
             per_layer = (self.layer_time(size, pairs / packs, parallel, backward)
-                         + self.exposed_tp_comm_time(size, parallel, backward))
+                         + self.exposed_tp_comm_time(size, parallel, backward)
+                         + (0.0 if self.overlaps.cp_exchange else self.cp_comm_time(size, parallel, backward)))
             # the rank's layers: all its chunks' with virtual stages
             seconds += (self.layers_per_stage(parallel) * parallel.vpp * per_layer
                         + parallel.vpp * self.hardware.kernel_overhead_s + self.head_time(size, parallel, backward))
