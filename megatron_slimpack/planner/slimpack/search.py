@@ -224,7 +224,7 @@ class _BatchPlanning:
         own = self._own_replicas(assignment)
         if self.failures:
             raise ReplicasDoNotFit(self.failures)
-        merged = [search.finish(members) for search, members in searches if search is not None]
+        merged = [search.finish(members) for search, members in filter(None, searches)]  # none failed
         replicas = [replica for replica, _ in merged] + [own[rank][0] for rank in range(self.view.dp)]
         outcomes = sorted([outcome for _, outcome in merged] + [outcome for _, outcome in own.values()],
                           key=lambda outcome: outcome.sort_key)
