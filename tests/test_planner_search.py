@@ -371,8 +371,10 @@ def test_a_known_failure_stands_for_its_level_and_those_below():
     samples = [Sample(0, 9000), Sample(4, 100)]
     key = known.key(samples, ParallelConfig(dp=4, pp=2, vpp=2), 8192, [1], None)
     failure = DoesNotFit("replica [1] does not fit", sample_ids=[0, 4])
-    known.add(key, 1, failure)
     failures: list[DoesNotFit] = []
+    known.record(key, 1, failure, failures)
+    assert failures == [failure]
+    failures.clear()
     assert not known.failed(key, 2, failures) and failures == []  # a deeper level may fit
     assert known.failed(key, 1, failures) and known.failed(key, 0, failures)
     assert [str(f) for f in failures] == [str(failure)] * 2 and failures[0] is not failures[1] is not failure

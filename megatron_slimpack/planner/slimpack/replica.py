@@ -3,6 +3,7 @@ packings per size, a few unit counts per packing; the shortest replayed schedule
 memory wins."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import cached_property
 
@@ -84,6 +85,7 @@ class ReplicaSearch:
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
         self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack tokens) of the smallest need seen
+        self._walk: Iterator[int] = iter(())  # the sizes left to try (`follow`)
 
     def follow(self, ladder: SizeLadder, first_fit: bool = False) -> "ReplicaSearch":
         """Set the walk over `ladder`'s sizes that `fits` and `finish` run (`plan_replica`)."""

@@ -268,13 +268,9 @@ class _BatchPlanning:
             return None
         search = replica_search(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
                                 self.search.symmetric, budget=budget, leaner_level=self.leaner_level)
-        if not search.fits():
-            try:
-                search.finish(members)  # the walk is over: raises the search's DoesNotFit
-            except DoesNotFit as failure:
-                known.add(key, self.leaner_level, failure)
-                self.failures.append(kept(failure))
-                return None
+        if not search.fits():  # its walk is over
+            known.record(key, self.leaner_level, search.does_not_fit(members), self.failures)
+            return None
         return search, members
 
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
@@ -299,8 +295,7 @@ class _BatchPlanning:
                                          [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
                                          leaner_level=self.leaner_level)
             except DoesNotFit as failure:
-                known.add(key, self.leaner_level, failure)
-                self.failures.append(kept(failure))
+                known.record(key, self.leaner_level, failure, self.failures)
                 continue
             if members and ladder is None:
                 # May lie between two rungs (bisected); never None, since the rank has documents.
@@ -314,8 +309,8 @@ class KnownFailures:
     A sizing is planned again at lower leaner levels from the same groups (the same phase 1, so the
     same replicas), and a search that fails at a level fails at every level below: it replays a
     subset of the same schedules, and with none fitting it prunes nothing. Such a search is not
-    run again (at llama-7b 256K tp1 pp2 vpp4 dp64 every replica of its own fails in the first
-    planning of each level). The failure kept names the leanest schedule of the deeper search;
+    run again (at llama-7b 256K tp1 pp2 vpp4 dp64 the first planning at level 0 then takes 0.8 s,
+    13.5 s when searched). The failure kept names the leanest schedule of the deeper search;
     a lower level's failure is never reported, as a lower level is planned only where the sizing
     fit at a higher one."""
 
@@ -339,9 +334,12 @@ class KnownFailures:
         failures.append(copy.copy(entry[1]))
         return True
 
-    def add(self, key: tuple, leaner_level: int, failure: DoesNotFit) -> None:
+    def record(self, key: tuple, leaner_level: int, failure: DoesNotFit, failures: list[DoesNotFit]) -> None:
+        """The search of `key` failed at `leaner_level`: kept for the levels below, and joins
+        `failures`."""
+        failures.append(kept(failure))
         if key not in self._by_input or self._by_input[key][0] < leaner_level:
-            self._by_input[key] = (leaner_level, copy.copy(kept(failure)))
+            self._by_input[key] = (leaner_level, copy.copy(failure))
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
