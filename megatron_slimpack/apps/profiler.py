@@ -128,15 +128,25 @@ def _pairs(length: int, start: int) -> int:
     return length * start + length * (length + 1) // 2
 
 
+def _synchronize(device: str) -> None:
+    """Wait for a GPU's queued work, so a wall-clock interval covers it (nothing on the CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _median_time(fn: Callable[[], float], repeats: int) -> float:
     fn()  # warm-up
     return statistics.median(fn() for _ in range(repeats))
 
 
 # ---- measurements ----------------------------------------------------------------------------
-def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int, repeats: int) -> Point:
+def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int, repeats: int,
+                  device: str = "cpu", dtype=None) -> Point:
     """Forward/backward seconds and saved bytes of one MicroPack of `slices` equal slices holding
-    `tokens` tokens, each slice continuing a document after `prefix` tokens, on a middle-stage chunk."""
+    `tokens` tokens, each slice continuing a document after `prefix` tokens, on a middle-stage chunk
+    (on `device`, activations in `dtype`, default fp32; a GPU is synchronized around each timing)."""
     import torch
 
     from ..plan import MicroPack, Slice
@@ -162,11 +172,12 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
 
     def one(kind: str) -> float:
         store = KVStore()
-        batches = [build_batch(mp, Source(), store, "cpu") for mp in ([head] if head else []) + [body]]
+        batches = [build_batch(mp, Source(), store, device) for mp in ([head] if head else []) + [body]]
         outputs = []
         for index, batch in enumerate(batches):
-            leaf = torch.randn(batch.num_tokens, 1, hidden).requires_grad_()
+            leaf = torch.randn(batch.num_tokens, 1, hidden, device=device, dtype=dtype).requires_grad_()
             timed = index == len(batches) - 1
+            _synchronize(device)
             began = time.perf_counter()
             if timed:
                 meter = SavedBytesMeter(params)
@@ -176,11 +187,14 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
             else:
                 output = forward_step(chunk, batch, input_tensor=leaf)
             if timed and kind == "F":
+                _synchronize(device)
                 forward = time.perf_counter() - began
             outputs.append((output, leaf))
         grad = torch.randn_like(outputs[-1][0])
+        _synchronize(device)
         began = time.perf_counter()
         backward_step(outputs[-1][0], grad, input_tensor=outputs[-1][1])
+        _synchronize(device)
         backward = time.perf_counter() - began
         if head:
             backward_step(outputs[0][0], torch.randn_like(outputs[0][0]), input_tensor=outputs[0][1])
