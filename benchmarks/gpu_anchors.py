@@ -19,7 +19,7 @@ Sections (each one's rows are printed and written to the JSON):
     through the runtime's torch kernel, SDPA with `causal_lower_right`, and
     `torch.nn.attention.varlen.varlen_attn` where torch has it: forward and q/k/v-gradient errors
     against the fp32 masked softmax, and milliseconds.
- 5. steps: a 4-layer llama-7b-wide GPT trained on one batch of the embedded text corpus planned by
+ 5. steps: a 2-layer llama-7b-wide GPT trained on one batch of the embedded text corpus planned by
     megatron-fixed and by slimpack (pp=1, dp=1), step time measured and simulated (H100 model,
     torch attention) side by side as ratios.
 Nothing here asserts: it measures. The selftest (`slimpack selftest`) holds the pass/fail checks.
@@ -73,7 +73,7 @@ def model_cost(spec, backend: str) -> CostModel:
 # ---- 1. GEMMs ---------------------------------------------------------------------------------
 def gemm_rows(spec, tokens_list, device, dtype, repeats) -> list[dict]:
     h, f = spec.hidden_size, spec.ffn_hidden_size
-    kv = spec.num_query_groups * (h // spec.num_attention_heads)
+    kv = spec.kv_heads * (h // spec.num_attention_heads)
     shapes = {"qkv": (h, h + 2 * kv), "proj": (h, h), "fc1": (h, 2 * f), "fc2": (f, h)}
     cost = model_cost(spec, "flash")
     rows = []
@@ -96,7 +96,7 @@ def gemm_rows(spec, tokens_list, device, dtype, repeats) -> list[dict]:
 # ---- 2. attention -----------------------------------------------------------------------------
 def attention_rows(spec, pack_tokens, doc_lengths, device, dtype, repeats) -> list[dict]:
     heads, d = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
-    groups = spec.num_query_groups
+    groups = spec.kv_heads
     cost = model_cost(spec, "flash")
     rows = []
     for length in doc_lengths:
@@ -358,7 +358,7 @@ def main() -> int:
         "bottom_right": lambda: bottom_right_rows((((48, 32), (0, 24)),), 4, 2, 16, device, dtype, args.repeats)
         if quick else bottom_right_rows((((3000, 1024), (0, 512), (5, 1)), ((12288, 4096),)), 32, 8, 128, device, dtype,
                           args.repeats),
-        "steps": lambda: step_rows(spec.name, 2 if quick else 4, 1024 if quick else 16384, 2 if quick else 8,
+        "steps": lambda: step_rows(spec.name, 2, 1024 if quick else 16384, 2 if quick else 4,
                                    device, dtype, 2 if quick else 3),
     }
     for name in sections:
@@ -371,6 +371,8 @@ def main() -> int:
             traceback.print_exc()
             result[name] = {"error": f"{type(error).__name__}: {error}"}
         log(f"{name}: {time.perf_counter() - began:.1f} s")
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as out:
                 json.dump(result, out, indent=1)

@@ -280,6 +280,7 @@ def test_transformer_engines_unfused_path_is_refused_and_passed_over(monkeypatch
 def test_auto_on_a_gpu_with_only_the_torch_kernel_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "_installed", lambda package: False)
+    monkeypatch.setattr(kernels, "torch_fused_on_gpu", lambda: False)  # no varlen_attn (or an older GPU)
     with pytest.raises(kernels.NoFusedAttentionBackend, match="'auto' on a GPU.*Install flash-attn >= 2.1"):
         kernels.resolve_backend("auto")
     assert kernels.resolve_backend("torch") == "torch"  # asked for by name: it runs

@@ -1,7 +1,7 @@
 """The start-up probe of attention backends (runtime/attention/backend_probe.py), on CPU with stand-in
 kernels: a backend that imports but computes wrongly, raises, or cannot be built is passed over,
 with the reason; one that agrees with the torch reference is chosen; where none does, the probe
-refuses by name (the torch kernel is never chosen on a GPU)."""
+refuses by name (the torch kernel is chosen on a GPU only where it is fused: test_torch_gpu_attention.py)."""
 import pytest
 import torch
 

@@ -9,8 +9,10 @@ backend (TE, flash-attn varlen), fastest first, runs one tiny sliced case (a seg
 prefix and one without, lengths not multiples of 64, the model's dtype, heads per TP rank and
 query groups, the module's softmax scale), forward and backward, against the torch kernel in
 fp32. The first that runs fused and agrees is used; the reasons the others were passed over are
-logged. The torch kernel is the reference and is never chosen on a GPU: where no fused backend
-passes, `NoFusedAttentionBackend` says why and what to install.
+logged. The torch kernel is the reference; on a GPU it is a candidate, last, only where it is fused
+(PyTorch's own varlen flash attention: bf16/fp16 on sm80+, `kernels.torch_varlen_runs_on`), and
+then probed like the others against its fp32 per-segment SDPA path. Where no fused backend passes,
+`NoFusedAttentionBackend` says why and what to install.
 
 The verdict is cached per shape class (`ShapeClass`: dtype, heads and query groups per TP rank,
 head dim, device), not per sequence length: the kernels take any lengths, and probing per length
@@ -24,7 +26,14 @@ from typing import Callable, Optional
 
 import torch
 
-from .kernels import FUSED_INSTALL_HINT, NoFusedAttentionBackend, available_backends, cu_seqlens, torch_kernel
+from .kernels import (
+    FUSED_INSTALL_HINT,
+    NoFusedAttentionBackend,
+    available_backends,
+    cu_seqlens,
+    torch_kernel,
+    torch_varlen_runs_on,
+)
 
 log = logging.getLogger("megatron_slimpack.attention")
 
@@ -33,7 +42,7 @@ PROBE_SEGMENTS = ((37, 29), (0, 50))
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-FUSED_BACKENDS = ("te", "flash")  # what the probe may choose; torch is the reference
+FUSED_BACKENDS = ("te", "flash")  # always fused; torch only where `torch_varlen_runs_on`
 
 
 @dataclass(frozen=True)
@@ -118,11 +127,11 @@ def shape_class(config, device) -> ShapeClass:
 def choose_backend(config, device, build) -> BackendChoice:
     """The first available fused backend (fastest first) whose module, `build(name)`, passes
     `probe` with the model's dtype and this TP rank's heads. NoFusedAttentionBackend when none
-    does: the torch kernel is the reference, never chosen."""
+    does: the torch kernel is a candidate only where it is fused for the model's dtype."""
     shape = shape_class(config, device)
     passed_over = {}
     for name in available_backends():
-        if name not in FUSED_BACKENDS:
+        if name not in FUSED_BACKENDS and not (name == "torch" and torch_varlen_runs_on(device, shape.dtype)):
             continue
         try:
             module = build(name).to(device).eval()
@@ -135,8 +144,8 @@ def choose_backend(config, device, build) -> BackendChoice:
         passed_over[name] = reason
     reasons = "; ".join(f"{name}: {why}" for name, why in passed_over.items()) or "neither is installed"
     raise NoFusedAttentionBackend(
-        f"no fused attention backend runs the sliced attention ({shape.describe()}): {reasons}. Only the unfused "
-        "torch kernel is left, far too slow for training on a GPU. " + FUSED_INSTALL_HINT)
+        f"no fused attention backend runs the sliced attention ({shape.describe()}): {reasons}. Only the torch "
+        "kernel's per-segment path is left, too slow for training on a GPU. " + FUSED_INSTALL_HINT)
 
 
 _verdicts: dict[ShapeClass, BackendChoice | NoFusedAttentionBackend] = {}

@@ -7,11 +7,15 @@ document's prefix and, causally, their own tokens):
   1. Transformer Engine fused attention, THD, `padding_causal_bottom_right` (in core.py: it is a
      megatron-core module subclass; its unfused path is refused, `UnfusedAttentionError`);
   2. flash-attn `flash_attn_varlen_func(causal=True)` (bottom-right since 2.1);
-  3. torch, block by block: `scaled_dot_product_attention(is_causal=True)` per segment without a
-     prefix; per segment with one, the prefix block (unmasked) and the own block (causal) combined
-     by log-sum-exp (`SplitPrefixAttention`, torch's fused CPU kernel), or, on other devices and
-     with dropout, tiles with an online softmax (`PrefixCausalAttention`); no query x key mask is
-     built. CPU, tests, and the probe's reference.
+  3. torch. On a GPU (sm80+, bf16/fp16, no dropout, not deterministic) where PyTorch has
+     `torch.nn.attention.varlen.varlen_attn` (its bundled flash-attention 2, bottom-right causal
+     like flash-attn >= 2.1), one fused varlen call per MicroPack. Otherwise block by block:
+     `scaled_dot_product_attention(is_causal=True)` per segment without a prefix; per segment with
+     one, on a GPU SDPA with `causal_lower_right` (fused), on the CPU the prefix block (unmasked)
+     and the own block (causal) combined by log-sum-exp (`SplitPrefixAttention`, torch's fused CPU
+     kernel), and with explicit tiles or deterministic mode tiles with an online softmax
+     (`PrefixCausalAttention`); no query x key mask is built. CPU, tests, the probe's reference
+     (in fp32, which never takes the varlen call), and a fused GPU path needing no extra package.
 Every backend takes the softmax scale; flash-attn also Megatron's deterministic mode (TE reads
 NVTE_ALLOW_NONDETERMINISTIC_ALGO, the torch kernel is deterministic). Sliding windows and softmax
 variants are refused (`check_attention_options`).
@@ -55,8 +59,8 @@ class NoFusedAttentionBackend(SlimPackError):
 
 
 FUSED_INSTALL_HINT = ("Install flash-attn >= 2.1 (pip install flash-attn --no-build-isolation) or Transformer "
-                      "Engine with cuDNN >= 9.6; or choose the attention backend 'torch' explicitly to run it "
-                      "anyway (tests, debugging)")
+                      "Engine with cuDNN >= 9.6, or a torch with torch.nn.attention.varlen on an sm80+ GPU; or "
+                      "choose the attention backend 'torch' explicitly to run it anyway (tests, debugging)")
 
 
 def check_attention_options(config) -> None:
@@ -275,14 +279,31 @@ class SplitPrefixAttention(torch.autograd.Function):
                 tokens_first(torch.cat([dv_prefix, dv_own], dim=2)), None)
 
 
+def lower_right_attention(qs: Tensor, ks: Tensor, vs: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """One segment with a KV prefix through SDPA with a bottom-right causal bias (`causal_lower_right`),
+    which torch runs with a fused GPU kernel and no materialized mask. K/V heads are repeated for GQA
+    (the bias path takes no `enable_gqa`)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    if ks.shape[1] != qs.shape[1]:
+        ks, vs = (x.repeat_interleave(qs.shape[1] // x.shape[1], dim=1) for x in (ks, vs))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(qs.shape[0], ks.shape[0]),
+                                         dropout_p=dropout_p, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
 def prefix_causal_attention(qs: Tensor, ks: Tensor, vs: Tensor, scale: float, dropout_p: float = 0.0, *,
                             query_block: int | None = None, key_block: int | None = None) -> Tensor:
     """Bottom-right causal attention of one segment with a KV prefix, block by block (no dense
-    mask): on the CPU without dropout two fused blocks (`SplitPrefixAttention`), otherwise tiles
+    mask): on the CPU without dropout two fused blocks (`SplitPrefixAttention`), on a GPU SDPA's
+    fused bottom-right causal kernel (`lower_right_attention`), otherwise tiles
     (`PrefixCausalAttention`; explicit tile sizes also select it)."""
     tiles_asked = query_block is not None or key_block is not None
     if qs.device.type == "cpu" and dropout_p == 0 and not tiles_asked and _cpu_flash_ops() is not None:
         return SplitPrefixAttention.apply(qs, ks, vs, float(scale))
+    if qs.device.type == "cuda" and not tiles_asked:
+        return lower_right_attention(qs, ks, vs, float(scale), float(dropout_p))
     return PrefixCausalAttention.apply(qs, ks, vs, float(scale), float(dropout_p),
                                        query_block or QUERY_BLOCK, key_block or KEY_BLOCK)
 
@@ -292,17 +313,59 @@ def _tiles_everywhere(device: torch.device, deterministic: bool) -> bool:
     return bool(deterministic) and device.type != "cpu"
 
 
+# ---- PyTorch's own varlen flash attention (GPU) ----------------------------------------------
+def _torch_varlen_function():
+    """`torch.nn.attention.varlen.varlen_attn`, or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def torch_varlen_runs_on(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the torch kernel takes PyTorch's fused varlen call for inputs of `dtype` on `device`
+    (dropout and deterministic mode aside): a CUDA GPU of compute capability 8.0 or newer (its
+    flash-attention 2 kernels), bf16 or fp16, and a torch that has `varlen_attn`."""
+    device = torch.device(device)
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0) and _torch_varlen_function() is not None)
+
+
+def torch_varlen_attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, scale: float) -> Tensor:
+    """One `varlen_attn` call over every segment, bottom-right causal (`window_size=(-1, 0)`, or
+    `is_causal=True` in the torch releases that named it so); K/V heads repeated for GQA where the
+    signature has no `enable_gqa`. The softmax scale is applied to q where it takes no `scale`."""
+    varlen_attn = _torch_varlen_function()
+    parameters = inspect.signature(varlen_attn).parameters
+    options: dict = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if "scale" in parameters:
+        options["scale"] = scale
+    else:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_kv.to(torch.int32), int(max_q), int(max_kv), **options)
+
+
 def torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, dropout_p, bounds=None, deterministic=False):
-    """The torch kernel (CPU, tests, and the reference of the probe), block by block: a segment
-    without a KV prefix is one SDPA call with `is_causal` (plain causal), a segment with a prefix
-    runs `prefix_causal_attention`; no query x key mask is ever built. `bounds`: cu_q
-    and cu_kv as host ints where the caller has them (reading them back is a host sync).
-    `deterministic` (Megatron's --deterministic-mode): on the CPU every path is deterministic;
-    elsewhere every segment then runs the tiles (fixed summation order), not SDPA's GPU backward."""
+    """The torch kernel (CPU, tests, the reference of the probe, and a fused GPU path): on a GPU
+    where `torch_varlen_runs_on` and without dropout or deterministic mode, one fused varlen call;
+    otherwise block by block: a segment without a KV prefix is one SDPA call with `is_causal`
+    (plain causal), a segment with a prefix runs `prefix_causal_attention`; no query x key mask is
+    ever built. `bounds`: cu_q and cu_kv as host ints where the caller has them (reading them back
+    is a host sync). `deterministic` (Megatron's --deterministic-mode): on the CPU every path is
+    deterministic; elsewhere every segment then runs the tiles (fixed summation order), not SDPA's
+    or flash-attention's GPU backward."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if not dropout_p and not deterministic and torch_varlen_runs_on(q.device, q.dtype):
+        return torch_varlen_attention(q, k, v, cu_q, cu_kv, max_q, max_kv, float(scale))
     bounds_q, bounds_kv = bounds if bounds is not None else (None, None)
     bounds_q = bounds_q if bounds_q is not None else cu_q.tolist()
     bounds_kv = bounds_kv if bounds_kv is not None else cu_kv.tolist()
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
     tiled = _tiles_everywhere(q.device, deterministic)
     outputs = []
     for i in range(len(bounds_q) - 1):
@@ -379,6 +442,11 @@ def flash_version_ok() -> bool:
     return tuple(parts) >= FLASH_MIN_VERSION
 
 
+def torch_fused_on_gpu() -> bool:
+    """Whether the torch kernel is fused on this machine's GPU in bf16 (`torch_varlen_runs_on`)."""
+    return torch.cuda.is_available() and torch_varlen_runs_on(torch.device("cuda"), torch.bfloat16)
+
+
 def available_backends() -> list[str]:
     """Backends this machine can run, fastest first."""
     gpu = torch.cuda.is_available()
@@ -395,10 +463,11 @@ def resolve_backend(backend: str = "auto") -> str:
     the torch kernel is there); an explicit name is checked, with a clear error."""
     if backend == "auto":
         fastest = available_backends()[0]
-        if fastest == "torch" and torch.cuda.is_available():
+        if fastest == "torch" and torch.cuda.is_available() and not torch_fused_on_gpu():
             raise NoFusedAttentionBackend("attention backend 'auto' on a GPU: neither flash-attn >= 2.1 nor a "
                                           "Transformer Engine whose megatron-core extension imports is installed, "
-                                          "and the torch kernel is not fused. " + FUSED_INSTALL_HINT)
+                                          "and the torch kernel is not fused here (it needs an sm80+ GPU and a "
+                                          "torch with torch.nn.attention.varlen). " + FUSED_INSTALL_HINT)
         return fastest
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
