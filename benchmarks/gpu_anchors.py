@@ -8,9 +8,10 @@ torch offers for a slice's KV prefix, and a single-GPU training comparison.
 Sections (each one's rows are printed and written to the JSON):
  1. gemm: the layer's four GEMMs (QKV, attention output, fc1 of SwiGLU, fc2) forward, bf16, on T
     tokens: measured ms and TFLOP/s against the model's `gemm_forward_ms`.
- 2. attention: torch SDPA, causal, on T tokens of equal documents of L tokens (batched, which is
-    what a varlen kernel does per document), forward and backward, against the model's flash-attn 2
-    rates (`--attention-backend flash`), which is the kernel family torch's SDPA flash backend runs.
+ 2. attention: causal attention on T tokens of equal documents of L tokens, forward and backward,
+    through torch SDPA's flash backend (flash-attention 2), SDPA's cuDNN backend and the runtime's
+    torch kernel (PyTorch's varlen flash attention), each against the rates of the backend that
+    prices it (`--attention-backend flash`, `te`, `torch`).
  3. layer: one megatron-core layer built with the SlimPack spec and the runtime's torch attention
     kernel (SDPA per whole-document segment; tiles with an online softmax for a segment with a KV
     prefix), forward and backward as a middle pipeline stage runs a MicroPack
@@ -94,39 +95,74 @@ def gemm_rows(spec, tokens_list, device, dtype, repeats) -> list[dict]:
 
 
 # ---- 2. attention -----------------------------------------------------------------------------
+# Each kernel and the cost-model backend that prices it: torch's SDPA restricted to its flash
+# backend (flash-attention 2 inside torch) and to cuDNN (what Transformer Engine's fused attention
+# calls), and the runtime's own torch kernel on a GPU (PyTorch's varlen flash attention, THD).
+ATTENTION_KERNELS = {"sdpa_flash": "flash", "sdpa_cudnn": "te", "runtime_torch_varlen": "torch"}
+
+
+def attention_call(kernel: str, q, k, v, length: int):
+    """(forward, inputs) of one kernel on documents [docs, heads, length, d] (SDPA's layout)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_slimpack.runtime.attention.kernels import torch_varlen_attention
+
+    if kernel == "runtime_torch_varlen":
+        docs, heads, _, d = q.shape
+        thd = [x.detach().transpose(1, 2).reshape(docs * length, x.shape[1], d).contiguous().requires_grad_()
+               for x in (q, k, v)]
+        cu = torch.arange(docs + 1, device=q.device, dtype=torch.int32) * length
+        return (lambda: torch_varlen_attention(*thd, cu, cu, length, length, d ** -0.5)), thd
+    backend = SDPBackend.FLASH_ATTENTION if kernel == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+
+    def forward():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+
+    return forward, [q, k, v]
+
+
 def attention_rows(spec, pack_tokens, doc_lengths, device, dtype, repeats) -> list[dict]:
     heads, d = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
     groups = spec.kv_heads
-    cost = model_cost(spec, "flash")
     rows = []
     for length in doc_lengths:
         docs = max(1, pack_tokens // length)
         q = torch.randn(docs, heads, length, d, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(docs, groups, length, d, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(docs, groups, length, d, device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(docs, heads, length, d, device=device, dtype=dtype)
-        gqa = {"enable_gqa": True} if groups != heads else {}
-
-        def forward(q=q, k=k, v=v, gqa=gqa):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-
-        def backward(q=q, k=k, v=v, grad=grad, forward=forward):
-            torch.autograd.grad(forward(), (q, k, v), grad)
-
-        forward_ms = timed_ms(forward, device, repeats)
-        backward_ms = timed_ms(backward, device, repeats) - forward_ms
         pairs = docs * length * (length + 1) / 2
         flops = 4.0 * pairs * heads * d
-        model = cost_figures(cost, ParallelConfig(), length, docs * length)
-        rows.append({"doc_length": length, "documents": docs,
-                     "forward_ms": round(forward_ms, 4), "forward_tflops": round(flops / forward_ms / 1e9, 1),
-                     "backward_ms": round(backward_ms, 4),
-                     "backward_tflops": round(2.5 * flops / backward_ms / 1e9, 1),
-                     "model_forward_ms": float(model["attention_forward_ms"]),
-                     "model_backward_ms": float(model["attention_backward_ms"]),
-                     "forward_measured_over_model": round(forward_ms / float(model["attention_forward_ms"]), 3),
-                     "backward_measured_over_model": round(backward_ms / float(model["attention_backward_ms"]), 3)})
-        log(f"attention L={length}: {rows[-1]}")
+        for kernel, backend in ATTENTION_KERNELS.items():
+            row: dict = {"kernel": kernel, "priced_as": backend, "doc_length": length, "documents": docs}
+            try:
+                forward, inputs = attention_call(kernel, q, k, v, length)
+                grad = torch.randn_like(forward())
+
+                def backward(forward=forward, inputs=inputs, grad=grad):
+                    torch.autograd.grad(forward(), inputs, grad)
+
+                forward_ms = timed_ms(forward, device, repeats)
+                backward_ms = timed_ms(backward, device, repeats) - forward_ms
+            except Exception as error:  # noqa: BLE001 - a kernel this torch or device lacks is a result
+                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                rows.append(row)
+                log(f"attention L={length} {kernel}: {row['error']}")
+                continue
+            model = cost_figures(model_cost(spec, backend), ParallelConfig(), length, docs * length)
+            row.update({
+                "forward_ms": round(forward_ms, 4), "forward_tflops": round(flops / forward_ms / 1e9, 1),
+                "backward_ms": round(backward_ms, 4), "backward_tflops": round(2.5 * flops / backward_ms / 1e9, 1),
+                # the model's kernel rate (its published table) and its time (with the sustained share)
+                "model_forward_tflops": float(model["attention_forward_tflops"]),
+                "model_backward_tflops": float(model["attention_backward_tflops"]),
+                "model_forward_ms": float(model["attention_forward_ms"]),
+                "model_backward_ms": float(model["attention_backward_ms"]),
+                "forward_measured_over_model": round(forward_ms / float(model["attention_forward_ms"]), 3),
+                "backward_measured_over_model": round(backward_ms / float(model["attention_backward_ms"]), 3)})
+            rows.append(row)
+            log(f"attention L={length} {kernel}: {row}")
     return rows
 
 

@@ -81,7 +81,9 @@ def backend_reasons() -> dict[str, str]:
         else:
             reasons[name] = (f"flash-attn {package_version('flash-attn')} < 2.1 (older versions align causal masks "
                              "top-left)")
-    reasons["torch"] = "available (reference kernel, always)"
+    reasons["torch"] = ("available: fused on this GPU in bf16/fp16 (PyTorch's varlen flash attention), the fp32 "
+                        "reference per segment" if kernels.torch_fused_on_gpu()
+                        else "available (reference kernel, always; per segment)")
     return reasons
 
 
