@@ -82,6 +82,7 @@ STOCK = {
 }
 # Flags of paper.yaml's common_args that this script sets itself per strategy and layout, and
 # --use-flash-attn, which core_v0.16.1 parses but never reads (TE chooses its attention kernel).
+# baseline_args and slimpack_args are taken as given (the layout's flags still come after them).
 OWNED = {"bf16", "use-distributed-optimizer", "micro-batch-size", "calculate-per-token-loss", "no-rope-fusion",
          "use-flash-attn", "sequence-parallel"}
 
@@ -136,7 +137,12 @@ class Run:
     @property
     def name(self) -> str:
         cell = self.cell
-        return f"{cell['model']}_{cell['context'] // 1024}k_{self.cluster}_{cell['dataset']}.{self.strategy}"
+        return f"{cell['model']}_{context_label(cell['context'])}_{self.cluster}_{cell['dataset']}.{self.strategy}"
+
+
+def context_label(tokens: int, unit: str = "k") -> str:
+    """65536 -> "64k"; a context that is no whole number of 1024 tokens as it is (512 -> "512")."""
+    return f"{tokens // 1024}{unit}" if tokens % 1024 == 0 else str(tokens)
 
 
 def load(path: Path) -> dict:
@@ -218,12 +224,12 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
     }
     if strategy in STOCK:
         run.note = STOCK[strategy]
-        options.update({k: v for k, v in bench.get("baseline_args", {}).items() if k not in OWNED})
+        options.update(bench.get("baseline_args", {}))
         options.update(layout_options(layout, base_merge=False))
         # The GPTDataset would otherwise build a dense [s, s] causal mask per sample that TE never reads.
         options["no-create-attention-mask-in-dataloader"] = True
     else:
-        options.update({k: v for k, v in bench.get("slimpack_args", {}).items() if k not in OWNED})
+        options.update(bench.get("slimpack_args", {}))
         # The plugin runs a layout's cp K as K-fold context parallelism by DP-Merge groups, for every
         # strategy it trains (`planner.strategies.planning_view`), as `slimpack compare` priced it.
         options.update(layout_options(layout, base_merge=True))
@@ -397,7 +403,7 @@ def table(runs: list[Run], times: dict, failed: dict | None = None, logs: Path |
         if run.name in failed:
             note = f"FAILED: {failed[run.name]}"
         lines.append(
-            f"| {cell['model']} | {cell['context'] // 1024}K | {cell['gpus']} | {cell['dataset']} | "
+            f"| {cell['model']} | {context_label(cell['context'], 'K')} | {cell['gpus']} | {cell['dataset']} | "
             f"{run.strategy} | {figures['layout']} | {_figure(ms, '.1f')} | {speedup} | "
             f"{_figure(simulated_ms, '.1f')} | {_figure(ms / simulated_ms if ms and simulated_ms else None, '.2f')} | "
             f"{_figure(run.tokens_per_iteration * 1000 / ms if ms and run.tokens_per_iteration else None, ',.0f')} | "
