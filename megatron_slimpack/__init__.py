@@ -14,6 +14,8 @@ from .config import ConfigError, SlimPackConfig
 from .costmodel import CostModel
 from .errors import SlimPackError
 from .plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice
+from .planner.strategies import plan_global_batch
+from .simulator.dag import simulate as _simulate
 from .specs import HardwareSpec, ModelSpec, ParallelConfig, SpecError
 from .workload import GlobalBatchSampler, WorkloadError, load_lengths
 
@@ -26,8 +28,6 @@ def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPack
     """Plan one global batch of document lengths with the configured strategy. `sources`: the
     (document, offset) each length was read from (default (i, 0)); the plan's `sample_sources`
     say where every sample's tokens are, whatever the strategy renumbers."""
-    from .planner.strategies import plan_global_batch
-
     return plan_global_batch(lengths, parallel=parallel, cost=cost, config=config or SlimPackConfig(),
                              sources=sources)
 
@@ -35,9 +35,7 @@ def plan(lengths, *, parallel: ParallelConfig, cost: CostModel, config: SlimPack
 def simulate(plan: Plan, cost: CostModel, *, overlaps=None):
     """Simulate one training step of `plan`; returns a `SimulationReport`. Communication is priced
     with the overlaps the plan's strategy declares, or `overlaps` (a `costmodel.Overlaps`) where given."""
-    from .simulator.dag import simulate as run
-
-    return run(plan, cost, overlaps=overlaps)
+    return _simulate(plan, cost, overlaps=overlaps)
 
 
 __all__ = [

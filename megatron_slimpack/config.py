@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .errors import SlimPackError
+from .specs import HARDWARE
 
 # ==== option metadata ===========================================================================
 
@@ -429,8 +430,6 @@ class MegatronIntegrationConfig:
             problems.append(("cost_model", f"{n('cost_model')} {cost!r} is neither 'analytic' nor an existing "
                                            "profile JSON (create one with `slimpack profile`)"))
         elif cost == "analytic":
-            from .specs import HARDWARE
-
             if values["hardware"] not in HARDWARE:
                 problems.append(("hardware", f"{n('hardware')} {values['hardware']!r} is not a hardware preset "
                                              f"(known: {', '.join(HARDWARE)})"))

@@ -13,8 +13,21 @@ from .. import __version__
 from ..config import CLI, ConfigError, MegatronIntegrationConfig, SlimPackConfig, add_options, from_options, option_name
 from ..costmodel import CostModel
 from ..plan import Plan, PlanError
+from ..planner import strategies
+from ..planner.strategies import check_plan_input, strategy_help, strategy_names
+from ..simulator import report as simulator_report
+from ..simulator import simulate
+from ..simulator.report import (
+    figures_source,
+    gantt_title,
+    legend,
+    markdown_table,
+    summary,
+    write_chrome_trace,
+)
 from ..specs import HARDWARE, ParallelConfig, SpecError
-from . import library_noise
+from ..workload import GlobalBatchSampler, load_lengths
+from . import comparison, library_noise
 from .cli_options import (
     add_megatron_spellings,
     add_model_option,
@@ -24,6 +37,12 @@ from .cli_options import (
     positive_int,
     restrict_choices,
 )
+from .comparison import SearchCache, write_outputs
+from .cost import add_cost_arguments, cost_main
+from .demo import DemoOptions, run_demo
+from .fidelity import add_validate_arguments, validate_main
+from .profiler import add_profile_arguments, profile_main
+from .selftest import add_selftest_arguments, selftest_main
 
 DEFAULT_WORKLOAD = "text"  # the running Python's standard library: real text, no download
 
@@ -68,8 +87,6 @@ def cost_of_plan(plan: Plan, args) -> CostModel:
 def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
     """One option per `SlimPackConfig` field that is a CLI option (type, default and help from the
     field; `config.add_options`), but those in `exclude`."""
-    from ..planner.strategies import strategy_help, strategy_names
-
     add_options(parser, SlimPackConfig, CLI, exclude=exclude,
                 help_extra={"strategy": f"One of: {strategy_help()}."})
     restrict_choices(parser, "--strategy", strategy_names())
@@ -109,8 +126,6 @@ def load_cost(args) -> CostModel:
 
 
 def global_batches(args) -> list[list[int]]:
-    from ..workload import GlobalBatchSampler, load_lengths
-
     lengths = load_lengths(args.workload, seed=args.seed)
     sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed)
     return [sampler.next_batch().lengths for _ in range(args.steps)]
@@ -230,8 +245,6 @@ def format_plan_tables(rows: list[dict]) -> str:
 
 
 def cmd_plan(args) -> int:
-    from ..simulator.report import figures_source
-
     cost = load_cost(args)
     parallel = ParallelConfig(dp=args.dp, pp=args.pp, vpp=args.vpp, tp=args.tp, cp=args.cp, recompute=args.recompute)
     config = planner_config(args)
@@ -240,15 +253,11 @@ def cmd_plan(args) -> int:
                        "several ranks (a layout's cp is what `slimpack compare` reports; Megatron runs it as "
                        "--slimpack-base-merge): give one")
     warn_about_inputs(args, config, dp=parallel.dp)
-    from ..planner.strategies import new_planner
-
-    planner = new_planner(config.strategy)
+    planner = strategies.new_planner(config.strategy)  # via the module: looked up per call, as below
     batches = global_batches(args)
     outputs = []
     for step, lengths in enumerate(progress(batches, len(batches), "planning", not args.json)):
         started = time.perf_counter()
-        from ..planner.strategies import check_plan_input
-
         parallel.check_model(cost.model)
         plan = planner.plan(check_plan_input(lengths, config.context_length), parallel, cost, config).validate()
         elapsed = time.perf_counter() - started
@@ -285,17 +294,6 @@ def cmd_plan(args) -> int:
 # ---- simulate ------------------------------------------------------------------------------------
 
 def cmd_simulate(args) -> int:
-    from ..simulator import simulate
-    from ..simulator.report import (
-        figures_source,
-        gantt_title,
-        legend,
-        markdown_table,
-        summary,
-        write_chrome_trace,
-        write_gantt,
-    )
-
     plan = Plan.from_json(args.plan).validate()
     cost = cost_of_plan(plan, args)
     report = simulate(plan, cost)
@@ -304,7 +302,7 @@ def cmd_simulate(args) -> int:
         title = gantt_title(plan.strategy, plan.parallel.describe(), model=cost.model.name,
                             context_length=plan.context_length, iteration_s=report.iteration_time_s,
                             hardware=cost.hardware.name)
-        written.append(write_gantt(report, args.gantt, title=title))
+        written.append(simulator_report.write_gantt(report, args.gantt, title=title))
     if args.trace:
         written.append(write_chrome_trace(report, args.trace))
     if args.json:
@@ -324,8 +322,6 @@ STOPPED_EXIT = 3  # `compare` stopped (Ctrl-C, --time-budget) before every strat
 
 
 def cmd_compare(args) -> int:
-    from .comparison import SearchCache, run_comparison, write_outputs
-
     check_compare_output(args)
     config = planner_config(args)
     warn_about_inputs(args, config)
@@ -334,7 +330,7 @@ def cmd_compare(args) -> int:
     def write(partial) -> None:  # each strategy's row as soon as it is final
         written[:] = write_outputs(partial, args.out, wide=args.wide)
 
-    result = run_comparison(
+    result = comparison.run_comparison(
         workload=args.workload, model=args.model, hardware=args.hardware, cost=load_cost(args),
         gpus=args.gpus, global_batch_size=args.global_batch_size, steps=args.steps, strategies=args.strategies,
         config=config, gantt_dir=args.gantt_dir, show_progress=not args.quiet, time_budget_s=args.time_budget,
@@ -400,8 +396,6 @@ def warn_about_inputs(args, config: SlimPackConfig, dp: int | None = None) -> No
 # ---- demo ------------------------------------------------------------------------------------------
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
-
     return run_demo(args)
 
 
@@ -410,8 +404,6 @@ def cmd_demo(args) -> int:
 def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     """`slimpack demo`'s options; what argparse cannot check is checked by `demo.check_demo_options`
     before any process starts."""
-    from .demo import DemoOptions
-
     defaults = DemoOptions()
     demo.add_argument("--steps", type=positive_int, default=None,
                       help=f"training steps per strategy (default {defaults.steps})")
@@ -508,26 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(run=cmd_compare)
 
     profile = commands.add_parser("profile", help="time the real model on this device and fit the cost model")
-    from .profiler import add_profile_arguments, profile_main
-
     add_profile_arguments(profile)
     profile.set_defaults(run=profile_main)
 
     validate = commands.add_parser("validate", help="measured multi-process steps vs the simulator (fidelity)")
-    from .fidelity import add_validate_arguments, validate_main
-
     add_validate_arguments(validate)
     validate.set_defaults(run=validate_main)
 
     selftest = commands.add_parser("selftest", help="check this node: kernels, DP-Merge, training steps, overhead")
-    from .selftest import add_selftest_arguments, selftest_main
-
     add_selftest_arguments(selftest)
     selftest.set_defaults(run=selftest_main)
 
     cost = commands.add_parser("cost", help="what the cost model predicts for one layer and pack")
-    from .cost import add_cost_arguments, cost_main
-
     add_cost_arguments(cost)
     cost.set_defaults(run=cost_main)
 

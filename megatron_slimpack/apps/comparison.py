@@ -54,6 +54,7 @@ from ..simulator.report import (
     write_gantt,
 )
 from ..specs import ParallelConfig
+from ..workload import GlobalBatchSampler, load_lengths
 from .library_noise import ignore_library_warnings
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
@@ -286,8 +287,6 @@ def run_comparison(
     config = (config or SlimPackConfig()).with_(**{name: value for name, value in given.items() if value is not None})
     context_length, seed = config.context_length, config.seed
     if batches is None:
-        from ..workload import GlobalBatchSampler, load_lengths
-
         sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
         batches = [sampler.next_batch().lengths for _ in range(steps)]
     names = resolve_strategies(strategies)

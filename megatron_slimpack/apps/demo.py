@@ -42,6 +42,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, cast
 
+from .. import __version__, simulate
+from ..config import SlimPackConfig
+from ..costmodel import CostModel
+from ..megatron.data import PlannerIterator
+from ..planner.baselines.fixed import prefix_keeping_fixed_plan
+from ..planner.registry import with_input_sources
+from ..planner.strategies import check_plan_input, new_planner, trainable_strategy_names
+from ..runtime.host_memory import keep_freed_host_memory
+from ..runtime.processes import free_port
+from ..simulator.report import write_gantt
+from ..specs import ParallelConfig, SpecError, get_model
+from ..workload import GlobalBatchSampler, TextCorpus, WorkloadError
+from . import profiler
+from .library_noise import ignore_library_warnings
+from .profiler import QUICK_GRID
+
 DEFAULT_STEPS = 10
 DEFAULT_CONTEXT = 2048
 DEFAULT_GLOBAL_BATCH = 2  # sequences of the context length per step (8K tokens)
@@ -109,8 +125,6 @@ def check_demo_options(options: DemoOptions) -> None:
 
 
 def _check_demo_strategies(strategies) -> None:
-    from ..planner.strategies import trainable_strategy_names
-
     known = trainable_strategy_names()
     if not strategies:
         raise DemoOptionError(f"--strategies names no strategy; give some of: {', '.join(known)}")
@@ -121,8 +135,6 @@ def _check_demo_strategies(strategies) -> None:
 
 
 def _check_demo_model(model: str, pp: int) -> None:
-    from ..specs import ParallelConfig, SpecError
-
     try:
         ParallelConfig(pp=pp).check_model(get_demo_spec(model))
     except SpecError as error:
@@ -132,8 +144,6 @@ def _check_demo_model(model: str, pp: int) -> None:
 def _check_demo_data_dir(data_dir: str | None) -> None:
     if data_dir is None:
         return
-    from ..workload import TextCorpus, WorkloadError
-
     if not Path(data_dir).expanduser().is_dir():
         raise DemoOptionError(f"--data-dir {data_dir} is not a directory; give a directory of *.py text files, "
                               "or leave the option out to train on Python's standard library")
@@ -145,8 +155,6 @@ def _check_demo_data_dir(data_dir: str | None) -> None:
 
 def get_demo_spec(model: str):
     """The model preset `model` with the demo corpus's byte-level vocabulary."""
-    from ..workload import TextCorpus
-
     try:
         return demo_model_spec(model, TextCorpus.VOCAB_SIZE)
     except ValueError as error:  # SpecError: an unknown preset, its message lists the known ones
@@ -158,11 +166,6 @@ def make_plan_function(strategy: str, cost, parallel, config):
     """batch -> validated Plan with the simulator's prediction in metadata["predicted"]. The batch
     is planned with its sources, so every sample of the plan (a piece a baseline cut, a document
     WLB-LLM delayed from an earlier batch) says where its tokens are (`Plan.sample_sources`)."""
-    from .. import simulate
-    from ..planner.baselines.fixed import prefix_keeping_fixed_plan
-    from ..planner.registry import with_input_sources
-    from ..planner.strategies import check_plan_input, new_planner
-
     planner = new_planner(strategy)
     config = config.with_(strategy=strategy)
 
@@ -291,12 +294,8 @@ class DemoRunner:
     """
 
     def __init__(self, rank: int, world_size: int, port: int, options: DemoOptions):
-        from .library_noise import ignore_library_warnings
-
         ignore_library_warnings()  # megatron-core's "not installed" notices, in every process; ours still show
         import torch
-
-        from ..runtime.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
         torch.set_num_threads(1)
@@ -304,10 +303,7 @@ class DemoRunner:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from ..config import SlimPackConfig
         from ..runtime import compat
-        from ..specs import ParallelConfig
-        from ..workload import TextCorpus
 
         compat.apply()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -332,9 +328,7 @@ class DemoRunner:
         """One model chunk, optimizer and planner per strategy, all chunks from the same weights."""
         import torch
 
-        from ..megatron.data import PlannerIterator
         from ..runtime.model import build_gpt_model
-        from ..workload import GlobalBatchSampler
 
         options = self.options
         runs, initial = [], None
@@ -401,8 +395,6 @@ class DemoRunner:
 
 def demo_model_spec(model: str, vocab_size: int):
     """The model preset, with the corpus's (byte-level) vocabulary."""
-    from ..specs import get_model
-
     spec = get_model(model)
     if spec.vocab_size != vocab_size:
         spec = spec.__class__(**{**spec.to_dict(), "vocab_size": vocab_size})
@@ -412,8 +404,6 @@ def demo_model_spec(model: str, vocab_size: int):
 def demo_cost_model(spec, cost_model: str):
     """The planners' and the prediction's cost model: "analytic" (uncalibrated CPU figures) or a
     `slimpack profile` JSON measured on this machine."""
-    from ..costmodel import CostModel
-
     if cost_model == "analytic":
         return CostModel.analytic(spec, "cpu", dtype_bytes=4, attention_backend="torch")
     return CostModel.from_profile(cost_model)
@@ -433,8 +423,6 @@ def profile_cache_key(options: DemoOptions) -> str:
     import platform
 
     import torch
-
-    from .. import __version__
 
     try:
         from importlib.metadata import version
@@ -458,16 +446,14 @@ def calibrated_profile(options: DemoOptions, log: Callable[[str], None]) -> str:
     """Path of this machine's profile of the demo model: the cached one for this machine and these
     library versions, or a quick `slimpack profile` (its small grid, about half a minute on 2
     cores) written there first."""
-    from .profiler import QUICK_GRID, profile
-
     path = profile_cache_dir() / f"profile-{options.model}-pp{options.pp}-{profile_cache_key(options)}.json"
     if path.exists():
         log(f"cost model: this machine's profile, cached at {path}")
         return str(path)
     log(f"cost model: profiling this machine (once; cached at {path}) ...")
     began = time.perf_counter()
-    result = profile(get_demo_spec(options.model), pp=options.pp, grid=QUICK_GRID, repeats=3,
-                     progress=None, seed=options.seed)
+    result = profiler.profile(get_demo_spec(options.model), pp=options.pp, grid=QUICK_GRID, repeats=3,
+                              progress=None, seed=options.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     result.write(path)
     log(f"cost model: profiled in {time.perf_counter() - began:.0f} s")
@@ -545,8 +531,6 @@ def launch(options: DemoOptions) -> dict:
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    from ..runtime.processes import free_port
-
     port = free_port()
     world = options.pp
     procs = [context.Process(target=_worker, args=(r, world, port, options, results), daemon=True)
@@ -741,8 +725,6 @@ def run_demo(args) -> int:
           f"text from {options.data_dir or 'the Python standard library'}", file=sys.stderr, flush=True)
     result = launch(options)
     summary = summarize(result, options)
-    from ..simulator.report import write_gantt
-
     summary["gantt_files"] = []
     for strategy, run in result["runs"].items():
         summary["rows"][strategy]["last_step_tasks"] = run["gantt"]

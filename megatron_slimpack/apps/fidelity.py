@@ -26,9 +26,17 @@ from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 
+from ..config import SlimPackConfig
+from ..costmodel import CostModel
 from ..plan import Plan
+from ..planner.strategies import plan_global_batch
 from ..runtime.processes import spawn
-from ..specs import ModelSpec, ParallelConfig
+from ..simulator.dag import simulate
+from ..simulator.report import write_chrome_trace
+from ..specs import ModelSpec, ParallelConfig, model_from_dict
+from ..workload import GlobalBatch, TextCorpus, global_batches
+from .cli_options import add_model_option, positive_int
+from .profiler import reference_seconds, transformer_config
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -96,8 +104,6 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
     from ..runtime.model import build_gpt_model
     from ..runtime.pipeline.schedule import ScheduleGroups, slimpack_forward_backward
     from ..runtime.pipeline.timing import Timeline
-    from ..specs import model_from_dict
-    from .profiler import transformer_config
 
     torch.set_num_threads(1)
     compat.apply()
@@ -113,15 +119,11 @@ def _run_worker(rank, world_size, port, spec_dict, pp, plans_json, batches_json,
                             post_process=stage == pp - 1)
     reference_chunk = None
     if reference:  # the profile's speed reference, timed before every step on every rank
-        from .profiler import reference_seconds
-
         reference_chunk = build_gpt_model(transformer_config(spec, num_layers=reference["layers"]),
                                           vocab_size=spec.vocab_size, max_sequence_length=1 << 20, backend="torch",
                                           pre_process=False, post_process=False)
     corpus = None
     if text_dir is not None:
-        from ..workload import GlobalBatch, TextCorpus
-
         corpus = TextCorpus(text_dir or None)
     merge = None
     if world_size // pp > 1:  # DP-Merge process groups, created once (collective, every rank)
@@ -226,8 +228,6 @@ def compare(plans: Sequence[Plan], steps: Sequence[MeasuredStep], cost, *,
             out_dir: Optional[str | Path] = None) -> list[StepComparison]:
     """Simulate each plan with `cost` and compare it with its measured steps."""
     from ..runtime.pipeline.timing import overlay_records, write_overlay_gantt
-    from ..simulator.dag import simulate
-    from ..simulator.report import write_chrome_trace
 
     out = []
     for index, plan in enumerate(plans):
@@ -323,10 +323,6 @@ def text_plans(cost, *, strategies: Sequence[str], pp: int = 2, dp: int = 1, con
                global_batch_size: int = 4, steps: int = 2, seed: int = 0, max_micropack_tokens: Optional[int] = None):
     """Global batches of real text lengths (`load_lengths("text")`, documents longer than the
     context split by the sampler) planned by each strategy. Returns [(strategy, batch, plan)]."""
-    from ..config import SlimPackConfig
-    from ..planner.strategies import plan_global_batch
-    from ..workload import global_batches
-
     parallel = ParallelConfig(pp=pp, dp=dp, tp=1, sequence_parallel=False, zero1=False)
     batches = global_batches("text", context_length, global_batch_size, steps, seed=seed)
     out = []
@@ -358,8 +354,6 @@ def validate(cost, *, plans: int = 2, pp: int = 2, dp: int = 1, strategies: Sequ
 def validate_main(args) -> int:
     """CLI hook: `slimpack validate --profile profile.json [--plans K] [--pp 2] [--dp 1] [--repeats R]
     [--context-length N] [--global-batch-size G] [--strategy S ...] [--out-dir DIR] [--json]`."""
-    from ..costmodel import CostModel
-
     profile_path = getattr(args, "profile", None)
     if profile_path:
         cost = CostModel.from_profile(profile_path)
@@ -383,8 +377,6 @@ def validate_main(args) -> int:
 
 def add_validate_arguments(parser) -> None:
     parser.add_argument("--profile", help="profile JSON from `slimpack profile` (default: analytic cpu model)")
-    from .cli_options import add_model_option, positive_int
-
     add_model_option(parser, "tiny", "model preset run on this machine's CPU (default tiny)")
     parser.add_argument("--plans", type=positive_int, default=2, help="global batches planned, run and compared")
     parser.add_argument("--pp", type=positive_int, default=2, help="pipeline stages (one process each)")

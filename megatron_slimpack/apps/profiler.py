@@ -36,7 +36,11 @@ from typing import Any, Callable, Optional, Sequence, cast
 import numpy as np
 
 from ..costmodel import ActivationCoefficients, CostModel, TimeCoefficients
-from ..specs import HardwareSpec, ModelSpec, get_hardware, get_model
+from ..plan import MicroPack, Slice
+from ..runtime.host_memory import keep_freed_host_memory
+from ..runtime.processes import spawn
+from ..specs import HardwareSpec, ModelSpec, get_hardware, get_model, hardware_from_dict, model_from_dict
+from .cli_options import add_model_option, positive_int
 
 REFERENCE_TOKENS = 1024  # the speed reference: one 1024-token document, forward + backward
 
@@ -149,7 +153,6 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     (on `device`, activations in `dtype`, default fp32; a GPU is synchronized around each timing)."""
     import torch
 
-    from ..plan import MicroPack, Slice
     from ..runtime.attention.batch import build_batch
     from ..runtime.attention.kv_store import KVStore
     from ..runtime.pipeline.executor import backward_step, forward_step
@@ -272,8 +275,6 @@ def measure_p2p(sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20), repeats:
     """One-way gloo send/recv seconds between two local processes (half a ping-pong)."""
     import tempfile
 
-    from ..runtime.processes import spawn
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "p2p.json"
         spawn(_p2p_worker, 2, (list(sizes), repeats, str(path)), timeout_s=timeout_s)
@@ -388,7 +389,6 @@ def _measure_grid(spec: ModelSpec, layers: int, grid: dict, repeats: int, thread
     processes measure the same shape at the same time)."""
     import torch
 
-    from ..runtime.host_memory import keep_freed_host_memory
     from ..runtime.model import build_gpt_model
 
     keep_freed_host_memory()  # as in the training processes, so the profile sees the same allocator
@@ -423,8 +423,6 @@ def _grid_worker(rank, world_size, port, spec_dict, layers, grid, repeats, threa
     shape); rank 0 keeps its figures."""
     import torch.distributed as dist
 
-    from ..specs import model_from_dict
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     points, head_points, reference = _measure_grid(model_from_dict(spec_dict), layers, grid, repeats, threads, seed,
                                                    None, before_each=dist.barrier)
@@ -448,8 +446,6 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
     grid = dict(DEFAULT_GRID, **(grid or {}))
     if concurrent > 1:
         import tempfile
-
-        from ..runtime.processes import spawn
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "grid.json"
@@ -477,8 +473,6 @@ def profile(model: str | ModelSpec = "tiny", *, pp: int = 2, hardware: str = "cp
 def refit(path: str | Path, out: Optional[str | Path] = None) -> ProfileResult:
     """Refit a profile JSON's stored measurements (no new timing)."""
     data = json.loads(Path(path).read_text())
-    from ..specs import hardware_from_dict, model_from_dict
-
     points = [Point(**p) for p in data["points"]]
     spec = model_from_dict(data["model"])
     hardware = replace(hardware_from_dict(data["hardware"]))
@@ -537,8 +531,6 @@ def profile_main(args) -> int:
 
 
 def add_profile_arguments(parser) -> None:
-    from .cli_options import add_model_option, positive_int
-
     add_model_option(parser, "tiny", "model preset to time (default tiny)")
     parser.add_argument("--tp", type=int, default=1, choices=[1],
                         help="tensor-parallel size: 1 only (the cost model divides the token terms by tp)")

@@ -38,6 +38,7 @@ from ..config import (
     option_name,
 )
 from ..errors import SlimPackError
+from ..planner.strategies import strategy_help, strategy_names, strategy_specs, trainable_strategy_names
 
 # megatron-core versions whose trainer seams (docs/design.md section 7) hooks.py knows, and the newest
 # release trained through its real trainer by the tests (tests/test_megatron_releases.py).
@@ -50,10 +51,8 @@ FLAG_CONFIGS = (SlimPackConfig, MegatronIntegrationConfig)
 def __getattr__(name: str):
     # STRATEGY_CHOICES: the strategies the Megatron integration trains with (each tested through the
     # real trainer, tests/test_real_megatron.py), from the registry's `trainable` facts; the others are
-    # simulated for comparison only. Computed on use: it imports the planner.
+    # simulated for comparison only. Computed on each use, from the registry as it stands then.
     if name == "STRATEGY_CHOICES":
-        from ..planner.strategies import trainable_strategy_names
-
         return trainable_strategy_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -66,8 +65,6 @@ def add_slimpack_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """Add the SlimPack argument group to Megatron's parser (an `extra_args_provider`): `--slimpack`
     and one `--slimpack-<name>` flag per field of `SlimPackConfig` and `MegatronIntegrationConfig`
     (type, default and help from the field; `--seq-length` and `--seed` are Megatron's own)."""
-    from ..planner.strategies import strategy_help, strategy_names, trainable_strategy_names
-
     simulated = [name for name in strategy_names() if name not in trainable_strategy_names()]
     group = parser.add_argument_group(title="slimpack", description="SlimPack fine-grained asymmetric packing")
     group.add_argument("--slimpack", action="store_true",
@@ -175,8 +172,6 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
         if getattr(args, flag, False):
             problems.append(f"--slimpack does not support --{flag.replace('_', '-')}: the sliced core attention "
                             "does not record attention logits; remove the flag")
-    from ..planner.strategies import strategy_specs, trainable_strategy_names
-
     trainable = trainable_strategy_names()
     if strategy not in trainable:
         why = ("is simulated for comparison only: the SlimPack runtime does not run it"
@@ -273,8 +268,6 @@ def _virtual_stage_problems(args, strategy: str) -> list[str]:
         return []
     if (getattr(args, "pipeline_model_parallel_size", 1) or 1) < 2:
         return [f"virtual pipeline stages ({_VIRTUAL_FLAGS}) need --pipeline-model-parallel-size > 1"]
-    from ..planner.strategies import strategy_specs, trainable_strategy_names
-
     specs = strategy_specs()
     if vpp > 1 and strategy in specs and specs[strategy].fixed_sequences_per_rank:
         return _fixed_count_problems(args, strategy)

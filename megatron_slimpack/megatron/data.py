@@ -46,17 +46,19 @@ from typing import Any, Callable, Optional
 
 from ..errors import SlimPackError
 from ..plan import Plan, Sample
+from ..planner.strategies import check_plan_input, plan_on_view, planning_view
 from ..workload import GlobalBatch, GlobalBatchSampler, TextCorpus
 from .planned import (  # noqa: F401  (PlannedBatch, BatchTokenSource, PlannerError: this module's public names)
-    _DONE,
+    DONE,
     BatchTokenSource,
     PlannedBatch,
     PlannerError,
-    _plan_one,
-    _planner_of,
-    _planner_state_of,
-    _restore_position,
+    plan_one,
+    planner_of,
+    planner_state_of,
+    restore_position,
 )
+from .planner_process import PlannerProcess, WorkerJob, WorkerStartError, dump_planned, load_planned
 
 PlanFunction = Callable[[GlobalBatch], Plan]
 
@@ -72,8 +74,6 @@ class StrategyPlanFunction:
         self.planner, self.parallel, self.cost, self.config = planner, parallel, cost, config
 
     def __call__(self, batch: GlobalBatch) -> Plan:
-        from ..planner.strategies import check_plan_input, plan_on_view
-
         lengths = check_plan_input(batch.lengths, self.config.context_length)
         return plan_on_view(self.planner, lengths, self.parallel, self.cost, self.config,
                             sources=batch.sources).validate()
@@ -97,8 +97,6 @@ def fast_forward(sampler: GlobalBatchSampler, planner, parallel, cost, config, s
     (`StepPlanner.advance`: nothing for stateless strategies; WLB-LLM's delay queues and carried
     documents as planning would leave them), without building plans. A run resumed at step N calls
     this with steps=N, then plans batch N as the uninterrupted run did."""
-    from ..planner.strategies import check_plan_input, planning_view
-
     if not _is_count(steps):
         raise ResumeStateError(f"fast_forward: steps must be the number of batches already trained (an integer "
                                f">= 0), got {steps!r}")
@@ -137,16 +135,14 @@ class _ThreadPlanner:
                 continue
 
     def _work(self, sampler_state, planner_state, drawn: int) -> None:
-        from .planner_process import dump_planned
-
         try:
-            _restore_position(self.sampler, self.plan_fn, sampler_state, planner_state)
+            restore_position(self.sampler, self.plan_fn, sampler_state, planner_state)
             while (self.steps is None or drawn < self.steps) and not self.stop.is_set():
-                item = _plan_one(self.sampler, self.plan_fn)
+                item = plan_one(self.sampler, self.plan_fn)
                 pickled = dump_planned(item) if self.serialize else None  # the broadcast's bytes, off next()
                 drawn += 1
                 self._put((item, pickled))
-            self._put((_DONE, None))
+            self._put((DONE, None))
         except BaseException as error:  # surfaced by next()
             self._put((error, None))
 
@@ -217,7 +213,7 @@ class PlannerIterator:
         self.is_source = self.rank == 0
         self._consumed = 0
         self._state = sampler.state_dict()  # after the last consumed batch
-        self._planner_state = _planner_state_of(plan_fn)  # likewise
+        self._planner_state = planner_state_of(plan_fn)  # likewise
         self.history: list[PlannedBatch] = []
         self._worker: Any = None  # _ThreadPlanner or planner_process.PlannerProcess (get, close, name)
         self._worker_name: Optional[str] = None  # the last worker's backend, kept after close()
@@ -228,10 +224,10 @@ class PlannerIterator:
         return self.steps is None or drawn < self.steps
 
     def _planner(self):
-        return _planner_of(self.plan_fn)
+        return planner_of(self.plan_fn)
 
     def _planner_state_now(self) -> dict:
-        return _planner_state_of(self.plan_fn)
+        return planner_state_of(self.plan_fn)
 
     @property
     def backend(self) -> Optional[str]:
@@ -257,8 +253,6 @@ class PlannerIterator:
         """A worker process, or None (with `fallback_reason`) when it cannot be started."""
         import os
 
-        from .planner_process import PlannerProcess, WorkerJob
-
         job = WorkerJob(self.sampler, self.plan_fn, self._state, self._planner_state, self._consumed, self.steps,
                         os.getpid())
         try:
@@ -282,8 +276,6 @@ class PlannerIterator:
 
     def _next_planned(self):
         self.start()
-        from .planner_process import WorkerStartError
-
         try:
             return self._worker.get(self.timeout_s)
         except WorkerStartError as error:
@@ -317,19 +309,19 @@ class PlannerIterator:
 
     def __next__(self) -> PlannedBatch:
         began = time.perf_counter()
-        item: Any = None  # a PlannedBatch, or the worker's _DONE
+        item: Any = None  # a PlannedBatch, or the worker's DONE
         pickled = None
         if self.is_source:
             if not self._remaining(self._consumed):
-                item = _DONE
+                item = DONE
             elif self.plan_ahead == 0:
-                item = _plan_one(self.sampler, self.plan_fn)
+                item = plan_one(self.sampler, self.plan_fn)
             else:
                 item, pickled = self._next_planned()
         waited = time.perf_counter() - began
         if self.distributed:
             item = self._broadcast(item, pickled)
-        if item is _DONE or item is None:
+        if item is DONE or item is None:
             self.close()
             raise StopIteration
         item.exposed_s = waited if self.is_source else 0.0
@@ -346,17 +338,15 @@ class PlannerIterator:
         JSON for 10^5 samples)."""
         import torch.distributed as dist
 
-        from .planner_process import dump_planned, load_planned
-
         payload: list[Any]  # "done", the two pickles, or (on other ranks) None until received
         if self.is_source:
-            payload = ["done" if item is _DONE else (pickled if pickled is not None else dump_planned(item))]
+            payload = ["done" if item is DONE else (pickled if pickled is not None else dump_planned(item))]
         else:
             payload = [None]
         dist.broadcast_object_list(payload, src=self.source, group=self.group)
         data = payload[0]
         if data == "done":
-            return _DONE
+            return DONE
         if self.is_source:
             return item
         return load_planned(*data)

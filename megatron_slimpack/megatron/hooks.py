@@ -48,7 +48,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, cast
 
-from .args import SlimPackArgumentError, mcore_version, validate_slimpack_args
+from ..costmodel import CostModel
+from ..planner.strategies import new_planner
+from ..specs import ModelSpec, ParallelConfig
+from ..workload import GlobalBatchSampler, load_lengths
+from .args import (
+    SlimPackArgumentError,
+    integration_config_from_args,
+    mcore_version,
+    slimpack_config_from_args,
+    validate_slimpack_args,
+    virtual_stages_of_args,
+)
+from .data import PlannerIterator, fast_forward, plan_function
 
 TRAINING_MODULE = "megatron.training.training"
 # The module whose `GPTModel` the release's trainer constructs its model with (seam 4).
@@ -272,8 +284,6 @@ def check_sliced_model(chunks) -> None:
         return
     problems = sliced_model_problems(chunks)
     if problems:
-        from .args import mcore_version
-
         version = ".".join(map(str, _state.version if _state else mcore_version()))
         raise SlimPackInstallError(
             f"--slimpack: the model megatron-core {version}'s trainer built does not run SlimPack's sliced attention "
@@ -404,8 +414,6 @@ class MockCorpus:
     """Deterministic pseudo-random tokens for --mock-data (lengths from the `uniform` source)."""
 
     def __init__(self, vocab_size: int, seed: int = 0):
-        from ..workload import load_lengths
-
         self.vocab_size, self.seed = vocab_size, seed
         self.lengths = load_lengths("uniform", seed=seed)
 
@@ -432,13 +440,6 @@ def _training_corpus(args) -> IndexedCorpus:
 def build_planner_iterator(args) -> MegatronPlannerIterator:
     """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
     --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
-    from ..costmodel import CostModel
-    from ..planner.strategies import new_planner
-    from ..specs import ModelSpec, ParallelConfig
-    from ..workload import GlobalBatchSampler
-    from .args import integration_config_from_args, slimpack_config_from_args, virtual_stages_of_args
-    from .data import PlannerIterator, fast_forward, plan_function
-
     corpus: MockCorpus | IndexedCorpus
     if getattr(args, "mock_data", False):
         corpus = MockCorpus(getattr(args, "padded_vocab_size", 32000), seed=getattr(args, "seed", 0) or 0)

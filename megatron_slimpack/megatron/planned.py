@@ -61,33 +61,33 @@ class PlannerError(RuntimeError):
     pass
 
 
-_DONE = object()  # the worker's "no more batches"
+DONE = object()  # the worker's "no more batches"
 
 
-def _planner_of(plan_fn):
+def planner_of(plan_fn):
     """The stateful planner behind `plan_fn` (`plan_function` keeps it), if any."""
     return getattr(plan_fn, "planner", None)
 
 
-def _planner_state_of(plan_fn) -> dict:
-    planner = _planner_of(plan_fn)
+def planner_state_of(plan_fn) -> dict:
+    planner = planner_of(plan_fn)
     return planner.state_dict() if planner is not None else {}
 
 
-def _restore_position(sampler, plan_fn, sampler_state: dict, planner_state: Optional[dict]) -> None:
+def restore_position(sampler, plan_fn, sampler_state: dict, planner_state: Optional[dict]) -> None:
     """Put `sampler` and the planner behind `plan_fn` in the state after the last consumed batch
     (a worker's first act: it continues exactly where the iterator's checkpoint says)."""
     sampler.load_state_dict(sampler_state)
-    planner = _planner_of(plan_fn)
+    planner = planner_of(plan_fn)
     if planner is not None and planner_state is not None:
         planner.load_state_dict(planner_state)
 
 
-def _plan_one(sampler, plan_fn) -> PlannedBatch:
+def plan_one(sampler, plan_fn) -> PlannedBatch:
     batch = sampler.next_batch()
     state = sampler.state_dict()
     began = time.perf_counter()
     plan = plan_fn(batch)
     elapsed = time.perf_counter() - began
     plan.metadata.setdefault("planning_time_s", elapsed)
-    return PlannedBatch(batch.step, batch, plan, elapsed, sampler_state=state, planner_state=_planner_state_of(plan_fn))
+    return PlannedBatch(batch.step, batch, plan, elapsed, sampler_state=state, planner_state=planner_state_of(plan_fn))

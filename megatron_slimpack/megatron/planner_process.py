@@ -47,7 +47,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Optional, cast
 
 from ..planner.strategies import cyclic_gc_paused
-from .planned import _DONE, PlannedBatch, PlannerError, _plan_one, _restore_position
+from .planned import DONE, PlannedBatch, PlannerError, plan_one, restore_position
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _POLL_S = 0.1
@@ -138,11 +138,11 @@ def worker_main(job: WorkerJob, results, stop, started) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
 
     try:
-        _restore_position(job.sampler, job.plan_fn, job.sampler_state, job.planner_state)
+        restore_position(job.sampler, job.plan_fn, job.sampler_state, job.planner_state)
         drawn = job.drawn
         while (job.steps is None or drawn < job.steps) and not _gone(stop, job.parent_pid):
             with cyclic_gc_paused():
-                message = ("item", *dump_planned(_plan_one(job.sampler, job.plan_fn)))
+                message = ("item", *dump_planned(plan_one(job.sampler, job.plan_fn)))
             drawn += 1
             if not _send(results, message, stop, job.parent_pid):
                 return
@@ -171,7 +171,7 @@ def _terminate(process) -> None:
 class PlannerProcess:
     """A spawned daemon process planning ahead for a `PlannerIterator` (see the module docstring).
 
-    `get()` returns `(PlannedBatch, dump_planned bytes)` in order, `(data._DONE, None)` after the last
+    `get()` returns `(PlannedBatch, dump_planned bytes)` in order, `(planned.DONE, None)` after the last
     batch, raises `data.PlannerError` for a planning error (or a worker that died) and
     `WorkerStartError` when the worker died before it started. Raises at construction when the
     job cannot be pickled or the process cannot be spawned."""
@@ -228,7 +228,7 @@ class PlannerProcess:
             _, meta, plan = message
             return load_planned(meta, plan), (meta, plan)
         if kind == "done":
-            return _DONE, None
+            return DONE, None
         _, text, trace, pickled = message
         cause = None
         if pickled is not None:

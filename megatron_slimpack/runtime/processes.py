@@ -10,6 +10,8 @@ import time
 import traceback
 from typing import Callable
 
+from .host_memory import keep_freed_host_memory
+
 
 class SpawnError(RuntimeError):
     pass
@@ -42,8 +44,6 @@ def _ephemeral_range_start() -> int:
 def _run(rank, world_size, port, fn, args, errors):
     try:
         os.environ["SLIMPACK_RANK"] = str(rank)
-        from .host_memory import keep_freed_host_memory
-
         keep_freed_host_memory()  # CPU workers: no page-fault storm per MicroPack
         fn(rank, world_size, port, *args)
     except BaseException:  # report to the parent instead of dying silently

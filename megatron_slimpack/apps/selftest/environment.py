@@ -6,7 +6,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from ...runtime import kernels
+from ... import __version__
+from ...runtime.attention import kernels
+from ...runtime.attention.backend_probe import NoFusedAttentionBackend, probed_choice, probed_shape_classes
+from ...runtime.attention.core import build_core_attention
+from ...runtime.model import tiny_config
 
 NOT_INSTALLED = "not installed"
 
@@ -67,15 +71,15 @@ def describe_device(device: torch.device) -> dict:
 def backend_reasons() -> dict[str, str]:
     """For each backend: "available" or why this machine cannot run it (kernels.py's own tests)."""
     available = kernels.available_backends()
-    reasons = {}
+    reasons: dict[str, str] = {}
     for name in ("te", "flash"):
-        package = kernels._PACKAGE_OF[name]
+        package = kernels.PACKAGE_OF[name]
         if name in available:
             reasons[name] = "available"
         elif not torch.cuda.is_available():
             reasons[name] = "needs a CUDA GPU"
         elif importlib.util.find_spec(package) is None:
-            reasons[name] = f"{package} not installed ({kernels._INSTALL_HINT[name]})"
+            reasons[name] = f"{package} not installed ({kernels.INSTALL_HINT[name]})"
         elif name == "te":
             reasons[name] = "megatron.core.extensions.transformer_engine does not import with this transformer-engine"
         else:
@@ -93,10 +97,6 @@ def probed_backend():
     kernel runs). Raises NoFusedAttentionBackend where no fused backend runs it."""
     if not torch.cuda.is_available():
         return None
-    from ...runtime.attention.backend_probe import probed_choice
-    from ...runtime.attention.core import build_core_attention
-    from ...runtime.model import tiny_config
-
     config = tiny_config(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, bf16=True,
                          params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     return probed_choice(config, torch.device("cuda", torch.cuda.current_device()),
@@ -107,8 +107,6 @@ def backend_choice() -> dict:
     """What backend 'auto' runs, and a sentence saying why: on a GPU the start-up probe's choice
     (or its refusal: no fused backend runs), otherwise the fastest available
     (`resolve_backend("auto")`); and the backend per shape class probed in this process."""
-    from ...runtime.attention.backend_probe import NoFusedAttentionBackend, probed_shape_classes
-
     reasons = backend_reasons()
     try:
         probe = probed_backend()
@@ -129,8 +127,6 @@ def backend_choice() -> dict:
 
 
 def environment(device: torch.device) -> dict:
-    from ... import __version__
-
     try:
         backend = backend_choice()
     except Exception as error:  # noqa: BLE001 - e.g. a transformer-engine that fails to load its libraries

@@ -13,8 +13,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ...costmodel import CostModel
+from ...runtime.attention.kernels import available_backends
+from ..profiler import ensure_megatron, profile
+from .attention_checks import check_attention, check_dp_merge, measure_overhead
 from .common import ERROR, FAILED, MEASURED, PASS, SKIP, Check, Setup, guarded, log, make_setup, skipped
 from .environment import backend_reasons, environment, gpu_absent_reason
+from .training import check_training
 
 SECTIONS = ("attention", "dp_merge", "training", "overhead", "profile")
 PROFILE_GRID = dict(tokens=(64, 128, 256), slices=(1, 2), prefixes=(0, 128))  # 12 shapes
@@ -36,8 +41,6 @@ def resolve_device(requested: Optional[str]) -> tuple[str, str]:
 # ---- sections --------------------------------------------------------------------------------
 def backends_to_run(setup: Setup) -> tuple[list[str], dict[str, str]]:
     """(backends run here, {backend not run: why}). On the CPU only the torch kernel runs."""
-    from ...runtime.attention.kernels import available_backends
-
     reasons = backend_reasons()
     if setup.is_gpu:
         run = available_backends()
@@ -54,8 +57,6 @@ def per_backend(check: Callable[[str, Setup], Check], section: str, setup: Setup
 
 
 def training_checks(setup: Setup) -> list[Check]:
-    from .training import check_training
-
     checks = [guarded(f"training[{setup.device.type}]", lambda: check_training(setup))]
     if not setup.is_gpu:
         absent = gpu_absent_reason() or "not run with --device cpu"
@@ -67,9 +68,6 @@ def training_checks(setup: Setup) -> list[Check]:
 def run_profile(path: str, setup: Setup) -> Check:
     """A quick `slimpack profile` (profiler.profile, small grid, no p2p) written to `path` and
     loaded back as a cost model."""
-    from ...costmodel import CostModel
-    from ..profiler import profile
-
     threads = torch.get_num_threads()
     try:  # at profile()'s default thread count (one training process per core)
         result = profile("tiny", pp=2, grid=PROFILE_GRID, repeats=PROFILE_REPEATS, p2p=False, progress=log)
@@ -96,9 +94,6 @@ def profile_checks(path: Optional[str], setup: Setup) -> list[Check]:
 
 
 def run_sections(setup: Setup, profile_path: Optional[str]) -> dict[str, list[Check]]:
-    from ..profiler import ensure_megatron
-    from .attention_checks import check_attention, check_dp_merge, measure_overhead
-
     ensure_megatron()  # one-process gloo + megatron parallel state (+ the CPU layer without a GPU)
     return {
         "attention": per_backend(check_attention, "attention", setup),

@@ -13,6 +13,9 @@ import math
 import torch
 
 from ...plan import MicroPack, Plan, ReplicaPlan, Sample, Slice
+from ...runtime import InMemoryTokenSource, slimpack_forward_backward
+from ...runtime.attention.core import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
+from ...runtime.model import build_gpt_model, tiny_config
 from ...specs import ParallelConfig
 from .attention_checks import precision_overrides
 from .common import FAIL, PASS, Check, Setup, finite
@@ -39,8 +42,6 @@ def layer_spec(setup: Setup):
     """(spec, description): what `slimpack_layer_spec("auto")` gives (TE layers on a GPU where TE
     imports, the local spec with the torch kernel on a machine without one); with --device cpu on
     a GPU machine, the local spec with the torch kernel."""
-    from ...runtime.attention.core import TESlicedDotProductAttention, resolve_backend, slimpack_layer_spec
-
     if setup.is_gpu or not torch.cuda.is_available():
         te_layers = torch.cuda.is_available() and TESlicedDotProductAttention is not None
         return slimpack_layer_spec("auto"), (f"slimpack_layer_spec('auto'): {'TE' if te_layers else 'local'} layers, "
@@ -50,8 +51,6 @@ def layer_spec(setup: Setup):
 
 def twin_models(setup: Setup, spec):
     """Two SlimPack GPT models with the same weights on the setup's device and dtype."""
-    from ...runtime.model import build_gpt_model, tiny_config
-
     config = tiny_config(num_layers=setup.train_layers, hidden_size=setup.train_hidden, num_attention_heads=4,
                          num_query_groups=2, use_cpu_initialization=not setup.is_gpu, **precision_overrides(setup))
     max_len = max(setup.train_lengths)
@@ -68,8 +67,6 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 def one_step(model, optimizer, plan: Plan, source) -> tuple[float, dict]:
     """(loss, gradients) of one SlimPack step; then the optimizer step."""
-    from ...runtime import slimpack_forward_backward
-
     optimizer.zero_grad(set_to_none=True)
     result = slimpack_forward_backward(model=[model], plan=plan, token_source=source)
     grads = gradients(model)
@@ -102,8 +99,6 @@ def step_failures(step: dict, setup: Setup) -> list[str]:
 
 
 def check_training(setup: Setup) -> Check:
-    from ...runtime import InMemoryTokenSource
-
     spec, spec_text = layer_spec(setup)
     sliced_model, whole_model = twin_models(setup, spec)
     generator = torch.Generator().manual_seed(5)

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .backend_probe import probed_backend
 from .context_parallel import cp_sliced_attention, runs_attention
 from .kernels import (  # noqa: F401  (re-exported: the runtime's public names)
     BACKENDS,
@@ -207,8 +208,6 @@ def build_core_attention(backend: str, config):
 def _probed_backend(config) -> str:
     """'auto' on a GPU: the fastest fused backend that runs this model's attention
     (backend_probe.py), probed once per shape class and logged; refuses where none does."""
-    from .backend_probe import probed_backend
-
     return probed_backend(config, torch.device("cuda", torch.cuda.current_device()),
                           lambda name: build_core_attention(name, config))
 

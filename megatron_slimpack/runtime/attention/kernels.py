@@ -33,8 +33,8 @@ from torch import Tensor
 from ...errors import SlimPackError
 
 BACKENDS = ("te", "flash", "torch")  # fastest first
-_PACKAGE_OF = {"te": "transformer_engine", "flash": "flash_attn"}
-_INSTALL_HINT = {"te": "pip install transformer-engine[pytorch]",
+PACKAGE_OF = {"te": "transformer_engine", "flash": "flash_attn"}
+INSTALL_HINT = {"te": "pip install transformer-engine[pytorch]",
                  "flash": "pip install flash-attn --no-build-isolation"}
 
 Kernel = Callable[..., Tensor]
@@ -417,7 +417,7 @@ def _installed(package: str) -> bool:
 
 def te_attention_importable() -> bool:
     """TE and megatron-core's TE extension both import (the TE backend's module needs both)."""
-    if not _installed(_PACKAGE_OF["te"]):
+    if not _installed(PACKAGE_OF["te"]):
         return False
     try:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention  # noqa: F401
@@ -450,7 +450,7 @@ def torch_fused_on_gpu() -> bool:
 def available_backends() -> list[str]:
     """Backends this machine can run, fastest first."""
     gpu = torch.cuda.is_available()
-    found = [name for name in ("te", "flash") if gpu and _installed(_PACKAGE_OF[name])]
+    found = [name for name in ("te", "flash") if gpu and _installed(PACKAGE_OF[name])]
     if "te" in found and not te_attention_importable():
         found.remove("te")
     if "flash" in found and not flash_version_ok():
@@ -472,9 +472,9 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
     if backend != "torch":
-        if not _installed(_PACKAGE_OF[backend]):
+        if not _installed(PACKAGE_OF[backend]):
             raise BackendUnavailable(
-                f"attention backend {backend!r} needs the package {_PACKAGE_OF[backend]!r}: {_INSTALL_HINT[backend]}"
+                f"attention backend {backend!r} needs the package {PACKAGE_OF[backend]!r}: {INSTALL_HINT[backend]}"
             )
         if not torch.cuda.is_available():
             raise BackendUnavailable(f"attention backend {backend!r} needs a CUDA GPU; use backend='torch' on CPU")

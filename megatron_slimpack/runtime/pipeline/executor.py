@@ -63,6 +63,7 @@ from ...plan import Plan, ReplicaPlan, task_chunk
 from ..attention.batch import MicroPackBatch
 from ..attention.kv_store import KVStore
 from . import p2p
+from .timing import SavedBytesMeter
 
 
 # ---- per-MicroPack steps -------------------------------------------------------------------
@@ -256,8 +257,6 @@ class StageExecutor:
         self.timeline, self.memory_record = timeline, memory_record
         self.meter = None
         if memory_record is not None:
-            from .timing import SavedBytesMeter
-
             self.meter = SavedBytesMeter({p.untyped_storage().data_ptr() for chunk in self.chunks
                                           for p in chunk.parameters()})
         self.pending = _PendingSends(timeline)

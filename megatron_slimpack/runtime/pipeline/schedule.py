@@ -108,10 +108,12 @@ from torch import Tensor
 
 from ...plan import Plan, PlanError, ReplicaPlan, last_forward_needed, task_chunk, tasks_of_chunk
 from ..attention.batch import TokenSource, build_batch
+from ..attention.core import SlicedAttentionMixin
 from ..attention.kv_store import KVStore
 from . import p2p
 from .executor import StageExecutor, global_loss_tokens, inner_module, megatron_config, read_losses
 from .merge import member_batches
+from .timing import StageMemory, Timeline
 
 
 class ScheduleError(RuntimeError):
@@ -359,8 +361,6 @@ def _check_virtual_stages(chunks: list, groups: ScheduleGroups) -> None:
     """Chunk c of stage s must be virtual stage c * pp + s: embedding only on the first, loss only
     on the last, and layers numbered globally (the KV store keys K/V by layer number, so two chunks
     with the same numbers would read each other's K/V)."""
-    from ..attention.core import SlicedAttentionMixin
-
     owner: dict[int, int] = {}
     for index, chunk in enumerate(chunks):
         inner = inner_module(chunk)
@@ -664,16 +664,12 @@ class _ParamSync:
 def _start_timeline(timeline, groups: ScheduleGroups):
     """(the started Timeline or None, this stage's StageMemory record or None)."""
     if timeline is True:
-        from .timing import Timeline
-
         timeline = Timeline(group=groups.check_group)
     if timeline is None or timeline is False:
         return None, None
     timeline.start(rank=groups.dp_rank, stage=groups.pp_rank, tp_rank=groups.tp_rank)
     if not timeline.track_memory:
         return timeline, None
-    from .timing import StageMemory
-
     return timeline, StageMemory(groups.dp_rank, groups.pp_rank, tp_rank=groups.tp_rank)
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ...simulator.dag import TaskRecord
+from ...simulator.report import write_chrome_trace, write_gantt
 
 
 @dataclass(slots=True)
@@ -216,14 +217,10 @@ class Timeline:
         return {"records": [r.to_dict() for r in self.records], "memory": [m.to_dict() for m in self.memory]}
 
     def write_chrome_trace(self, path: str | Path, metadata: Optional[Mapping[str, Any]] = None) -> Path:
-        from ...simulator.report import write_chrome_trace
-
         return write_chrome_trace([r.to_dict() for r in self.records], path,
                                   {"source": "measured", **dict(metadata or {})})
 
     def write_gantt(self, path: str | Path, title: Optional[str] = None) -> Path:
-        from ...simulator.report import write_gantt
-
         return write_gantt([r.to_dict() for r in self.records], path, title=title or "measured step")
 
     def write_json(self, path: str | Path) -> Path:
