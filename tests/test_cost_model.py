@@ -56,6 +56,19 @@ def test_backends_are_priced_from_their_own_tables():
     assert ratio == pytest.approx(539 / 335, rel=0.05)  # cuDNN vs flash-attn 2 at 16K
 
 
+def test_the_torch_backend_is_priced_from_its_measured_h100_table():
+    """On a GPU the runtime's torch kernel is PyTorch's varlen flash attention, priced from this
+    project's H100 measurement (117 TFLOP/s forward at 512 tokens, 288 at 16K), not as flash-attn 2."""
+    torch_cost = CostModel.analytic("llama-7b", "h100-sxm", attention_backend="torch")
+    flash = CostModel.analytic("llama-7b", "h100-sxm", attention_backend="flash")
+    parallel = ParallelConfig()
+    share = LLAMA.hardware.sustained_compute_share
+    for length, measured in ((512, 117.4), (16384, 288.3)):
+        seconds = torch_cost.attention_time(length, causal(length), parallel, False)
+        assert 4 * 4096 * causal(length) / seconds / 1e12 / share == pytest.approx(measured, rel=0.10)
+        assert seconds > flash.attention_time(length, causal(length), parallel, False)
+
+
 def test_attention_fit_recovers_a_curve_of_its_own_form():
     truth = AttentionRate(600e12, 400.0)
     sizes = (512, 1024, 4096, 16384)

@@ -1,4 +1,5 @@
-"""Kernel speed as data: published H100 measurements and the curves fitted to them.
+"""Kernel speed as data: published H100 measurements (and this project's own H100 measurement of
+the runtime's torch kernel, which nobody publishes) and the curves fitted to them.
 
 Every figure the analytic cost model turns FLOPs into seconds with comes from a table below, and
 every table names its source. The planner needs times that add up over the documents of a
@@ -47,6 +48,8 @@ class PublishedTable:
 # halved when causal; backward 2.5x forward.
 _FA3_PAPER = "FlashAttention-3 paper, arXiv 2407.08608, Fig. 5-6 (H100 SXM5, BF16, head dim 128)"
 _LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+_TORCH_VARLEN = ("benchmarks/results/gpu_h100.md (commit ad4a878): torch.nn.attention.varlen.varlen_attn, "
+                 "PyTorch 2.11.0+cu130, one H100 80GB HBM3, BF16, head dim 128")
 ATTENTION_TABLES: tuple[PublishedTable, ...] = (
     PublishedTable("attention", "flash3", "forward", True, 128, _LENGTHS, (292, 423, 521, 579, 602, 616), _FA3_PAPER),
     PublishedTable("attention", "te", "forward", True, 128, _LENGTHS, (315, 410, 484, 518, 529, 539), _FA3_PAPER,
@@ -59,6 +62,13 @@ ATTENTION_TABLES: tuple[PublishedTable, ...] = (
                    note="cuDNN fused attention; non-causal backward"),
     PublishedTable("attention", "flash", "backward", False, 128, _LENGTHS, (214, 260, 291, 310, 318, 322), _FA3_PAPER,
                    note="FlashAttention-2; non-causal backward"),
+    # The runtime's torch kernel on a GPU: one call of PyTorch's varlen flash attention per MicroPack.
+    # Measured here (benchmarks/gpu_anchors.py, section attention): 32 heads, 16K tokens of equal
+    # documents, both directions causal; backward FLOPs 2.5x forward, as above.
+    PublishedTable("attention", "torch", "forward", True, 128, _LENGTHS, (117.4, 155.9, 224.4, 291.1, 288.3, 288.3),
+                   _TORCH_VARLEN, note="PyTorch 2.11 varlen_attn; this project's measurement"),
+    PublishedTable("attention", "torch", "backward", True, 128, _LENGTHS, (120.9, 199.7, 245.3, 263.7, 282.4, 334.2),
+                   _TORCH_VARLEN, note="PyTorch 2.11 varlen_attn; causal backward; this project's measurement"),
 )
 
 # torch.matmul BF16 square GEMMs on an H100 80GB HBM3 (PyTorch 2.7.0+cu128): the
@@ -148,8 +158,7 @@ class KernelRates:
 
     def attention(self, backend: str, backward: bool) -> AttentionRate:
         rates = self.attention_backward if backward else self.attention_forward
-        # torch's SDPA is the CPU reference path: no published GPU figure; priced as flash-attn 2.
-        return rates.get(backend) or rates["flash"]
+        return rates[backend]
 
 
 def published_h100_rates() -> KernelRates:
