@@ -24,13 +24,19 @@ from ..plan import PlanError, last_forward_needed
 def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     """Contiguous segmentation of positions 0..n-1 into at most `units` groups, minimising the
     maximum group cost; returns lists of positions."""
+    bounds = segment_bounds(costs, units)
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def segment_bounds(costs: list[float] | np.ndarray, units: int) -> list[int]:
+    """`segment`'s groups as cut points: group g holds positions bounds[g]..bounds[g + 1] - 1."""
     costs = np.asarray(costs, dtype=float)
     count = len(costs)
     if count == 0:
-        return []
+        return [0]
     units = max(1, min(units, count))
     if units == count:
-        return [[i] for i in range(count)]
+        return list(range(count + 1))
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     sums = prefix.tolist()  # the greedy checks step with bisect: numpy's per-call cost dominated
     # Greedy with limit L cuts groups of more than L - max each: L = mean + max always fits.
@@ -39,7 +45,8 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
     # Narrow [low, high] to the first of 16 limits that fits, found by bisection (the greedy's group
     # count only falls as the limit grows) ...
     while high - low > BRACKET_TOLERANCE * max(high, 1.0):
-        limits = np.linspace(low, high, SEARCH_WAYS + 2)[1:-1].tolist()
+        step = (high - low) / (SEARCH_WAYS + 1)  # np.linspace's interior points, without its per-call cost
+        limits = [low + step * i for i in range(1, SEARCH_WAYS + 1)]
         first = _first_fitting(sums, limits, units)
         if first < len(limits):
             high = limits[first]
@@ -55,7 +62,7 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
         if below <= low or not _fits(sums, below, units):
             break
         bounds = _greedy_bounds(sums, below)
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return bounds.tolist()
 
 
 BRACKET_TOLERANCE = 1e-6

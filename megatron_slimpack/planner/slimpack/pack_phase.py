@@ -45,6 +45,7 @@ from ..orders import (
     peaks_of_targets,
     replay,
     segment,
+    segment_bounds,
     warmup_counts,
 )
 from ..work import WorkRates, causal_pairs
@@ -71,12 +72,18 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates,
     1/count of the work). Balancing seconds makes short slices shorter still (they run less
     efficiently), so it gets a few more slices to fit; past those the work-balanced cut is kept:
     with a small cap and a long document, chasing seconds would cut thousands of tiny slices."""
-    length = sample.length
+    return _slices(sample, _cut_bounds(sample.length, options, rates, slice_cost))
+
+
+@lru_cache(maxsize=1 << 16)
+def _cut_bounds(length: int, options: PackOptions, rates: WorkRates, slice_cost: float | None) -> tuple[int, ...]:
+    """`cut_document`'s slice bounds, which depend on the length alone (cached: the plannings of one
+    batch cut the same documents of the same replicas again, at every MicroPack size they try)."""
     if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
-        return [Slice(sample.sample_id, 0, length)]
+        return (0, length)
     count = math.ceil(length / options.slice_tokens)
     if not options.cost_balanced_slices:
-        return _slices(sample, _uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
+        return tuple(_uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
     count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, options.token_cap), rates)))
     while _longest(_balanced_bounds(length, count, rates, 1)) > options.token_cap:  # 1 round: work-balanced
         count += 1  # rounding only: the estimate above is exact up to it
@@ -87,12 +94,13 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates,
         bounds = _balanced_bounds(length, count + extra, rates, rounds)
         if _longest(bounds) <= options.token_cap and (
                 slice_cost is None or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
-            return _slices(sample, bounds)
-    return _slices(sample, _balanced_bounds(length, count + extra_slices, rates, 1))
+            return bounds
+    return _balanced_bounds(length, count + extra_slices, rates, 1)
 
 
 def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
-    return [Slice(sample.sample_id, a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    new, sample_id = tuple.__new__, sample.sample_id  # tuple.__new__: see plan.types.whole_slices
+    return [new(Slice, (sample_id, a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def _longest(bounds: Sequence[int]) -> int:
@@ -297,7 +305,7 @@ def segment_units(
     order = costs.backward_order
     if symmetric:
         total = costs.forward[0] + costs.backward[0]
-        forward_units = [list(group) for group in segment(total, units)]
+        forward_units = segment(total, units)
         unit_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
         backward_units: list[list[int]] = []
         for mp in order:
@@ -306,9 +314,9 @@ def segment_units(
             else:
                 backward_units.append([mp])
         return forward_units, backward_units
-    forward_units = [list(group) for group in segment(costs.forward[0], units)]
-    backward_positions = segment(costs.backward[0][order], units)
-    return forward_units, [[order[p] for p in group] for group in backward_positions]
+    forward_units = segment(costs.forward[0], units)
+    bounds = segment_bounds(costs.backward[0][order], units)
+    return forward_units, [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 class UnitLayout:

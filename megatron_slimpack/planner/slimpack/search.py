@@ -66,6 +66,7 @@ class SlimPackSearch:
                  symmetric: bool = False, dp_merge: bool | None = None):
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
         self.symmetric = symmetric
+        self.samples = samples_of(lengths)  # shared by every planning (~10^5 documents at 256K)
         self.known_failures = KnownFailures()
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
@@ -210,7 +211,7 @@ class _BatchPlanning:
         self.search, self.view, self.token_cap, self.group_ranks = search, view, token_cap, group_ranks
         self.leaner_level = leaner_level
         self.config, self.cost = search.config, search.cost
-        self.samples = samples_of(search.lengths)
+        self.samples = search.samples
         self.rates = WorkRates.from_cost(self.cost, view, token_cap)
         self.failures: list[DoesNotFit] = []
 
