@@ -16,9 +16,9 @@ Sections (each one's rows are printed and written to the JSON):
     kernel (SDPA per whole-document segment; tiles with an online softmax for a segment with a KV
     prefix), forward and backward as a middle pipeline stage runs a MicroPack
     (`profiler.measure_chunk`), against the model's `layer_forward_ms`/`layer_backward_ms`.
- 4. bottom_right: one slice with a KV prefix (queries see the prefix and their own causal block)
-    through the runtime's torch kernel, SDPA with `causal_lower_right`, and
-    `torch.nn.attention.varlen.varlen_attn` where torch has it: forward and q/k/v-gradient errors
+ 4. bottom_right: slices with a KV prefix (queries see the prefix and their own causal block)
+    through the runtime's torch kernel (on a GPU: PyTorch's varlen flash attention) and its
+    per-segment fallback (SDPA with `causal_lower_right`): forward and q/k/v-gradient errors
     against the fp32 masked softmax, and milliseconds.
  5. steps: a 2-layer llama-7b-wide GPT trained on one batch of the embedded text corpus planned by
     megatron-fixed and by slimpack (pp=1, dp=1), step time measured and simulated (H100 model,
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_slimpack.apps.cost import cost_figures  # noqa: E402
+from megatron_slimpack.apps.selftest.common import median_seconds  # noqa: E402
 from megatron_slimpack.costmodel import CostModel  # noqa: E402
 from megatron_slimpack.specs import ParallelConfig, get_model  # noqa: E402
 
@@ -52,19 +52,12 @@ def log(message: str) -> None:
 
 def timed_ms(run: Callable[[], object], device: str, repeats: int) -> float:
     """Median milliseconds of `run` after one warm-up, the GPU synchronized around each run."""
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
+    return median_seconds(run, repeats, torch.device(device)) * 1e3
 
-    run()
-    times = []
-    for _ in range(repeats):
-        sync()
-        began = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+
+def precision(dtype) -> dict:
+    """TransformerConfig fields for `dtype` (fp32: the config's default)."""
+    return {} if dtype == torch.float32 else {"bf16": True, "params_dtype": dtype, "pipeline_dtype": dtype}
 
 
 def model_cost(spec, backend: str) -> CostModel:
@@ -172,8 +165,7 @@ def layer_chunk(spec, device, dtype):
     from megatron_slimpack.runtime.model import build_gpt_model
 
     ensure_megatron()
-    extra = {} if dtype == torch.float32 else {"bf16": True, "params_dtype": dtype, "pipeline_dtype": dtype}
-    config = transformer_config(spec, num_layers=1, use_cpu_initialization=device == "cpu", **extra)
+    config = transformer_config(spec, num_layers=1, use_cpu_initialization=device == "cpu", **precision(dtype))
     chunk = build_gpt_model(config, vocab_size=spec.vocab_size, max_sequence_length=1 << 20, backend="torch",
                             pre_process=False, post_process=False)
     return chunk.to(device)
@@ -209,45 +201,22 @@ def layer_rows(spec, shapes, device, dtype, repeats) -> list[dict]:
 
 
 # ---- 4. bottom-right causal paths -------------------------------------------------------------
-def varlen_call():
-    """torch's varlen flash attention, bottom-right causal, in whichever signature this torch has."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    import inspect
+def per_segment(q, k, v, cu_q, cu_kv, max_q, max_kv):
+    """The torch kernel's per-segment GPU path: SDPA with `causal_lower_right` for a segment with a
+    KV prefix (`kernels.lower_right_attention`), plain causal SDPA otherwise."""
+    from megatron_slimpack.runtime.attention.kernels import lower_right_attention, segment_attention
 
-    parameters = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    if "enable_gqa" in parameters:
-        causal["enable_gqa"] = True
-
-    def attend(q, k, v, cu_q, cu_kv, max_q, max_kv):
-        return varlen_attn(q, k, v, cu_q, cu_kv, max_q, max_kv, **causal).reshape(q.shape[0], -1)
-
-    return attend
-
-
-def lower_right_call():
-    from torch.nn.attention.bias import causal_lower_right
-
-    def attend(q, k, v, cu_q, cu_kv, max_q, max_kv):
-        bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
-        outputs = []
-        for i in range(len(bounds_q) - 1):
-            qs = q[bounds_q[i]:bounds_q[i + 1]].transpose(0, 1)[None]
-            ks = k[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)[None]
-            vs = v[bounds_kv[i]:bounds_kv[i + 1]].transpose(0, 1)[None]
-            if ks.shape[1] != qs.shape[1]:
-                ks = ks.repeat_interleave(qs.shape[1] // ks.shape[1], dim=1)
-                vs = vs.repeat_interleave(qs.shape[1] // vs.shape[1], dim=1)
-            mask = causal_lower_right(qs.shape[2], ks.shape[2])
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
-            outputs.append(out[0].transpose(0, 1))
-        out = torch.cat(outputs)
-        return out.reshape(out.shape[0], -1)
-
-    return attend
+    scale = q.shape[-1] ** -0.5
+    bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+    outputs = []
+    for i in range(len(bounds_q) - 1):
+        (q0, q1), (k0, k1) = bounds_q[i:i + 2], bounds_kv[i:i + 2]
+        qs, ks, vs = q[q0:q1], k[k0:k1], v[k0:k1]
+        whole = qs.shape[0] == ks.shape[0]
+        outputs.append(segment_attention(qs, ks, vs, None, scale, 0.0) if whole
+                       else lower_right_attention(qs, ks, vs, scale, 0.0))
+    out = torch.cat(outputs)
+    return out.reshape(out.shape[0], -1)
 
 
 def bottom_right_rows(segments_list, heads, groups, head_dim, device, dtype, repeats) -> list[dict]:
@@ -266,10 +235,8 @@ def bottom_right_rows(segments_list, heads, groups, head_dim, device, dtype, rep
         out = torch_kernel(q, k, v, cu_q, cu_kv, max_q, max_kv, None, 0.0)
         return out.reshape(out.shape[0], -1)
 
-    paths = {"runtime_torch_kernel": runtime_torch, "sdpa_causal_lower_right": lower_right_call()}
-    varlen = varlen_call()
-    if varlen is not None:
-        paths["torch_varlen_attn"] = varlen
+    # On an sm80+ GPU in bf16 the runtime's kernel is one varlen call; the per-segment path is its fallback.
+    paths = {"runtime_torch_kernel": runtime_torch, "per_segment_lower_right": per_segment}
     rows = []
     for segments in segments_list:
         setup = Setup(device=torch.device(device), dtype=dtype, heads=heads, groups=groups, head_dim=head_dim,
@@ -313,10 +280,9 @@ def step_rows(model_name, layers, context, sequences, device, dtype, steps) -> l
     spec = spec.__class__(**{**spec.to_dict(), "num_layers": layers})
     cost = model_cost(spec, "torch")
     batch = GlobalBatchSampler(corpus.lengths, context, sequences, seed=0).next_batch()
-    extra = {} if dtype == torch.float32 else {"bf16": True, "params_dtype": dtype, "pipeline_dtype": dtype}
     torch.manual_seed(0)
     model = build_gpt_model(transformer_config(spec, num_layers=layers, use_cpu_initialization=device == "cpu",
-                                               **extra),
+                                               **precision(dtype)),
                             vocab_size=spec.vocab_size, max_sequence_length=context, backend="torch").to(device)
     config = SlimPackConfig(context_length=context, seed=0)
     rows = []

@@ -132,14 +132,6 @@ def _pairs(length: int, start: int) -> int:
     return length * start + length * (length + 1) // 2
 
 
-def _synchronize(device: str) -> None:
-    """Wait for a GPU's queued work, so a wall-clock interval covers it (nothing on the CPU)."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_time(fn: Callable[[], float], repeats: int) -> float:
     fn()  # warm-up
     return statistics.median(fn() for _ in range(repeats))
@@ -157,7 +149,9 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
     from ..runtime.attention.kv_store import KVStore
     from ..runtime.pipeline.executor import backward_step, forward_step
     from ..runtime.pipeline.timing import SavedBytesMeter
+    from .selftest.common import synchronize
 
+    where = torch.device(device)
     length = max(1, tokens // slices)
     generator = torch.Generator().manual_seed(tokens * 31 + slices * 7 + prefix)
     documents = {i: torch.randint(0, spec.vocab_size, (prefix + length + 1,), generator=generator)
@@ -180,7 +174,7 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
         for index, batch in enumerate(batches):
             leaf = torch.randn(batch.num_tokens, 1, hidden, device=device, dtype=dtype).requires_grad_()
             timed = index == len(batches) - 1
-            _synchronize(device)
+            synchronize(where)
             began = time.perf_counter()
             if timed:
                 meter = SavedBytesMeter(params)
@@ -190,14 +184,14 @@ def measure_chunk(chunk, spec: ModelSpec, tokens: int, slices: int, prefix: int,
             else:
                 output = forward_step(chunk, batch, input_tensor=leaf)
             if timed and kind == "F":
-                _synchronize(device)
+                synchronize(where)
                 forward = time.perf_counter() - began
             outputs.append((output, leaf))
         grad = torch.randn_like(outputs[-1][0])
-        _synchronize(device)
+        synchronize(where)
         began = time.perf_counter()
         backward_step(outputs[-1][0], grad, input_tensor=outputs[-1][1])
-        _synchronize(device)
+        synchronize(where)
         backward = time.perf_counter() - began
         if head:
             backward_step(outputs[0][0], torch.randn_like(outputs[0][0]), input_tensor=outputs[0][1])

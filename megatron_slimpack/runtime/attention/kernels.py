@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from functools import lru_cache
 from typing import Callable, Sequence
 
 import torch
@@ -329,7 +330,20 @@ def torch_varlen_runs_on(device: torch.device | str, dtype: torch.dtype) -> bool
     flash-attention 2 kernels), bf16 or fp16, and a torch that has `varlen_attn`."""
     device = torch.device(device)
     return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) >= (8, 0) and _torch_varlen_function() is not None)
+            and _sm80_or_newer(device.index) and _torch_varlen_function() is not None)
+
+
+@lru_cache(maxsize=None)
+def _sm80_or_newer(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) has compute capability 8.0 or newer
+    (cached: the torch kernel asks on every attention call)."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+@lru_cache(maxsize=None)
+def _parameters(function: Callable) -> frozenset[str]:
+    """The keyword names `function` takes (cached: read on every attention call)."""
+    return frozenset(inspect.signature(function).parameters)
 
 
 def torch_varlen_attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, scale: float) -> Tensor:
@@ -337,7 +351,7 @@ def torch_varlen_attention(q, k, v, cu_q, cu_kv, max_q: int, max_kv: int, scale:
     `is_causal=True` in the torch releases that named it so); K/V heads repeated for GQA where the
     signature has no `enable_gqa`. The softmax scale is applied to q where it takes no `scale`."""
     varlen_attn = _torch_varlen_function()
-    parameters = inspect.signature(varlen_attn).parameters
+    parameters = _parameters(varlen_attn)
     options: dict = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in parameters:
