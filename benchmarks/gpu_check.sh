@@ -5,7 +5,9 @@
 #      through the SlimPack schedule, slicing overhead (pass/fail checks);
 #   2. benchmarks/gpu_anchors.py: the H100 cost model's GEMM, attention and layer predictions
 #      against this GPU's measurements, torch's bottom-right causal paths, and megatron-fixed vs
-#      slimpack training steps on one GPU (measurements).
+#      slimpack training steps on one GPU (measurements);
+#   3. `slimpack profile --kernels`: this GPU's GEMM and attention tables (kernels.json), which
+#      `--cost-model OUT_DIR/kernels.json` prices plans with in place of the published tables.
 # Usage: benchmarks/gpu_check.sh OUT_DIR   (the project and its dependencies importable)
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -21,3 +23,7 @@ timeout "${ANCHORS_TIMEOUT:-300}" python3 "$here/benchmarks/gpu_anchors.py" --ou
     >/dev/null 2>"$out/gpu_anchors.log"
 echo "gpu_anchors exit $?"
 grep -E "^(environment|gemm|attention|layer|bottom-right|steps)" "$out/gpu_anchors.log" | cut -c1-600
+timeout "${KERNELS_TIMEOUT:-200}" python3 -m megatron_slimpack.apps.cli profile --kernels --out "$out/kernels.json" \
+    >"$out/kernels.txt" 2>"$out/kernels.log"
+echo "profile --kernels exit $?"
+cat "$out/kernels.txt"

@@ -399,7 +399,9 @@ class MegatronIntegrationConfig:
         "plan's time (the planner log's per-step seconds).", metavar="SECONDS",
         cli="the CLI plans its batches in turn"))
     cost_model: str = field(default="analytic", metadata=option(
-        "'analytic' or a profile JSON written by `slimpack profile`.", metavar="{analytic,PATH}"))
+        "'analytic', a profile JSON written by `slimpack profile` (this device's model coefficients), or one "
+        "written by `slimpack profile --kernels` (this device's kernel speeds in the analytic model of --hardware).",
+        metavar="{analytic,PATH}"))
     hardware: str = field(default="h100-sxm", metadata=option(
         "Hardware preset for the analytic cost model."))
     dump_plans: str | None = field(default=None, metadata=option(
@@ -429,10 +431,9 @@ class MegatronIntegrationConfig:
         if not isinstance(cost, str) or (cost != "analytic" and not Path(cost).is_file()):
             problems.append(("cost_model", f"{n('cost_model')} {cost!r} is neither 'analytic' nor an existing "
                                            "profile JSON (create one with `slimpack profile`)"))
-        elif cost == "analytic":
-            if values["hardware"] not in HARDWARE:
-                problems.append(("hardware", f"{n('hardware')} {values['hardware']!r} is not a hardware preset "
-                                             f"(known: {', '.join(HARDWARE)})"))
+        elif values["hardware"] not in HARDWARE:  # the analytic model's device, a kernel profile's too
+            problems.append(("hardware", f"{n('hardware')} {values['hardware']!r} is not a hardware preset "
+                                         f"(known: {', '.join(HARDWARE)})"))
         dump = values["dump_plans"]
         if dump is not None and (not isinstance(dump, str) or not dump):
             problems.append(("dump_plans", f"{n('dump_plans')} must be a directory or None, got {dump!r}"))

@@ -96,6 +96,13 @@ def test_simulate_prices_a_plan_with_the_cost_model_it_was_made_with(tmp_path, c
     assert cli.main(["simulate", str(written[0]), "--model", "llama-7b"]) == 2
     assert "--model llama-7b (the plan was made with llama-13b)" in capsys.readouterr().err
     assert cli.main(["simulate", str(written[0]), "--hardware", "a100"]) == 0  # agreeing: fine
+    assert "re-priced" not in capsys.readouterr().err
+    # another device re-prices the same plan there, and says so
+    assert cli.main(["simulate", str(written[0]), "--hardware", "h100-sxm", "--json"]) == 0
+    captured = capsys.readouterr()
+    repriced = ms.simulate(plan, ms.CostModel.analytic("llama-13b", "h100-sxm")).iteration_time_s
+    assert json.loads(captured.out)["iteration_s"] == pytest.approx(repriced, rel=1e-12) and repriced != expected
+    assert "re-priced on h100-sxm (the plan was made for a100" in captured.err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -177,10 +177,14 @@ def test_integration_config_rejects_each_bad_value_naming_the_field(changes, mes
         MegatronIntegrationConfig(**changes)
 
 
-def test_integration_config_accepts_a_profile_with_any_hardware(tmp_path):
+def test_integration_config_checks_the_hardware_with_a_profile_too(tmp_path):
+    """A kernel profile (`slimpack profile --kernels`) prices on --hardware's analytic model, so the
+    preset must exist whatever the cost model (a model profile's own hardware still wins when loaded)."""
     profile = tmp_path / "profile.json"
     profile.write_text("{}")
-    assert MegatronIntegrationConfig(cost_model=str(profile), hardware="anything").cost_model == str(profile)
+    assert MegatronIntegrationConfig(cost_model=str(profile), hardware="h200").cost_model == str(profile)
+    with pytest.raises(ConfigError, match="'anything' is not a hardware preset"):
+        MegatronIntegrationConfig(cost_model=str(profile), hardware="anything")
 
 
 def test_every_problem_is_reported_and_renders_with_flag_names():

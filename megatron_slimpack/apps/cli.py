@@ -64,24 +64,27 @@ def add_cost_options(parser: argparse.ArgumentParser, *, model: str = "llama-7b"
 def cost_record(args) -> dict:
     """What a plan written by `plan` records of its cost model, so `simulate` prices it the same."""
     options = _from_options(MegatronIntegrationConfig, args)
-    if options.cost_model != "analytic":
-        return {"cost_model": options.cost_model}
-    return {"model": args.model, "hardware": options.hardware}
+    record = {"model": args.model, "hardware": options.hardware}
+    return record if options.cost_model == "analytic" else {**record, "cost_model": options.cost_model}
 
 
 def cost_of_plan(plan: Plan, args) -> CostModel:
-    """The cost model the plan was made with (`plan` records it); options given to `simulate`
-    must agree with it. A plan without the record (older files): the options, or their defaults."""
+    """The cost model the plan was made with (`plan` records it). `--hardware` re-prices the plan
+    on another device (said on stderr); `--model` and `--cost-model` must agree with the plan's (its
+    stages hold that model's layers; a profile is the plan's own). A plan without the record
+    (older files): the options, or their defaults."""
     recorded = plan.metadata.get("cost", {})
     given = {name: getattr(args, name) for name in ("model", "hardware", "cost_model") if getattr(args, name)}
     clashes = [f"--{name.replace('_', '-')} {given[name]} (the plan was made with {recorded[name]})"
-               for name in given if name in recorded and given[name] != recorded[name]]
+               for name in ("model", "cost_model")
+               if name in given and name in recorded and given[name] != recorded[name]]
     if clashes:
         raise CliError(f"{args.plan}: {'; '.join(clashes)}: leave the option out to use the plan's, or re-plan")
-    chosen = {**{"model": "llama-7b", "hardware": "h100-sxm", "cost_model": "analytic"}, **given, **recorded}
-    if chosen["cost_model"] != "analytic":
-        return CostModel.from_profile(chosen["cost_model"])
-    return CostModel.analytic(chosen["model"], chosen["hardware"])
+    chosen = {"model": "llama-7b", "hardware": "h100-sxm", "cost_model": "analytic", **recorded, **given}
+    if "hardware" in given and recorded.get("hardware", given["hardware"]) != given["hardware"]:
+        print(f"[simulate] re-priced on {given['hardware']} (the plan was made for {recorded['hardware']}; its "
+              "MicroPacks were sized for that device's memory)", file=sys.stderr)
+    return CostModel.load(chosen["cost_model"], chosen["model"], chosen["hardware"])
 
 
 def add_planner_options(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()):
@@ -120,9 +123,7 @@ def planner_config(args, **overrides) -> SlimPackConfig:
 
 def load_cost(args) -> CostModel:
     options = _from_options(MegatronIntegrationConfig, args)
-    if options.cost_model == "analytic":
-        return CostModel.analytic(args.model, options.hardware)
-    return CostModel.from_profile(options.cost_model)
+    return CostModel.load(options.cost_model, args.model, options.hardware)
 
 
 def global_batches(args) -> list[list[int]]:
@@ -457,9 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("plan", help="a plan JSON written by `slimpack plan --out`")
     add_model_option(simulate, None, "model preset (default: the one the plan was made with)")
     simulate.add_argument("--hardware", default=None, choices=list(HARDWARE), metavar="HARDWARE",
-                          help=f"hardware preset (default: the plan's); one of: {', '.join(HARDWARE)}")
+                          help="hardware preset to price the plan on (default: the plan's; another one re-prices "
+                               f"it there); one of: {', '.join(HARDWARE)}")
     simulate.add_argument("--cost-model", default=None, metavar="{analytic,PATH}",
-                          help="'analytic' or a `slimpack profile` JSON (default: the plan's)")
+                          help="'analytic', a `slimpack profile` JSON or a `slimpack profile --kernels` JSON (default: "
+                               "the plan's)")
     simulate.add_argument("--gantt", help="write a Gantt chart PNG")
     simulate.add_argument("--trace", help="write a Chrome-trace JSON (open in Perfetto)")
     simulate.add_argument("--json", action="store_true", help="the figures as one JSON document on stdout")

@@ -4,14 +4,15 @@ A pack of `--pack-tokens` tokens made of whole documents of `--doc-length` token
 shorter where they do not divide) on one device of the layout: the layer's GEMM and attention
 rates, each part's milliseconds forward and backward, the communication and how much of it the
 strategy's overlaps hide, and the activation bytes it holds. TFLOP/s figures are the kernel
-rates of the published tables; the milliseconds include `sustained_compute_share`.
+rates of the published tables (or of a kernel profile's measured ones: `--cost-model FILE`, from
+`slimpack profile --kernels`); the milliseconds include `sustained_compute_share`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from ..costmodel import CostModel
+from ..costmodel import CostModel, read_kernel_profile
 from ..planner.strategies import strategy_spec
 from ..specs import HARDWARE, ParallelConfig
 from .cli_options import add_model_option, positive_int
@@ -23,6 +24,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_option(parser, "llama-7b", "model preset (default: llama-7b)")
     parser.add_argument("--hardware", default="h100-sxm", choices=list(HARDWARE), metavar="HARDWARE",
                         help=f"hardware preset (default: h100-sxm); one of: {', '.join(HARDWARE)}")
+    parser.add_argument("--cost-model", default="analytic", metavar="{analytic,PATH}",
+                        help="'analytic' (the published kernel tables of --hardware) or a kernel profile written by "
+                             "`slimpack profile --kernels`, whose measured tables replace the ones they measure")
     parser.add_argument("--attention-backend", default="te", choices=BACKENDS,
                         help="attention kernel priced: te (cuDNN fused, Transformer Engine), flash (flash-attn 2), "
                              "flash3 (published rates only: the runtime has no FA3 path), torch (default: te)")
@@ -45,6 +49,11 @@ def pack_figures(doc_length: int, pack_tokens: int) -> tuple[float, float]:
     return float(pack_tokens), pairs
 
 
+def significant(value: float) -> float:
+    """Four significant digits: an H100's 319.5 TFLOP/s and a CPU's 0.02874 alike."""
+    return float(f"{value:.4g}")
+
+
 def cost_figures(cost: CostModel, parallel: ParallelConfig, doc_length: int, pack_tokens: int) -> dict:
     tokens, pairs = pack_figures(doc_length, pack_tokens)
     local = tokens / parallel.cp
@@ -62,7 +71,8 @@ def cost_figures(cost: CostModel, parallel: ParallelConfig, doc_length: int, pac
         key = "backward" if backward else "forward"
         gemm = cost.gemm_time(local, parallel) * (2.0 if backward else 1.0)
         attention = cost.attention_time(tokens, pairs, parallel, backward)
-        figures[f"attention_{key}_tflops"] = round(attention_flops * (2.5 if backward else 1.0) / attention / tera, 1)
+        attention_flops_pass = attention_flops * (2.5 if backward else 1.0)
+        figures[f"attention_{key}_tflops"] = significant(attention_flops_pass / attention / tera)
         figures[f"gemm_{key}_ms"] = round(gemm * 1e3, 4)
         figures[f"attention_{key}_ms"] = round(attention * 1e3, 4)
         figures[f"elementwise_{key}_ms"] = round(cost.elementwise_time(local, parallel, backward) * 1e3, 4)
@@ -73,7 +83,7 @@ def cost_figures(cost: CostModel, parallel: ParallelConfig, doc_length: int, pac
             float(cost.exposed_cp_comm_time(tokens, pairs, parallel, backward)) * 1e3, 4)
         layer = cost.stage_time(tokens, pairs, parallel, backward=backward) - cost.hardware.kernel_overhead_s
         figures[f"layer_{key}_ms"] = round(layer / cost.layers_per_stage(parallel) * 1e3, 4)
-    figures["gemm_tflops"] = round(gemm_flops / (figures["gemm_forward_ms"] / 1e3) / tera, 1)
+    figures["gemm_tflops"] = significant(gemm_flops / (figures["gemm_forward_ms"] / 1e3) / tera)
     figures["recompute_ms"] = round(cost._recompute_time(tokens, pairs, parallel) * 1e3, 4)
     figures["activation_bytes_per_layer"] = round(float(cost.activation_bytes(tokens, pairs, parallel))
                                                   / cost.layers_per_stage(parallel))
@@ -82,7 +92,9 @@ def cost_figures(cost: CostModel, parallel: ParallelConfig, doc_length: int, pac
 
 def cost_main(args) -> int:
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, recompute=args.recompute)
-    cost = CostModel.analytic(args.model, args.hardware, attention_backend=args.attention_backend)
+    if args.cost_model != "analytic":
+        read_kernel_profile(args.cost_model)  # a model profile prices whole layers, not the parts shown here
+    cost = CostModel.load(args.cost_model, args.model, args.hardware, attention_backend=args.attention_backend)
     parallel.check_model(cost.model)
     spec = strategy_spec(args.strategy)  # a clear error for an unknown name; registers every strategy
     cost = cost.with_overlaps(spec.overlaps)

@@ -404,9 +404,7 @@ def demo_model_spec(model: str, vocab_size: int):
 def demo_cost_model(spec, cost_model: str):
     """The planners' and the prediction's cost model: "analytic" (uncalibrated CPU figures) or a
     `slimpack profile` JSON measured on this machine."""
-    if cost_model == "analytic":
-        return CostModel.analytic(spec, "cpu", dtype_bytes=4, attention_backend="torch")
-    return CostModel.from_profile(cost_model)
+    return CostModel.load(cost_model, spec, "cpu", dtype_bytes=4, attention_backend="torch")
 
 
 def predicted_by(cost_model: str) -> str:

@@ -505,7 +505,12 @@ def predict_point(cost: CostModel, point: Point, layers: int) -> tuple[float, fl
 
 
 def profile_main(args) -> int:
-    """CLI hook: `slimpack profile --model NAME [--tp N] [--pp N] [--quick] [--no-p2p] --out profile.json`."""
+    """CLI hook: `slimpack profile --model NAME [--tp N] [--pp N] [--quick] [--no-p2p] --out profile.json`,
+    or `slimpack profile --kernels [--quick] --out kernels.json` (kernel_profile.py)."""
+    if getattr(args, "kernels", False):
+        from .kernel_profile import kernel_profile_main  # torch: kept out of `slimpack --help`
+
+        return kernel_profile_main(args)
     tp = getattr(args, "tp", 1) or 1
     if tp != 1:
         raise SystemExit("slimpack profile measures at tp=1 (the cost model divides token terms by tp); "
@@ -533,9 +538,14 @@ def add_profile_arguments(parser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--concurrent", type=positive_int, default=1,
                         help="measure in this many processes at once (as many as the training run will use)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="measure this device's kernel speeds (GEMM by size, the runtime's attention kernels by "
+                             "document length) instead of a model's layers; the file, given as --cost-model, replaces "
+                             "the published tables in the analytic model of --hardware")
     parser.add_argument("--quick", action="store_true", help="a small grid (tests)")
     parser.add_argument("--no-p2p", action="store_true", help="skip the 2-process gloo p2p measurement")
-    parser.add_argument("--out", default="profile.json", help="where the profile JSON goes (default profile.json)")
+    parser.add_argument("--out", default=None,
+                        help="where the profile JSON goes (default profile.json; kernels.json with --kernels)")
     parser.add_argument("--json", action="store_true", help="the fit as one JSON document on stdout (logs: stderr)")
 
 if __name__ == "__main__":

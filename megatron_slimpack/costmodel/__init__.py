@@ -2,7 +2,15 @@
 kernel speeds taken from published measurements (kernels.py) or a `slimpack profile` file."""
 from __future__ import annotations
 
-from .kernels import AttentionRate, GemmRate, KernelRates, fit_report, kernel_rates
+from .kernels import (
+    KERNEL_PROFILE_FORMAT,
+    AttentionRate,
+    GemmRate,
+    KernelRates,
+    PublishedTable,
+    fit_report,
+    kernel_rates,
+)
 from .model import (
     PROFILE_KEYS,
     REGENERATE_PROFILE,
@@ -13,13 +21,14 @@ from .model import (
     TimeCoefficients,
     analytic_activation,
     format_bytes,
+    read_kernel_profile,
     read_profile,
 )
 from .overlaps import FIXED_SHAPE, SERIAL, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
 
 __all__ = [
     "PROFILE_KEYS", "REGENERATE_PROFILE", "ActivationCoefficients", "Amount", "CostModel", "ProfileError",
-    "TimeCoefficients", "analytic_activation", "format_bytes", "read_profile",
-    "AttentionRate", "GemmRate", "KernelRates", "fit_report", "kernel_rates",
+    "TimeCoefficients", "analytic_activation", "format_bytes", "read_kernel_profile", "read_profile",
+    "KERNEL_PROFILE_FORMAT", "AttentionRate", "GemmRate", "KernelRates", "PublishedTable", "fit_report", "kernel_rates",
     "Overlaps", "SERIAL", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "overlaps_of",
 ]

@@ -20,7 +20,9 @@ MicroPack, so each table is fitted by a curve whose time is linear in what a Mic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -40,6 +42,37 @@ class PublishedTable:
     tflops: tuple[float, ...]
     source: str
     note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PublishedTable":
+        """A table from its JSON object (a kernel profile's row), every field checked: ValueError
+        names the first problem."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a kernel table is a JSON object, got {type(data).__name__}")
+        names = [item.name for item in fields(cls)]
+        missing = [name for name in names if name not in data and name != "note"]
+        unknown = [name for name in data if name not in names]
+        if missing or unknown:
+            raise ValueError(" and ".join((["lacks " + ", ".join(missing)] if missing else [])
+                                          + (["has unknown " + ", ".join(unknown)] if unknown else [])))
+        if data["kernel"] not in ("attention", "gemm"):
+            raise ValueError(f"kernel {data['kernel']!r} is neither 'attention' nor 'gemm'")
+        if data["direction"] not in ("forward", "backward"):
+            raise ValueError(f"direction {data['direction']!r} is neither 'forward' nor 'backward'")
+        sizes, rates = data["sizes"], data["tflops"]
+        if not isinstance(sizes, list) or not isinstance(rates, list) or len(sizes) != len(rates) or len(sizes) < 2:
+            raise ValueError("sizes and tflops must be lists of the same length, at least 2 rows (a curve is fitted)")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes):
+            raise ValueError(f"sizes must be positive integers, got {sizes}")
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
+               for x in rates):
+            raise ValueError(f"tflops must be positive finite numbers, got {rates}")
+        return cls(data["kernel"], str(data["backend"]), data["direction"], bool(data["causal"]),
+                   int(data["head_dim"]), tuple(sizes), tuple(float(x) for x in rates), str(data["source"]),
+                   str(data.get("note", "")))
 
 
 # FlashAttention-3 paper (Shah et al., arXiv 2407.08608, Figures 5 and 6): H100 SXM5, BF16, head
@@ -81,6 +114,9 @@ GEMM_TABLE = PublishedTable(
     "torch-performance-test-data issue 79: torch.matmul BF16 on H100 80GB HBM3, PyTorch 2.7.0+cu128",
     note="1024 x 1024 (176.6 TFLOP/s) left out: launch-bound")
 
+# The `format` of a kernel profile file (`slimpack profile --kernels`): measured tables of this module's form.
+KERNEL_PROFILE_FORMAT = "slimpack-kernel-profile/1"
+
 # Achieved bandwidth of memory-bound element-wise kernels as a share of the HBM peak.
 ELEMENTWISE_BANDWIDTH_SHARE = 0.8
 
@@ -108,7 +144,25 @@ class AttentionRate:
         rates = np.asarray(table.tflops, dtype=float) * TERA
         rows = np.stack([rates, rates / (sizes + 1)], axis=1)
         (inverse_peak, half_over_peak), *_ = np.linalg.lstsq(rows, np.ones_like(rates), rcond=None)
+        if not (inverse_peak > 0 and half_over_peak >= 0):
+            inverse_peak, half_over_peak = cls._bounded_fit(rows, float(rates.min()), float(rates.max()))
         return cls(1.0 / inverse_peak, half_over_peak / inverse_peak)
+
+    @staticmethod
+    def _bounded_fit(rows: np.ndarray, slowest: float, fastest: float) -> tuple[float, float]:
+        """The same least squares with half >= 0 and the peak between the slowest measured rate and
+        10^4 times the fastest: measured rates that do not level off (a CPU's, whose per-document
+        cost rules at every length) or that fall with length leave the unconstrained fit without a
+        meaning (a negative peak or per-token cost)."""
+        best: tuple[float, float, float] | None = None
+        for inverse_peak in np.geomspace(1e-4 / fastest, 1.0 / slowest, 400):
+            rest = 1.0 - rows[:, 0] * inverse_peak
+            half_over_peak = max(0.0, float(rows[:, 1] @ rest / (rows[:, 1] @ rows[:, 1])))
+            error = float(((rest - rows[:, 1] * half_over_peak) ** 2).sum())
+            if best is None or error < best[0]:
+                best = (error, float(inverse_peak), half_over_peak)
+        assert best is not None
+        return best[1], best[2]
 
 
 @dataclass(frozen=True)
@@ -160,6 +214,19 @@ class KernelRates:
         rates = self.attention_backward if backward else self.attention_forward
         return rates[backend]
 
+    def with_measured(self, tables: Sequence[PublishedTable], source: str) -> "KernelRates":
+        """These rates with each measured table (`slimpack profile --kernels`) in place of the one it
+        measures: the GEMM curve, or one backend's attention in one direction. What was not
+        measured keeps its published (or preset) rate."""
+        gemm, forward, backward = self.gemm, dict(self.attention_forward), dict(self.attention_backward)
+        for table in tables:
+            if table.kernel == "gemm":
+                gemm = GemmRate.fit(table)
+            else:
+                (backward if table.direction == "backward" else forward)[table.backend] = AttentionRate.fit(table)
+        return replace(self, name=f"{self.name}+measured", gemm=gemm, attention_forward=forward,
+                       attention_backward=backward, source=f"{source}; otherwise {self.source}")
+
 
 def published_h100_rates() -> KernelRates:
     """Hopper (H100 SXM, and H200: the same SMs and clocks) fitted to the tables above."""
@@ -194,26 +261,34 @@ def kernel_rates(kind: str, peak_flops: float, max_efficiency: float, half_token
     raise ValueError(f"unknown kernel table {kind!r}; known: h100-published, generic")
 
 
+def table_fit(table: PublishedTable, rates: KernelRates | None = None) -> list[dict]:
+    """Each row of `table` next to its fitted curve (the curve in `rates`, or fitted to the table
+    alone): size, table and model TFLOP/s, relative error."""
+    if table.kernel == "gemm":
+        gemm = rates.gemm if rates is not None else GemmRate.fit(table)
+
+        def model(size: int) -> float:
+            return gemm.tflops(size, size, size)
+    else:
+        fitted = (rates.attention(table.backend, table.direction == "backward") if rates is not None
+                  else AttentionRate.fit(table))
+
+        def model(size: int) -> float:
+            return float(fitted.tflops(size))
+    return [{"kernel": table.kernel, "backend": table.backend, "direction": table.direction, "size": size,
+             "published_tflops": published, "model_tflops": float(f"{model(size):.4g}"),
+             "error": round(model(size) / published - 1.0, 4)}
+            for size, published in zip(table.sizes, table.tflops)]
+
+
 def fit_report() -> list[dict]:
     """Every published row next to the fitted curve: size, published and model TFLOP/s, error."""
     rates = published_h100_rates()
-    rows = []
-    for table in ATTENTION_TABLES:
-        fitted = (rates.attention_backward if table.direction == "backward" else rates.attention_forward)[table.backend]
-        for size, published in zip(table.sizes, table.tflops):
-            model = fitted.tflops(size)
-            rows.append({"kernel": "attention", "backend": table.backend, "direction": table.direction,
-                         "size": size, "published_tflops": published, "model_tflops": round(float(model), 1),
-                         "error": round(float(model / published - 1.0), 4)})
-    for size, published in zip(GEMM_TABLE.sizes, GEMM_TABLE.tflops):
-        model = rates.gemm.tflops(size, size, size)
-        rows.append({"kernel": "gemm", "backend": "cublas", "direction": "forward", "size": size,
-                     "published_tflops": published, "model_tflops": round(model, 1),
-                     "error": round(model / published - 1.0, 4)})
-    return rows
+    return [row for table in (*ATTENTION_TABLES, GEMM_TABLE) for row in table_fit(table, rates)]
 
 
 __all__ = [
     "PublishedTable", "ATTENTION_TABLES", "GEMM_TABLE", "AttentionRate", "GemmRate", "KernelRates",
     "published_h100_rates", "generic_rates", "kernel_rates", "fit_report", "ELEMENTWISE_BANDWIDTH_SHARE",
+    "KERNEL_PROFILE_FORMAT", "table_fit",
 ]

@@ -32,7 +32,7 @@ from ..specs import (
     hardware_from_dict,
     model_from_dict,
 )
-from .kernels import ELEMENTWISE_BANDWIDTH_SHARE, KernelRates, kernel_rates
+from .kernels import ELEMENTWISE_BANDWIDTH_SHARE, KERNEL_PROFILE_FORMAT, KernelRates, PublishedTable, kernel_rates
 from .overlaps import SERIAL, Overlaps
 
 # A token or pair count, or an array of them: the formulas work elementwise, and the planner prices
@@ -139,9 +139,8 @@ def _profile_text(path: Path) -> str:
         raise ProfileError(f"cost-model profile {path} cannot be read: {error.strerror or error}") from None
 
 
-def read_profile(path: str | Path) -> dict:
-    """The JSON object of a `slimpack profile` file, its top-level keys checked (`ProfileError` otherwise)."""
-    path = Path(path)
+def _profile_object(path: Path) -> dict:
+    """The JSON object a profile file holds (`ProfileError` for anything else)."""
     try:
         data = json.loads(_profile_text(path))
     except json.JSONDecodeError as error:
@@ -150,11 +149,45 @@ def read_profile(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ProfileError(f"cost-model profile {path} holds a JSON {type(data).__name__}, not a profile object; "
                            f"{REGENERATE_PROFILE}")
+    return data
+
+
+def is_kernel_profile(data: dict) -> bool:
+    return data.get("format") == KERNEL_PROFILE_FORMAT
+
+
+def read_profile(path: str | Path) -> dict:
+    """The JSON object of a `slimpack profile` file, its top-level keys checked (`ProfileError` otherwise)."""
+    path = Path(path)
+    data = _profile_object(path)
+    if is_kernel_profile(data):
+        raise ProfileError(f"{path} is a kernel profile (`slimpack profile --kernels`): it holds kernel speeds, not "
+                           "a model's coefficients; load it with `CostModel.load(path, model, hardware)`")
     missing = [key for key in PROFILE_KEYS if key not in data]
     if missing:
         raise ProfileError(f"cost-model profile {path} lacks {', '.join(missing)}: not a `slimpack profile` file; "
                            f"{REGENERATE_PROFILE}")
     return data
+
+
+def read_kernel_profile(path: str | Path) -> tuple[PublishedTable, ...]:
+    """The measured tables of a `slimpack profile --kernels` file (`ProfileError` naming the problem)."""
+    path = Path(path)
+    data = _profile_object(path)
+    regenerate = "regenerate it with `slimpack profile --kernels --out FILE`"
+    if not is_kernel_profile(data):
+        raise ProfileError(f"{path} is not a kernel profile (no \"format\": \"{KERNEL_PROFILE_FORMAT}\"); "
+                           f"{regenerate}")
+    tables = data.get("tables")
+    if not isinstance(tables, list) or not tables:
+        raise ProfileError(f"kernel profile {path} has no tables; {regenerate}")
+    parsed = []
+    for index, table in enumerate(tables):
+        try:
+            parsed.append(PublishedTable.from_dict(table))
+        except (TypeError, ValueError, KeyError) as error:
+            raise ProfileError(f"kernel profile {path}: table {index} {_first_line(error)}; {regenerate}") from None
+    return tuple(parsed)
 
 
 def _profile_section(data: dict, key: str) -> dict:
@@ -200,6 +233,7 @@ class CostModel:
         activation: ActivationCoefficients | None = None,
         source: str = "analytic",
         reference: dict | None = None,
+        kernel_tables: tuple[PublishedTable, ...] = (),
     ):
         self.model = model
         self.hardware = hardware
@@ -215,6 +249,10 @@ class CostModel:
         self.source = source
         self.kernels: KernelRates = kernel_rates(hardware.kernels, hardware.peak_flops, hardware.max_efficiency,
                                                  hardware.half_efficiency_tokens)
+        # Measured kernel speeds (`slimpack profile --kernels`) replace the tables they measure.
+        self.kernel_tables = tuple(kernel_tables)
+        if self.kernel_tables:
+            self.kernels = self.kernels.with_measured(self.kernel_tables, source)
         self.overlaps: Overlaps = SERIAL
         self._by_overlaps: dict[Overlaps, CostModel] = {SERIAL: self}
 
@@ -224,6 +262,21 @@ class CostModel:
         model = get_model(model) if isinstance(model, str) else model
         hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
         return cls(model, hardware, **options)
+
+    @classmethod
+    def load(cls, cost_model: str | Path, model: str | ModelSpec, hardware: str | HardwareSpec,
+             **options) -> "CostModel":
+        """What a `--cost-model` value names: "analytic" (the analytic model of `model` on
+        `hardware`), a kernel profile (`slimpack profile --kernels`: that analytic model with the
+        measured kernel speeds in place of the tables they measure) or a model profile
+        (`slimpack profile`: its own model and hardware, which then win over the arguments)."""
+        if str(cost_model) == "analytic":
+            return cls.analytic(model, hardware, **options)
+        path = Path(cost_model)
+        if is_kernel_profile(_profile_object(path)):
+            return cls.analytic(model, hardware, kernel_tables=read_kernel_profile(path),
+                                source=f"analytic with kernels measured in {path}", **options)
+        return cls.from_profile(path)
 
     @classmethod
     def from_profile(cls, path: str | Path) -> "CostModel":
@@ -243,6 +296,7 @@ class CostModel:
                 activation=_profile_coefficients(data, "activation", ActivationCoefficients),
                 source=f"profile:{path}",
                 reference=data.get("reference"),
+                kernel_tables=tuple(PublishedTable.from_dict(t) for t in data.get("kernel_tables", [])),
             )
         except (TypeError, ValueError) as error:  # a section with missing, unknown or non-numeric fields
             raise ProfileError(f"cost-model profile {path} is malformed: {_first_line(error)}; "
@@ -263,6 +317,7 @@ class CostModel:
             "head_backward": coefficients(self.profiled_head_backward),
             "activation": asdict(self.activation),
             "reference": self.reference,
+            "kernel_tables": [table.to_dict() for table in self.kernel_tables],
         }
 
     def describe(self) -> dict:

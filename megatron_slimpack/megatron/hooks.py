@@ -451,10 +451,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
         vocab_size=getattr(args, "padded_vocab_size", 32000), swiglu=bool(getattr(args, "swiglu", True)),
     )
     options = integration_config_from_args(args)
-    if options.cost_model == "analytic":
-        cost = CostModel.analytic(model, options.hardware)
-    else:
-        cost = CostModel.from_profile(options.cost_model)
+    cost = CostModel.load(options.cost_model, model, options.hardware)
     recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", ""), "none")
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               vpp=virtual_stages_of_args(args), tp=args.tensor_model_parallel_size,
