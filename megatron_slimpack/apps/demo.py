@@ -51,7 +51,7 @@ from ..planner.registry import with_input_sources
 from ..planner.strategies import check_plan_input, new_planner, trainable_strategy_names
 from ..runtime.host_memory import keep_freed_host_memory
 from ..runtime.processes import free_port
-from ..simulator.report import write_gantt
+from ..simulator.report import gantt_title, write_gantt
 from ..specs import ParallelConfig, SpecError, get_model
 from ..workload import GlobalBatchSampler, TextCorpus, WorkloadError
 from . import profiler
@@ -728,8 +728,11 @@ def run_demo(args) -> int:
         summary["rows"][strategy]["last_step_tasks"] = run["gantt"]
         if run["gantt"]:
             path = out_dir / f"gantt_{strategy}.png"
+            last = run["steps"][-1]
             write_gantt(run["gantt"], path,
-                        title=f"{strategy}: measured step {len(run['steps'])} (pp={options.pp}, CPU)")
+                        title=gantt_title(strategy, f"pp{options.pp}", model=options.model,
+                                          context_length=options.context_length, iteration_s=last["step_s"],
+                                          hardware="CPU (gloo processes)", step=len(run["steps"]), measured=True))
             summary["gantt_files"].append(str(path))
     summary["wall_s"] = time.perf_counter() - began
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
