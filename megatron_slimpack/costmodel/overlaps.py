@@ -1,4 +1,5 @@
-"""Which communication a strategy's real run hides behind compute: one declared fact per strategy.
+"""Which communication a strategy's real run hides behind compute, and how its context parallelism
+shards a micro-batch: one declared fact per strategy.
 
 The simulator prices every strategy with the same kernels and links; what differs is what its
 runtime can overlap. Stock Megatron-LM with fixed-shape micro-batches can hide tensor-parallel
@@ -19,6 +20,11 @@ class Overlaps:
     cp_exchange: bool = False  # CP K/V exchange hidden behind attention (what outlasts it is exposed)
     grad_reduce: bool = True  # gradient reduction overlapped with the last backward (bucketed)
     param_gather: bool = True  # distributed-optimizer parameter all-gather overlapped with the next forward
+    # CP shards each packed micro-batch as one sequence (2*cp chunks of the whole pack, zigzag), not
+    # each document: under document masking the ranks then hold unequal attention pairs and every
+    # layer waits for the busiest (`plan.sequence_sharded_pairs`). Megatron's THD path and the
+    # SlimPack runtime shard per document; a peer's baseline may be priced as its authors ran it.
+    cp_per_sequence: bool = False
 
     def flags(self) -> list[str]:
         """Megatron-LM flags that give a real run these overlaps."""

@@ -24,6 +24,7 @@ from .types import (
     overlaps,
     pack_figures,
     samples_of,
+    sequence_sharded_pairs,
     slice_table,
     sources_of,
     task_chunk,
@@ -40,5 +41,5 @@ __all__ = [
     "RENUMBERING_STRATEGIES", "MicroPack", "PackFigures", "Plan", "PlanError", "ReplicaPlan", "Sample", "SampleSource",
     "SliceTable", "Slice", "Task", "backward_sequence", "chain_heads", "check_plan", "check_slices", "check_sources",
     "default_sources", "last_forward_needed", "micropack_figures", "overlapping_documents", "overlaps", "pack_figures",
-    "samples_of", "slice_table", "sources_of", "task_chunk", "tasks_of_chunk", "whole_slices",
+    "samples_of", "sequence_sharded_pairs", "slice_table", "sources_of", "task_chunk", "tasks_of_chunk", "whole_slices",
 ]

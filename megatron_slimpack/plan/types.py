@@ -196,6 +196,37 @@ def micropack_figures(micropacks: list[MicroPack], table=None) -> tuple[np.ndarr
     return np.add.reduceat(length, starts), np.add.reduceat(pairs, starts)
 
 
+def sequence_sharded_pairs(micropacks: list[MicroPack], cp: int, table=None) -> np.ndarray:
+    """Per MicroPack, `cp` times the attention pairs of its busiest context-parallel rank when the
+    pack is sharded as one sequence: its tokens, in pack order, cut into 2*cp chunks, rank r
+    holding chunks r and 2cp-1-r (the zigzag that balances one causal sequence). Under document
+    masking a token attends only its own document (and its slice's KV prefix), so the ranks'
+    pairs differ; every layer waits for the busiest. `cp` times it is what `pairs / cp` pricing
+    needs to charge that rank. Sharding each document instead (per-document zigzag: Megatron's
+    THD path, the SlimPack runtime) leaves the ranks within a token per chunk of `pairs / cp`.
+    `table`: the MicroPacks' `slice_table`, if already at hand."""
+    counts, table = table if table is not None else slice_table(micropacks)
+    if cp == 1 or len(table) == 0:
+        return micropack_figures(micropacks, (counts, table))[1]
+    start, length = table[:, 1].astype(float), (table[:, 2] - table[:, 1]).astype(float)
+    pack_of = np.repeat(np.arange(len(counts)), counts)
+    pack_tokens = np.bincount(pack_of, weights=length, minlength=len(counts))
+    before_pack = np.cumsum(pack_tokens) - pack_tokens
+    offset = np.cumsum(length) - length - before_pack[pack_of]  # where each slice starts in its pack
+    per_rank = np.zeros((len(counts), cp))
+    chunks = 2 * cp
+    for j in range(chunks):
+        low = np.floor(j * pack_tokens / chunks)[pack_of]
+        high = np.floor((j + 1) * pack_tokens / chunks)[pack_of]
+        first = np.maximum(offset, low)
+        taken = np.maximum(0.0, np.minimum(offset + length, high) - first)
+        # the token at pack position x of a slice attends start + (x - offset) + 1 keys
+        weight_of_first = start + (first - offset) + 1.0
+        pairs = taken * weight_of_first + taken * (taken - 1.0) / 2.0
+        per_rank[:, j if j < cp else chunks - 1 - j] += np.bincount(pack_of, weights=pairs, minlength=len(counts))
+    return cp * per_rank.max(axis=1)
+
+
 class PackFigures(NamedTuple):
     """Per-MicroPack figures the cost model charges (float arrays, one entry per MicroPack)."""
 

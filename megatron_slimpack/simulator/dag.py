@@ -42,7 +42,7 @@ from typing import cast
 import numpy as np
 
 from ..costmodel import CostModel, Overlaps, overlaps_of
-from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, slice_table, task_chunk
+from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, sequence_sharded_pairs, slice_table, task_chunk
 from ..specs import GIB, ParallelConfig
 from .memory import MemoryLedger, MemoryTimeline
 
@@ -284,12 +284,17 @@ class _ReplicaCosts:
     needs_forward: list[int]  # backward unit -> last forward unit it needs
 
 
-def _micropack_sizes(replica: ReplicaPlan, slice_figures: list) -> PackFigures:
-    """`PackFigures` of the replica's MicroPacks; appends (tokens, pairs) of each slice."""
+def _micropack_sizes(replica: ReplicaPlan, slice_figures: list, cp: int, per_sequence: bool) -> PackFigures:
+    """`PackFigures` of the replica's MicroPacks; appends (tokens, pairs) of each slice. With CP
+    sharding each pack as one sequence (`Overlaps.cp_per_sequence`), a pack's pairs are its
+    busiest rank's times `cp`, what pricing `pairs / cp` must see."""
     counts, table = slice_table(replica.micropacks)
     length = (table[:, 2] - table[:, 1]).astype(float)
     slice_figures.append(np.stack([length, length * table[:, 1] + length * (length + 1) / 2], axis=1))
-    return pack_figures(replica.micropacks, (counts, table))
+    figures = pack_figures(replica.micropacks, (counts, table))
+    if per_sequence and cp > 1:
+        figures = figures._replace(pairs=sequence_sharded_pairs(replica.micropacks, cp, (counts, table)))
+    return figures
 
 
 def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_figures) -> _ReplicaCosts:
@@ -302,7 +307,9 @@ def _replica_costs(index: int, replica: ReplicaPlan, plan: Plan, cost, slice_fig
     # The group as k-fold context parallelism over dp/k replicas: the same ranks per stage, so
     # pipeline neighbours stay tp * cp * dp ranks apart.
     effective = parallel.with_(cp=parallel.cp * group, dp=max(1, parallel.dp // group)) if group > 1 else parallel
-    figures = _micropack_sizes(replica, slice_figures)
+    # A cost of the same interface without overlaps (a test's stand-in) shards per document.
+    per_sequence = getattr(getattr(cost, "overlaps", None), "cp_per_sequence", False)
+    figures = _micropack_sizes(replica, slice_figures, effective.cp, per_sequence)
     # Priced as the runtime runs them: padded for sequence parallelism (padding does no attention).
     tokens, pairs = effective.padded_tokens(figures.tokens), figures.pairs
 
