@@ -89,8 +89,10 @@ def plan_batch(args, cost):
     from megatron_slimpack.workload import global_batches
 
     parallel = ParallelConfig(pp=2, dp=1, tp=1, sequence_parallel=False, zero1=False)
+    # The standard library holds files longer than the context: cut at it, each piece a sample of
+    # its own (the paper's setting).
     batch = global_batches("text", args.context_length, args.global_batch_size, args.batch_index + 1,
-                           seed=args.seed)[args.batch_index]
+                           seed=args.seed, long_documents="split")[args.batch_index]
     plans = {}
     for name in ("slimpack-sym", "slimpack"):
         config = SlimPackConfig(strategy=name, context_length=args.context_length, seed=args.seed,

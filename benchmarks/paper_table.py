@@ -55,7 +55,10 @@ def load_config(path: Path) -> dict:
 def cell_batches(bench: dict, context: int, dataset: str, steps: int, seed: int) -> list[list[int]]:
     """The cell's consecutive global batches (document lengths), the same for every strategy."""
     batch_size = bench["global_batch_size"][context]
-    sampler = GlobalBatchSampler(load_lengths(bench["workloads"][dataset], seed=seed), context, batch_size, seed=seed)
+    # The grid's corpora hold documents longer than its contexts: cut at the context, each piece a
+    # sample of its own (the paper's setting, and what Megatron's fixed-length packing does to them).
+    sampler = GlobalBatchSampler(load_lengths(bench["workloads"][dataset], seed=seed), context, batch_size, seed=seed,
+                                 long_documents="split")
     return [sampler.next_batch().lengths for _ in range(steps)]
 
 

@@ -38,11 +38,13 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
 import megatron_slimpack as ms
 from megatron_slimpack.costmodel import Overlaps
+from megatron_slimpack.plan import sequence_sharded_pairs
 from megatron_slimpack.planner.strategies import new_planner, strategy_spec
 from megatron_slimpack.specs import ModelSpec, ParallelConfig
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
@@ -237,21 +239,30 @@ def corpus_lengths(corpus: str, seed: int) -> np.ndarray:
     return load_lengths(corpus, seed=seed)
 
 
-def imbalance_degree(plan: ms.Plan, cost: ms.CostModel) -> float:
+def imbalance_degree(plan: ms.Plan, cost: ms.CostModel, overlaps: Overlaps | None = None) -> float:
     """max / mean over the step's micro-batches of their time on one (not the last) stage,
-    forward + backward, priced with the plan's strategy's declared overlaps (as the simulator
-    prices it): exposed communication included, the output layer left out."""
+    forward + backward, priced with `overlaps` (default: the plan's strategy's declared ones), as
+    the simulator prices it: exposed communication and the busiest CP rank's pairs included, the
+    output layer left out."""
     parallel = plan.parallel
-    cost = cost.with_overlaps(strategy_spec(plan.strategy).overlaps)
-    work = [cost.forward_time(mp.num_tokens, mp.attention_pairs, parallel)
-            + cost.backward_time(mp.num_tokens, mp.attention_pairs, parallel)
-            for replica in plan.replicas for mp in replica.micropacks]
+    overlaps = overlaps or strategy_spec(plan.strategy).overlaps
+    cost = cost.with_overlaps(overlaps)
+    work = []
+    for replica in plan.replicas:
+        tokens = [float(mp.num_tokens) for mp in replica.micropacks]
+        pairs = (sequence_sharded_pairs(replica.micropacks, parallel.cp) if overlaps.cp_per_sequence
+                 else [float(mp.attention_pairs) for mp in replica.micropacks])
+        work += [cost.forward_time(t, a, parallel) + cost.backward_time(t, a, parallel) for t, a in zip(tokens, pairs)]
     return max(work) / float(np.mean(work))
 
 
 # WLB-LLM as its paper runs it (arXiv 2503.17924: TP+SP with communication overlap, all-gather CP),
 # in its authors' own system; the SlimPack runtime that trains `wlb-llm` here overlaps no TP.
 WLB_LLM_AS_PUBLISHED = Overlaps(tp_comm=True)
+# Its baseline, Plain-4D, as the paper describes it: Megatron's overlaps, and CP sharding each
+# packed sequence as a whole (2 x CP chunks of the sequence, not of each document), which leaves
+# the CP ranks unequal pairs under document masking (the imbalance WLB-LLM's per-document sharding removes).
+PLAIN_4D = replace(strategy_spec("megatron-fixed").overlaps, cp_per_sequence=True)
 
 
 def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -> list[dict]:
@@ -261,12 +272,14 @@ def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -
     for name in settings:
         context, tp, cp, pp, dp, published, what = WLB_SETTINGS[name]
         parallel = ParallelConfig(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp)
-        sampler = GlobalBatchSampler(lengths, context, pp * dp, seed=seed)
+        # the paper's baseline takes fixed-length sequences straight from the loader: documents longer
+        # than the context are cut into context-length pieces
+        sampler = GlobalBatchSampler(lengths, context, pp * dp, seed=seed, long_documents="split")
         batches = [sampler.next_batch() for _ in range(steps)]
         fixed_config = ms.SlimPackConfig(strategy="megatron-fixed", context_length=context)
         fixed_plans = [ms.plan(b.lengths, parallel=parallel, cost=cost, config=fixed_config, sources=b.sources)
                        for b in batches]
-        fixed = [ms.simulate(plan, cost) for plan in fixed_plans]
+        fixed = [ms.simulate(plan, cost, overlaps=PLAIN_4D) for plan in fixed_plans]
         planner, wlb_config = new_planner("wlb-llm"), ms.SlimPackConfig(strategy="wlb-llm", context_length=context)
         wlb_plans = [planner.plan(b.lengths, parallel, cost, wlb_config, sources=b.sources) for b in batches]
         delayed_at_end = len(planner.pending)
@@ -285,8 +298,7 @@ def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -
         with_flush = rate(wlb + ([flushed] if flushed else [])) / base_rate
         same_overlaps = Priced(cost, strategy_spec("megatron-fixed").overlaps)
         wlb_same = [ms.simulate(plan, same_overlaps) for plan in wlb_plans]
-        fixed_declared = strategy_spec("megatron-fixed").overlaps
-        fixed_no_cp = [ms.simulate(plan, Priced(cost, fixed_declared, no_cp_exchange=True)) for plan in fixed_plans]
+        fixed_no_cp = [ms.simulate(plan, Priced(cost, PLAIN_4D, no_cp_exchange=True)) for plan in fixed_plans]
         released = [sum(plan.metadata.get("released_per_level", [])) for plan in wlb_plans]
         rows.append({
             "benchmark": f"WLB-LLM {name}", "peer": "wlb-llm", "baseline": "megatron-fixed",
@@ -310,8 +322,8 @@ def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -
             "baseline_figures": {
                 "layout": parallel.describe(), "objective": objective("megatron-fixed"),
                 "step_s": float(np.mean([r.iteration_time_s for r in fixed])),
-                "overlaps": fixed_declared.to_dict(),
-                "imbalance_degree": float(np.mean([imbalance_degree(p, cost) for p in fixed_plans])),
+                "overlaps": PLAIN_4D.to_dict(),
+                "imbalance_degree": float(np.mean([imbalance_degree(p, cost, PLAIN_4D) for p in fixed_plans])),
                 "pp_imbalance": float(np.mean([r.pp_imbalance for r in fixed])),
                 "bubble": float(np.mean([r.bubble_ratio for r in fixed])),
                 "cp_exchange_share": 1.0 - sum(r.iteration_time_s for r in fixed_no_cp)

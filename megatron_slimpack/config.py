@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Optional
 
 from .errors import SlimPackError
 from .specs import HARDWARE
+from .workload.sampler import DEFAULT_LONG_DOCUMENTS, LONG_DOCUMENT_MODES
 
 # ==== option metadata ===========================================================================
 
@@ -44,6 +45,7 @@ class Option:
     megatron: Optional[str] = None
     # The Megatron argument (its `args` attribute) the value is read from instead of a flag of its own.
     megatron_source: Optional[str] = None
+    choices: Optional[tuple] = None   # the values the option takes (argparse refuses others, help lists them)
 
     def __post_init__(self) -> None:
         if self.megatron_source and not self.megatron:
@@ -156,8 +158,9 @@ def add_options(parser, cls: type, surface: Surface, *, only: Optional[Iterable[
                                 help=f"The opposite of {flag}{' (default)' if not default else ''}.")
         else:
             shown = meta.none_means if default is None else default
-            metavar = meta.metavar or (_flag_name(item).upper().replace("-", "_") if surface is CLI else None)
-            parser.add_argument(flag, dest=dest, type=kind, default=default, metavar=metavar,
+            metavar = meta.metavar or (_flag_name(item).upper().replace("-", "_")
+                                       if surface is CLI and not meta.choices else None)
+            parser.add_argument(flag, dest=dest, type=kind, default=default, metavar=metavar, choices=meta.choices,
                                 help=f"{text} (default: {shown})".replace("%", "%%"))
         added.append(item.name)
     return added
@@ -339,6 +342,12 @@ class SlimPackConfig:
         none_means="the wall-clock limit only"))
     seed: int = field(default=0, metadata=option(
         "Seed of the batch sampler and the planner's random choices.", megatron_source="seed"))
+    # What the batch sampler makes of a document longer than the context (`GlobalBatchSampler`):
+    # never decided silently, so by default such a corpus is refused with the count and the fix.
+    long_documents: str = field(default=DEFAULT_LONG_DOCUMENTS, metadata=option(
+        "A document longer than the context length: 'error' refuses the corpus before the first batch (naming how "
+        "many, the longest and the fix), 'split' cuts it into pieces of the context length, each a sample of its "
+        "own, 'drop' leaves it out (counted).", choices=LONG_DOCUMENT_MODES))
     solver_workers: int = field(default=1, metadata=not_an_option(
         "one CP-SAT worker keeps plans reproducible and leaves the cores to training; set it from Python"))
     # The search's effort knobs (not exposed as flags).
@@ -369,6 +378,9 @@ class SlimPackConfig:
         _positive(problems, values, n, "solver_time_limit_s", " seconds")
         _positive(problems, values, n, "solver_deterministic_limit", optional=True)
         _integer(problems, values, n, "seed", 0)
+        if not isinstance(values["long_documents"], str) or values["long_documents"] not in LONG_DOCUMENT_MODES:
+            problems.append(("long_documents", f"{n('long_documents')} must be one of "
+                                               f"{', '.join(LONG_DOCUMENT_MODES)}, got {values['long_documents']!r}"))
         _integer(problems, values, n, "solver_workers", 1)
         if not isinstance(values["tunables"], PlannerTunables):
             problems.append(("tunables", f"{n('tunables')} must be a PlannerTunables, got {values['tunables']!r}"))

@@ -124,7 +124,7 @@ class ParallelConfig:
     # Virtual pipeline stages (model chunks) per pipeline rank: Megatron's interleaved 1F1B
     # (--num-virtual-stages-per-pipeline-rank). Chunk c of rank s is virtual stage c * pp + s.
     vpp: int = 1
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # RECOMPUTE_MODES: none | selective | selective-mlp | full
     # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/attention/batch.py)
     sequence_parallel: bool = True
     zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
@@ -197,7 +197,24 @@ class ParallelConfig:
         return cls(**data)
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+# Megatron's activation recompute, lightest first (each frees more memory and re-runs more work):
+# none; selective (`--recompute-granularity selective`, its default `--recompute-modules core_attn`);
+# selective-mlp (`--recompute-modules core_attn mlp`: the MLP block too); full (every layer whole:
+# `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`).
+RECOMPUTE_MODES = ("none", "selective", "selective-mlp", "full")
+# The `--recompute-modules` of each selective mode.
+SELECTIVE_MODULES = {"selective": ("core_attn",), "selective-mlp": ("core_attn", "mlp")}
+
+
+def recompute_flags(mode: str) -> list[str]:
+    """Megatron-LM's flags that train with recompute `mode` (RECOMPUTE_MODES)."""
+    if mode == "none":
+        return []
+    if mode == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if mode == "selective":  # Megatron's default modules
+        return ["--recompute-granularity", "selective"]
+    return ["--recompute-granularity", "selective", "--recompute-modules", *SELECTIVE_MODULES[mode]]
 
 
 def divisors(n: int) -> list[int]:
@@ -271,6 +288,7 @@ def hardware_from_dict(data: dict) -> HardwareSpec:
 
 
 __all__ = [
-    "GIB", "SpecError", "ModelSpec", "HardwareSpec", "ParallelConfig", "RECOMPUTE_MODES", "MODELS",
+    "GIB", "SpecError", "ModelSpec", "HardwareSpec", "ParallelConfig", "RECOMPUTE_MODES", "SELECTIVE_MODULES",
+    "recompute_flags", "MODELS",
     "HARDWARE", "get_model", "get_hardware", "divisors", "model_from_dict", "hardware_from_dict",
 ]

@@ -18,7 +18,8 @@ Shared by every run: the model's sizes (megatron_slimpack.specs.MODELS; GQA as -
 --num-query-groups), --seq-length / --max-position-embeddings = the context, --global-batch-size = the
 grid's sequences per global batch (paper.yaml `global_batch_size`, as benchmarks/paper_table.py sizes
 its batches), --bf16, --use-distributed-optimizer, --sequence-parallel whenever tp > 1, recompute
-selective or full (--recompute-method uniform --recompute-num-layers 1) as the layout says; the data
+selective, selective-mlp (--recompute-modules core_attn mlp) or full (--recompute-method uniform
+--recompute-num-layers 1) as the layout says (megatron_slimpack.specs.recompute_flags); the data
 parallel size follows from the cell's GPU count.
 
 What Megatron-LM (core_v0.16.1) cannot express, said next to each affected run in --dry-run:
@@ -65,11 +66,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_slimpack.planner.strategies import strategy_specs  # noqa: E402
-from megatron_slimpack.specs import MODELS  # noqa: E402
+from megatron_slimpack.specs import MODELS, RECOMPUTE_MODES, SELECTIVE_MODULES  # noqa: E402
 
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 REFERENCE = "megatron-fixed"
-LAYOUT_TOKEN = re.compile(r"(tp|pp|vpp|cp|dp)([0-9]+)|rc-(none|selective|full)")
+LAYOUT_TOKEN = re.compile(r"(tp|pp|vpp|cp|dp)([0-9]+)|rc-(" + "|".join(RECOMPUTE_MODES) + ")")
 
 # Strategies that stock pretrain_gpt.py runs without --slimpack, and what such a run measures.
 STOCK = {
@@ -157,6 +158,8 @@ def flags(options: dict) -> list[str]:
             out.append(f"--{key}")
         elif value is False or value is None:
             continue
+        elif isinstance(value, (list, tuple)):  # a flag of several values: --recompute-modules core_attn mlp
+            out += [f"--{key}", *map(str, value)]
         else:
             out += [f"--{key}", str(value)]
     return out
@@ -184,7 +187,9 @@ def layout_options(layout: Layout, *, base_merge: bool) -> dict:
         "num-virtual-stages-per-pipeline-rank": layout.vpp if layout.vpp > 1 else None,
         "context-parallel-size": 1 if base_merge else layout.cp,
         "slimpack-base-merge": layout.cp if base_merge and layout.cp > 1 else None,
-        "recompute-granularity": None if layout.recompute == "none" else layout.recompute,
+        "recompute-granularity": {"none": None, "full": "full"}.get(layout.recompute, "selective"),
+        # selective alone is Megatron's default --recompute-modules (core_attn)
+        "recompute-modules": SELECTIVE_MODULES[layout.recompute] if layout.recompute == "selective-mlp" else None,
         "recompute-method": "uniform" if layout.recompute == "full" else None,
         "recompute-num-layers": 1 if layout.recompute == "full" else None,
     }
@@ -233,8 +238,12 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
         # The plugin runs a layout's cp K as K-fold context parallelism by DP-Merge groups, for every
         # strategy it trains (`planner.strategies.planning_view`), as `slimpack compare` priced it.
         options.update(layout_options(layout, base_merge=True))
+        # Documents longer than the context are cut at it, each piece a sample of its own: the paper's
+        # setting, and what the stock runs' fixed-length packing does to them, so every strategy of a
+        # cell trains on the same documents (SlimPack's default refuses such a corpus).
         options.update({"slimpack": True, "slimpack-strategy": strategy, "no-rope-fusion": True,
-                        "slimpack-hardware": clusters[cluster].get("hardware", "h100-sxm")})
+                        "slimpack-hardware": clusters[cluster].get("hardware", "h100-sxm"),
+                        "slimpack-long-documents": "split"})
     options.update(overlap_options(strategy_specs()[strategy].overlaps, layout))
     run.megatron_args = flags(options)
     return run

@@ -147,7 +147,7 @@ def test_asymmetric_planning_is_never_worse_than_symmetric_on_the_same_micropack
     profile = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "profile_cpu_tiny.json"
     cost = ms.CostModel.from_profile(profile)
     parallel = ms.ParallelConfig(pp=2, dp=1, tp=1, sequence_parallel=False, zero1=False)
-    batch = global_batches("text", 4096, 3, 1, seed=6)[0]
+    batch = global_batches("text", 4096, 3, 1, seed=6, long_documents="split")[0]
     makespans = {}
     for strategy in ("slimpack-sym", "slimpack"):
         config = ms.SlimPackConfig(strategy=strategy, context_length=4096, seed=6, solver_time_limit_s=30.0,

@@ -28,9 +28,10 @@ def test_plan_has_every_planner_option_with_the_dataclass_defaults(parser):
             assert CLI.flag(item) in flags, item.name
     assert {"--no-dp-merge", "--strategy", "--slice-tokens", "--base-merge", "--solver-time-limit"} <= flags
     args = parser.parse_args(["plan"])
-    assert cli.planner_config(args) == SlimPackConfig()
+    # The one default of its own: the command splits documents longer than the context (and says so).
+    assert cli.planner_config(args) == SlimPackConfig(long_documents="split")
     args = parser.parse_args(["plan", "--strategy", "bfd", "--no-dp-merge", "--max-micropack-tokens", "2048",
-                              "--solver-deterministic-limit", "0.5", "--seed", "4"])
+                              "--solver-deterministic-limit", "0.5", "--seed", "4", "--long-documents", "error"])
     assert cli.planner_config(args) == SlimPackConfig(strategy="bfd", dp_merge=False, max_micropack_tokens=2048,
                                                       solver_deterministic_limit=0.5, seed=4)
 
@@ -53,7 +54,8 @@ def test_compare_passes_the_planner_options_on(monkeypatch):
     monkeypatch.setattr(comparison, "run_comparison", fake)
     assert cli.main(["compare", "--json", "--solver-time-limit", "2", "--slice-tokens", "512",
                      "--context-length", "4096", "--hardware", "h200"]) == 2  # no row: exit 2
-    assert seen["config"] == SlimPackConfig(solver_time_limit_s=2.0, slice_tokens=512, context_length=4096)
+    assert seen["config"] == SlimPackConfig(solver_time_limit_s=2.0, slice_tokens=512, context_length=4096,
+                                            long_documents="split")
     assert seen["hardware"] == "h200" and seen["cost"].hardware.name == "h200"
 
 

@@ -77,7 +77,7 @@ def test_compare_takes_seq_length(monkeypatch, capsys):
     monkeypatch.setattr(comparison, "run_comparison", fake)
     code, _, err = run_cli(["compare", "--seq-length", "4096", "--json"], capsys)
     assert code == 2 and "no strategy has a feasible layout" in err  # the stand-in has no row
-    assert seen["config"] == SlimPackConfig(context_length=4096)
+    assert seen["config"] == SlimPackConfig(context_length=4096, long_documents="split")  # the command's default
 
 
 def test_plan_base_merge_reproduces_a_compare_cp_layout(tmp_path, capsys):

@@ -25,7 +25,7 @@ THREE = ["--strategies", "megatron-fixed,bfd,slimpack"]
 
 
 def tiny_batches(steps: int = 2, seed: int = 0) -> list[list[int]]:
-    sampler = GlobalBatchSampler(load_lengths("longtail", seed=seed), CONTEXT, 4, seed=seed)
+    sampler = GlobalBatchSampler(load_lengths("longtail", seed=seed), CONTEXT, 4, seed=seed, long_documents="split")
     return [sampler.next_batch().lengths for _ in range(steps)]
 
 

@@ -144,7 +144,7 @@ def test_gantt_charts_of_a_comparison_share_one_time_axis(tmp_path, monkeypatch)
     cost = CostModel.analytic("llama-7b", "h100-sxm")
     comparison.run_comparison(workload="text", model="llama-7b", hardware="h100-sxm", cost=cost, gpus=8,
                               context_length=8192, global_batch_size=8, strategies="megatron-fixed,slimpack",
-                              seed=0, gantt_dir=str(tmp_path), show_progress=False)
+                              seed=0, long_documents="split", gantt_dir=str(tmp_path), show_progress=False)
     assert set(horizons) == {"megatron-fixed", "slimpack"}
     longest = max(own for _, own in horizons.values())
     assert all(horizon == longest for horizon, _ in horizons.values())

@@ -32,6 +32,7 @@ MEGATRON_FLAGS = {
     "--no-slimpack-fixed-grouping-floor", "--slimpack-base-merge", "--slimpack-cost-model",
     "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
     "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron", "--slimpack-planner-timeout",
+    "--slimpack-long-documents",
 }
 # Fields deliberately not flags, on each surface.
 NOT_MEGATRON_FLAGS = {"context_length", "seed", "merge_threshold", "solver_workers", "tunables"}
@@ -112,7 +113,8 @@ def test_cli_options_are_generated_with_the_dataclass_defaults():
     assert option_strings(parser) - {"-h", "--help"} == {
         "--strategy", "--context-length", "--max-micropack-tokens", "--slice-tokens", "--dp-merge", "--no-dp-merge",
         "--fixed-grouping-floor", "--no-fixed-grouping-floor",
-        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--cost-model", "--hardware"}
+        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--long-documents",
+        "--cost-model", "--hardware"}
     args = parser.parse_args([])
     assert from_options(SlimPackConfig, args, CLI) == SlimPackConfig()
     assert from_options(MegatronIntegrationConfig, args, CLI) == MegatronIntegrationConfig()
@@ -207,7 +209,7 @@ def test_the_python_api_validates_and_keeps_its_contract():
         "strategy": "slimpack", "context_length": 262144, "max_micropack_tokens": None, "slice_tokens": None,
         "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
         "solver_time_limit_s": 0.5,
-        "solver_deterministic_limit": None, "seed": 0, "solver_workers": 1,
+        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "solver_workers": 1,
         "tunables": dataclasses.asdict(PlannerTunables())}
     with pytest.raises(ValueError, match="SlimPackConfig.base_merge must be a power of two"):
         ms.SlimPackConfig(base_merge=3)

@@ -99,6 +99,37 @@ def test_selective_recompute_reruns_core_attention_and_full_recompute_the_layer(
     assert full - plain == pytest.approx(LLAMA.layer_time(tokens, pairs, none, backward=False))
 
 
+def test_mlp_recompute_of_one_layer_by_hand():
+    """`--recompute-modules core_attn mlp` (selective-mlp) on llama-7b, tp 2, bf16, fused attention:
+    backward re-runs core attention and the MLP (fc1 4096 -> 2 x 11008 / 2, SwiGLU reading 2f and
+    writing f, fc2 11008 / 2 -> 4096) and the MLP's two TP collectives; the MLP's checkpoint keeps
+    its input and frees fc1's output (2f) and SwiGLU's (f), which one layer's backward holds again."""
+    h, f, tokens, pairs = 4096, 11008, 8192.0, causal(8192)
+    tp2 = ParallelConfig(tp=2)
+    mlp_mode = tp2.with_(recompute="selective-mlp")
+    gemm, share = LLAMA.kernels.gemm, LLAMA.hardware.sustained_compute_share
+    mlp_forward = ((gemm.seconds(tokens, 2 * f / 2, h) + gemm.seconds(tokens, h, f / 2)) / share
+                   + 3 * f * tokens * 2 / 2 / (LLAMA.hardware.memory_bandwidth * 0.8))
+    assert LLAMA.mlp_forward_time(tokens, tp2) == pytest.approx(mlp_forward)
+    plain = LLAMA.layer_time(tokens, pairs, tp2, backward=True)
+    attention_forward = LLAMA.attention_time(tokens, pairs, tp2, backward=False)
+    assert LLAMA.layer_time(tokens, pairs, mlp_mode, backward=True) - plain == pytest.approx(attention_forward
+                                                                                            + mlp_forward)
+    one_collective = LLAMA.tp_comm_time(tokens, tp2, backward=False) / 4
+    assert LLAMA.tp_comm_time(tokens, mlp_mode, backward=True) == pytest.approx(8 * one_collective)
+    layers = LLAMA.layers_per_stage(tp2)
+    freed = (LLAMA.activation_bytes(tokens, pairs, tp2.with_(recompute="selective"))
+             - LLAMA.activation_bytes(tokens, pairs, mlp_mode)) / layers
+    assert freed == pytest.approx(tokens * (2 * f + f) * 2 / 2)
+    assert LLAMA.recompute_peak_bytes(tokens, pairs, mlp_mode) == pytest.approx(tokens * (2 * f + f) * 2 / 2)
+    # it sits between selective and full in both time and memory
+    times = [LLAMA.layer_time(tokens, pairs, tp2.with_(recompute=mode), backward=True)
+             for mode in ("selective", "selective-mlp", "full")]
+    memory = [LLAMA.activation_bytes(tokens, pairs, tp2.with_(recompute=mode))
+              for mode in ("selective", "selective-mlp", "full")]
+    assert times == sorted(times) and memory == sorted(memory, reverse=True)
+
+
 def test_activation_terms_of_one_layer_by_hand():
     """llama-7b (h 4096, kv 4096, f 11008), bf16, fused attention: per token, the norm inputs and
     rstd (2h + 2), QKV output (h + 2kv), rotated q and k (h + kv), attention output (h), MLP input

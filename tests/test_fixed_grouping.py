@@ -27,7 +27,7 @@ def test_on_the_demo_batches_slimpack_is_priced_no_slower_than_the_grouping():
     corpus = TextCorpus(None)
     cost = demo_cost_model(demo_model_spec("tiny", corpus.VOCAB_SIZE), "analytic")
     parallel = ms.ParallelConfig(pp=2)
-    sampler = GlobalBatchSampler(corpus.lengths, DEFAULT_CONTEXT, DEFAULT_GLOBAL_BATCH, seed=0)
+    sampler = GlobalBatchSampler(corpus.lengths, DEFAULT_CONTEXT, DEFAULT_GLOBAL_BATCH, seed=0, long_documents="split")
     config = ms.SlimPackConfig(context_length=DEFAULT_CONTEXT, solver_time_limit_s=0.2)
     for _ in range(4):
         batch = sampler.next_batch()

@@ -46,7 +46,7 @@ def case_list() -> dict[str, dict]:
 
 def compute(case: dict) -> dict:
     lengths = load_lengths(case["workload"])
-    batch = GlobalBatchSampler(lengths, case["context"], case["sequences"], seed=0).next_batch()
+    batch = GlobalBatchSampler(lengths, case["context"], case["sequences"], seed=0, long_documents="split").next_batch()
     cost = ms.CostModel.analytic(case["model"], "h100-sxm")
     config = ms.SlimPackConfig(strategy=case.get("strategy", "slimpack"), context_length=case["context"],
                                solver_time_limit_s=120.0, solver_deterministic_limit=0.5)

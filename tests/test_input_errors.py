@@ -88,7 +88,7 @@ def resumable():
     config = ms.SlimPackConfig(context_length=4096, strategy="wlb-llm")
 
     def fresh():
-        sampler = ms.GlobalBatchSampler(lengths, 4096, 4, seed=0)
+        sampler = ms.GlobalBatchSampler(lengths, 4096, 4, seed=0, long_documents="split")
         plan_fn = plan_function(new_planner("wlb-llm"), ms.ParallelConfig(pp=1), CostModel.analytic("tiny", "cpu"),
                                 config)
         return PlannerIterator(sampler, plan_fn, plan_ahead=0, steps=4)

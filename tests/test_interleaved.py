@@ -275,7 +275,8 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
 
     context = 256 * 1024
     wikipedia = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikipedia_lengths.txt"
-    batch = GlobalBatchSampler(load_lengths(f"file:{wikipedia}", seed=0), context, 512, seed=0).next_batch()
+    batch = GlobalBatchSampler(load_lengths(f"file:{wikipedia}", seed=0), context, 512, seed=0,
+                               long_documents="split").next_batch()
     cost = CostModel.analytic("llama-7b", "h100-sxm")
     parallel = ParallelConfig(dp=32, pp=2, vpp=2, tp=2, recompute="selective")
     plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,

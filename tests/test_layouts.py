@@ -34,7 +34,7 @@ def test_enumeration_respects_hardware_model_and_strategy():
     for p in layouts:
         assert p.world_size == 256 and p.tp <= 8 and 64 % p.tp == 0 and 8 % p.tp == 0
         assert 80 % p.pp == 0 and p.cp & (p.cp - 1) == 0
-    assert {p.recompute for p in layouts} == {"none", "selective", "full"}
+    assert {p.recompute for p in layouts} == {"none", "selective", "selective-mlp", "full"}
     assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
     # base merge
     assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}

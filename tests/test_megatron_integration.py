@@ -339,7 +339,7 @@ def _plan_fn():
 def _sampler():
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
-    return GlobalBatchSampler(load_lengths("longtail:n=2000", seed=3), 512, 8, seed=3)
+    return GlobalBatchSampler(load_lengths("longtail:n=2000", seed=3), 512, 8, seed=3, long_documents="split")
 
 
 def test_planner_iterator_resumes_exactly():
@@ -479,7 +479,9 @@ def test_apply_patches_reports_a_mismatch(tmp_path):
 
 # ---- the Megatron-side data path on CPU (no megatron.training needed) -----------------------
 def _megatron_args(**overrides):
-    args = parse("--slimpack", "--calculate-per-token-loss", "--seq-length", "256")
+    # Documents up to 600 tokens (and the mock corpus's up to 4,095) at --seq-length 256: cut at it.
+    args = parse("--slimpack", "--calculate-per-token-loss", "--seq-length", "256",
+                 "--slimpack-long-documents", "split")
     values = dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
                   group_query_attention=True, padded_vocab_size=256, swiglu=True, data_parallel_size=2,
                   pipeline_model_parallel_size=2, tensor_model_parallel_size=1, global_batch_size=4,

@@ -14,7 +14,8 @@ properties at once (CI time: a launch costs 10-60 s on 2 cores):
            per backward call and launches a bucket's reduce at the count it learned in step 1);
   tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP),
            full recompute of every layer;
-  vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B);
+  vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B), --recompute-modules core_attn mlp
+           (the planner's selective-mlp mode: the MLP block re-run in backward as well);
   resume:  a run saved at iteration 2 and resumed gives the unbroken run's iteration 3;
   bf16:    --bf16 close to fp32.
 
@@ -54,7 +55,8 @@ LAYOUTS = {
                                    "--recompute-granularity", "full", "--recompute-method", "uniform",
                                    "--recompute-num-layers", "1"]),
     "vpp2": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
-                                 "2"]),
+                                 "2", "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                                 "mlp"]),
 }
 
 

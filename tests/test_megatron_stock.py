@@ -108,7 +108,7 @@ def test_never_faster_than_megatron_fixed_on_the_same_layout(parallel):
 
 def test_sources_say_where_each_sequence_begins_and_its_pieces_cover_the_batch_once():
     corpus = np.random.default_rng(5).integers(50, 3 * 4096, size=200)
-    sampler = GlobalBatchSampler(corpus, 4096, 16, seed=5)
+    sampler = GlobalBatchSampler(corpus, 4096, 16, seed=5, long_documents="split")
     for _ in range(3):
         drawn = sampler.next_batch()
         plan = plan_of("megatron-stock", drawn.lengths, ParallelConfig(dp=2, pp=2, tp=8), context=4096,

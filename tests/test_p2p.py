@@ -99,7 +99,8 @@ def test_paper_layout_plans_are_deadlock_free(name):
     from test_golden_plans import case_list
 
     case = case_list()[name]
-    batch = GlobalBatchSampler(load_lengths(case["workload"]), case["context"], case["sequences"], seed=0).next_batch()
+    batch = GlobalBatchSampler(load_lengths(case["workload"]), case["context"], case["sequences"], seed=0,
+                               long_documents="split").next_batch()
     config = ms.SlimPackConfig(strategy=case.get("strategy", "slimpack"), context_length=case["context"],
                                solver_time_limit_s=120.0, solver_deterministic_limit=0.5)
     plan = ms.plan(batch.lengths, parallel=ms.ParallelConfig(**case["parallel"]),

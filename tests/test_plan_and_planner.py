@@ -748,7 +748,8 @@ def test_where_even_cost_chains_do_not_fit_memory_the_plain_packing_is_planned()
 
     context = 65536
     config = ms.SlimPackConfig(context_length=context, max_micropack_tokens=context)
-    lengths = GlobalBatchSampler(load_lengths("github", seed=0), context, 256, seed=0).next_batch().lengths
+    lengths = GlobalBatchSampler(load_lengths("github", seed=0), context, 256, seed=0,
+                                 long_documents="split").next_batch().lengths
     cap = auto_token_cap(LLAMA3_70B, TIGHT_PP2, config)
     rates = WorkRates.from_cost(LLAMA3_70B, TIGHT_PP2, cap)
     samples = samples_of(lengths)

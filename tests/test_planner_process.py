@@ -26,7 +26,7 @@ CONFIG = SlimPackConfig(context_length=512, solver_time_limit_s=60, solver_deter
 
 
 def _sampler() -> GlobalBatchSampler:
-    return GlobalBatchSampler(load_lengths("longtail:n=2000", seed=3), 512, 8, seed=3)
+    return GlobalBatchSampler(load_lengths("longtail:n=2000", seed=3), 512, 8, seed=3, long_documents="split")
 
 
 def _plan_fn(strategy: str = "slimpack"):

@@ -182,7 +182,7 @@ def test_tunables_are_frozen_validated_and_part_of_the_config():
         "strategy": "slimpack", "context_length": 65536, "max_micropack_tokens": None, "slice_tokens": None,
         "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
         "solver_time_limit_s": 0.5,
-        "solver_deterministic_limit": None, "seed": 0, "solver_workers": 1}
+        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "solver_workers": 1}
 
 
 def test_the_config_tunables_reach_phase_one():
@@ -393,7 +393,8 @@ def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeyp
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
     context = 128 * K
-    lengths = GlobalBatchSampler(load_lengths("longtail", seed=1), context, 64, seed=1).next_batch().lengths
+    lengths = GlobalBatchSampler(load_lengths("longtail", seed=1), context, 64, seed=1,
+                                 long_documents="split").next_batch().lengths
     parallel = ParallelConfig(dp=8, pp=4, vpp=4, tp=1)
     config = ms.SlimPackConfig(context_length=context, solver_deterministic_limit=0.2)
     known_hits, sizes_left_after_a_fit = [], []

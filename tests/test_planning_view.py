@@ -17,7 +17,7 @@ RUN = ms.ParallelConfig(dp=4, pp=2, tp=4)  # what Megatron runs: cp 1, dp x K re
 
 
 def batches(count: int) -> list[GlobalBatch]:
-    sampler = GlobalBatchSampler(load_lengths("longtail", seed=3), CONTEXT, 16, seed=3)
+    sampler = GlobalBatchSampler(load_lengths("longtail", seed=3), CONTEXT, 16, seed=3, long_documents="split")
     return [sampler.next_batch() for _ in range(count)]
 
 
@@ -52,6 +52,6 @@ def test_a_resumed_stateful_planner_advances_on_the_view():
     plan_batch = plan_function(planned, RUN, COST, config)
     for batch in batches(2):
         plan_batch(batch)
-    sampler = GlobalBatchSampler(load_lengths("longtail", seed=3), CONTEXT, 16, seed=3)
+    sampler = GlobalBatchSampler(load_lengths("longtail", seed=3), CONTEXT, 16, seed=3, long_documents="split")
     fast_forward(sampler, resumed, RUN, COST, config, 2)
     assert resumed.state_dict() == planned.state_dict()

@@ -104,7 +104,7 @@ def batch_tokens(batch) -> Counter:
 def run_strategy(strategy: str, steps: int, seed: int = 3):
     """Plans of `steps` batches (and WLB-LLM's flush); every batch token, every consumed token."""
     corpus = CodedCorpus(corpus_lengths(seed))
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=seed)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=seed, long_documents="split")
     parallel, config = layout(strategy), config_for(strategy)
     planner = new_planner(strategy)
     plan_batch = plan_function(planner, parallel, COST, config)
@@ -175,7 +175,7 @@ def test_demo_plans_train_on_their_documents_tokens(strategy):
     from megatron_slimpack.apps.demo import make_plan_function
 
     corpus = CodedCorpus(corpus_lengths(3))
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 2, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 2, seed=3, long_documents="split")
     plan_batch = make_plan_function(strategy, COST, ms.ParallelConfig(pp=2), ms.SlimPackConfig(context_length=CONTEXT))
     given, seen = Counter(), Counter()
     for step in range(4):
@@ -196,7 +196,7 @@ def test_sources_change_nothing_but_the_sources(strategy):
     corpus = CodedCorpus(corpus_lengths(2))
     parallel, config = layout(strategy), config_for(strategy)
     with_sources, without = new_planner(strategy), new_planner(strategy)
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=2)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=2, long_documents="split")
     for _ in range(3):
         batch = sampler.next_batch()
         a = with_sources.plan(batch.lengths, parallel, COST, config, sources=batch.sources).validate()
@@ -298,19 +298,19 @@ def _resume_setup(strategy: str = "wlb-llm"):
 
 def test_wlb_llm_fast_forward_resumes_exactly():
     corpus, parallel, config = _resume_setup()
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     uninterrupted = plan_function(new_planner("wlb-llm"), parallel, COST, config)
     reference = [uninterrupted(sampler.next_batch()).to_dict() for _ in range(5)]
     assert uninterrupted.planner.pending  # documents are delayed: the state matters
 
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     planner = new_planner("wlb-llm")
     fast_forward(sampler, planner, parallel, COST, config, steps=2)
     resumed = plan_function(planner, parallel, COST, config)
     assert [resumed(sampler.next_batch()).to_dict() for _ in range(3)] == reference[2:]
 
     # Drawing the batches without bringing the planner along (the old resume) diverges.
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     for _ in range(2):
         sampler.next_batch()
     naive = plan_function(new_planner("wlb-llm"), parallel, COST, config)
@@ -330,7 +330,7 @@ def test_wlb_llm_advance_matches_planning_even_when_a_step_schedules_nothing():
 
 def test_wlb_llm_state_dict_round_trips():
     corpus, parallel, config = _resume_setup()
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     batches = [sampler.next_batch() for _ in range(5)]
     first = new_planner("wlb-llm")
     plan_first = plan_function(first, parallel, COST, config)
@@ -350,10 +350,10 @@ def test_wlb_llm_state_dict_round_trips():
 @pytest.mark.parametrize("strategy", ["bfd", "megatron-fixed", "slimpipe"])
 def test_stateless_planners_fast_forward_over_the_batches(strategy):
     corpus, parallel, config = _resume_setup(strategy)
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     plan_batch = plan_function(new_planner(strategy), parallel, COST, config)
     reference = [plan_batch(sampler.next_batch()).to_dict() for _ in range(3)]
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
     planner = new_planner(strategy)
     assert type(planner) is StepPlanner and planner.state_dict() == {}
     planner.load_state_dict({})
@@ -369,7 +369,7 @@ def test_planner_iterator_checkpoint_holds_the_planner_state():
     corpus, parallel, config = _resume_setup()
 
     def iterator():
-        sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3)
+        sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 4, seed=3, long_documents="split")
         return PlannerIterator(sampler, plan_function(new_planner("wlb-llm"), parallel, COST, config), plan_ahead=2,
                                steps=5)
 
@@ -400,7 +400,7 @@ def test_a_batch_across_an_epoch_boundary_may_hold_a_document_twice(strategy):
     _available(strategy)
     rng = np.random.default_rng(4)
     corpus = CodedCorpus(rng.integers(100, 2 * CONTEXT, size=10))
-    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 8, seed=4)
+    sampler = GlobalBatchSampler(corpus.lengths, CONTEXT, 8, seed=4, long_documents="split")
     parallel, config = layout(strategy), config_for(strategy)
     planner = new_planner(strategy)
     plan_batch = plan_function(planner, parallel, COST, config)

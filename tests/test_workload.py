@@ -236,7 +236,7 @@ def test_check_lengths_points_long_documents_to_the_sampler():
 
 
 def test_sampler_splits_long_documents_and_reports_it():
-    sampler = GlobalBatchSampler([10, 25, 3], context_length=8, global_batch_size=2, seed=0)
+    sampler = GlobalBatchSampler([10, 25, 3], context_length=8, global_batch_size=2, seed=0, long_documents="split")
     batches = [sampler.next_batch() for _ in range(3)]
     pieces = [(doc, start, n) for b in batches for (doc, start), n in zip(b.sources, b.lengths)]
     by_doc: dict[int, list[tuple[int, int]]] = {}
@@ -276,7 +276,7 @@ sampler_inputs = st.tuples(
 def test_sampler_properties(inputs):
     lengths, context, batch_size, seed = inputs
     budget = context * batch_size
-    sampler = GlobalBatchSampler(lengths, context, batch_size, seed=seed)
+    sampler = GlobalBatchSampler(lengths, context, batch_size, seed=seed, long_documents="split")
     batches = []
     while sum(b.stats.num_tokens for b in batches) < 2 * sum(lengths):  # two epochs
         batches.append(sampler.next_batch())
@@ -306,7 +306,7 @@ def test_sampler_properties(inputs):
     assert sorted(completed[documents : 2 * documents]) == list(range(documents))
 
     # Determinism: the same seed gives the same batches.
-    again = GlobalBatchSampler(lengths, context, batch_size, seed=seed)
+    again = GlobalBatchSampler(lengths, context, batch_size, seed=seed, long_documents="split")
     assert _pieces([again.next_batch() for _ in batches]) == _pieces(batches)
 
 
@@ -314,26 +314,28 @@ def test_sampler_properties(inputs):
 @given(sampler_inputs, st.integers(0, 6), st.integers(1, 6))
 def test_sampler_resume_continues_with_the_same_batches(inputs, before, after):
     lengths, context, batch_size, seed = inputs
-    sampler = GlobalBatchSampler(lengths, context, batch_size, seed=seed)
+    sampler = GlobalBatchSampler(lengths, context, batch_size, seed=seed, long_documents="split")
     for _ in range(before):
         sampler.next_batch()
     state = json.loads(json.dumps(sampler.state_dict()))  # checkpoints are JSON
     expected = [sampler.next_batch() for _ in range(after)]
 
-    resumed = GlobalBatchSampler(lengths, context, batch_size, seed=seed)
+    resumed = GlobalBatchSampler(lengths, context, batch_size, seed=seed, long_documents="split")
     resumed.load_state_dict(state)
     assert [resumed.next_batch() for _ in range(after)] == expected
     assert (resumed.split_documents, resumed.split_pieces) == (sampler.split_documents, sampler.split_pieces)
 
 
 def test_resume_with_other_settings_is_refused():
-    state = GlobalBatchSampler([5, 9], 4, 2, seed=1).state_dict()
+    state = GlobalBatchSampler([5, 9], 4, 2, seed=1, long_documents="split").state_dict()
     with pytest.raises(WorkloadError, match="different"):
-        GlobalBatchSampler([5, 9], 4, 2, seed=2).load_state_dict(state)
+        GlobalBatchSampler([5, 9], 4, 2, seed=2, long_documents="split").load_state_dict(state)
 
 
 def test_global_batches_convenience():
-    batches = global_batches("longtail:n=2000", context_length=4096, global_batch_size=4, steps=3, seed=5)
+    batches = global_batches("longtail:n=2000", context_length=4096, global_batch_size=4, steps=3, seed=5,
+                             long_documents="split")
     assert [b.step for b in batches] == [0, 1, 2]
     assert all(b.stats.num_tokens <= 4 * 4096 and max(b.lengths) <= 4096 for b in batches)
-    assert batches == global_batches("longtail:n=2000", context_length=4096, global_batch_size=4, steps=3, seed=5)
+    assert batches == global_batches("longtail:n=2000", context_length=4096, global_batch_size=4, steps=3, seed=5,
+                                     long_documents="split")

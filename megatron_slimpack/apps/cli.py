@@ -25,8 +25,15 @@ from ..simulator.report import (
     summary,
     write_chrome_trace,
 )
-from ..specs import HARDWARE, ParallelConfig, SpecError
-from ..workload import GlobalBatchSampler, load_lengths
+from ..specs import HARDWARE, RECOMPUTE_MODES, ParallelConfig, SpecError
+from ..workload import (
+    LONG_DOCUMENT_MODES,
+    GlobalBatchSampler,
+    LongDocumentsError,
+    check_batch_scale,
+    load_lengths,
+    long_document_note,
+)
 from . import comparison, library_noise
 from .cli_options import (
     add_megatron_spellings,
@@ -104,7 +111,15 @@ def add_workload_options(parser: argparse.ArgumentParser, *, batch: int, model: 
     parser.add_argument("--global-batch-size", type=positive_int, default=batch,
                         help="sequences of context length per step")
     parser.add_argument("--steps", type=positive_int, default=1, help="consecutive global batches")
-    add_planner_options(parser, exclude=planner_exclude)
+    add_planner_options(parser, exclude=(*planner_exclude, "long_documents"))
+    # Split by default here, unlike the Python API and Megatron (error): these commands plan and
+    # simulate the paper's setting, whose workloads (text, longtail, the data files) all hold
+    # documents longer than the usual contexts; every split or dropped document is reported.
+    parser.add_argument("--long-documents", choices=LONG_DOCUMENT_MODES, default="split",
+                        help="a document longer than the context length: 'split' cuts it into pieces of the context "
+                             "length, each a sample of its own (the paper's setting; how many is said on stderr), "
+                             "'drop' leaves it out (counted on stderr), 'error' refuses the workload, naming how many "
+                             "and the longest (default: split)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -127,9 +142,20 @@ def load_cost(args) -> CostModel:
 
 
 def global_batches(args) -> list[list[int]]:
+    """The lengths of `--steps` global batches of `--workload`; what became of documents longer
+    than the context (--long-documents) is said in one line on stderr (stdout stays JSON with --json)."""
     lengths = load_lengths(args.workload, seed=args.seed)
-    sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed)
-    return [sampler.next_batch().lengths for _ in range(args.steps)]
+    try:
+        sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed,
+                                     long_documents=args.long_documents)
+    except LongDocumentsError as error:
+        raise CliError(f"--workload {args.workload}: {error.message('--long-documents', '--context-length')}") from None
+    check_batch_scale(lengths, args.context_length, args.global_batch_size, args.long_documents)
+    batches = [sampler.next_batch() for _ in range(args.steps)]
+    note = long_document_note(batches, lengths, args.context_length)
+    if note:
+        print(f"slimpack {args.command}: note: {note}", file=sys.stderr)
+    return [batch.lengths for batch in batches]
 
 
 def progress(iterable, total: int, label: str, enabled: bool):
@@ -448,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="context parallel size; SlimPack plans cp K as DP-Merge groups of K replicas, like a "
                            "`compare` row 'slimpack ... cpK dpD' (the same plan as --cp 1 --dp K*D --base-merge K, "
                            "the form Megatron runs)")
-    plan.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+    plan.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES),
                       help="activation recomputation (default: none)")
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
     add_megatron_spellings(plan)  # --tensor-model-parallel-size, --seq-length, ... as in Megatron-LM

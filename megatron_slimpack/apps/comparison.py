@@ -54,7 +54,7 @@ from ..simulator.report import (
     write_gantt,
 )
 from ..specs import ParallelConfig
-from ..workload import GlobalBatchSampler, load_lengths
+from ..workload import GlobalBatchSampler, check_batch_scale, load_lengths, long_document_note
 from .library_noise import ignore_library_warnings
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
@@ -135,6 +135,8 @@ class ComparisonResult:
     cached: list[str] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)  # why SlimPack is slower where it is (`why_slower`)
     cost_model: dict | None = None  # `CostModel.describe()` of the model every row is priced with
+    # what the batches made of documents longer than the context (split or left out), where any
+    workload_notes: list[str] = field(default_factory=list)
 
     def rows(self, *, markdown: bool = False) -> list[StrategyRow]:
         """One row per strategy with a layout; the stock speedup column where megatron-stock was
@@ -196,7 +198,8 @@ class ComparisonResult:
     def _remarks(self) -> list[str]:
         """Strategies without a feasible layout, the references and what they train, how to run a
         base-merge layout in Megatron, and SlimPack's speedups."""
-        lines = [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
+        lines = list(self.workload_notes)
+        lines += [f"{name}: no feasible layout ({reason})" for name, reason in self.failures.items()]
         lines += [f"{name}: unfinished ({why}); no row" for name, why in self.unfinished.items()]
         lines += [f"{name}: not searched yet" for name in self.pending]
         lines += [f"{name} is a reference, left out of the fastest other strategy: "
@@ -239,6 +242,7 @@ class ComparisonResult:
             "cached": self.cached,  # results read from the search cache
             "explanations": self.explanations,  # why SlimPack is slower than a competitor, where it is
             "cost_model": self.cost_model,  # what every row is priced with: model, hardware, source
+            "workload_notes": self.workload_notes,  # documents longer than the context split or left out
         }
 
 
@@ -264,7 +268,7 @@ def run_comparison(
     *, workload: str, model: str, hardware: str, cost: CostModel, gpus: int, context_length: int | None = None,
     global_batch_size: int, steps: int = 1, strategies: str = "all", seed: int | None = None,
     solver_time_limit_s: float | None = None, solver_deterministic_limit: float | None = None,
-    config: SlimPackConfig | None = None, gantt_dir: str | None = None,
+    config: SlimPackConfig | None = None, long_documents: str | None = None, gantt_dir: str | None = None,
     show_progress: bool | str | CompareProgress = True,
     batches: list[list[int]] | None = None, time_budget_s: float | None = None,
     cache: "SearchCache | None" = None, on_update: Callable[[ComparisonResult], None] | None = None,
@@ -274,7 +278,10 @@ def run_comparison(
     `workers` > 1: the strategies not in the cache are searched in that many processes at once
     (`_search_in_parallel`); each search is the same as alone, so the result is too.
     `config`: the planners' configuration (its strategy is each one's in turn; default
-    `SlimPackConfig()`); `context_length`, `seed` and the solver limits, where given, replace its.
+    `SlimPackConfig()`); `context_length`, `seed`, `long_documents` (what the sampler makes of a
+    document longer than the context: `GlobalBatchSampler`) and the solver limits, where given,
+    replace its. Batches drawn here (`batches` None) that split or left out documents say so in the
+    notes (`workload_notes`).
 
     `show_progress`: True for `CompareProgress`'s choice (a bar on a terminal, log lines
     otherwise), False for nothing, one of its modes, or a `CompareProgress`. `cache`: where search results are kept and
@@ -283,14 +290,21 @@ def run_comparison(
     stop the search: the strategy being searched and those not started are `unfinished` (cached
     results are still read after the budget is spent, not after Ctrl-C)."""
     given = dict(context_length=context_length, seed=seed, solver_time_limit_s=solver_time_limit_s,
-                 solver_deterministic_limit=solver_deterministic_limit)
+                 solver_deterministic_limit=solver_deterministic_limit, long_documents=long_documents)
     config = (config or SlimPackConfig()).with_(**{name: value for name, value in given.items() if value is not None})
     context_length, seed = config.context_length, config.seed
+    workload_notes = []
     if batches is None:
-        sampler = GlobalBatchSampler(load_lengths(workload, seed=seed), context_length, global_batch_size, seed=seed)
-        batches = [sampler.next_batch().lengths for _ in range(steps)]
+        lengths = load_lengths(workload, seed=seed)
+        sampler = GlobalBatchSampler(lengths, context_length, global_batch_size, seed=seed,
+                                     long_documents=config.long_documents)
+        check_batch_scale(lengths, context_length, global_batch_size, config.long_documents)
+        drawn = [sampler.next_batch() for _ in range(steps)]
+        batches = [batch.lengths for batch in drawn]
+        note = long_document_note(drawn, lengths, context_length)
+        workload_notes = [f"{workload}: {note}"] if note else []
     names = resolve_strategies(strategies)
-    result = ComparisonResult({}, pending=list(names), cost_model=cost.describe())
+    result = ComparisonResult({}, pending=list(names), cost_model=cost.describe(), workload_notes=workload_notes)
     display = show_progress if isinstance(show_progress, CompareProgress) else CompareProgress(
         show_progress if isinstance(show_progress, str) else "auto" if show_progress else "off")
     started = time.monotonic()

@@ -14,7 +14,7 @@ import json
 
 from ..costmodel import CostModel, read_kernel_profile
 from ..planner.strategies import strategy_spec
-from ..specs import HARDWARE, ParallelConfig
+from ..specs import HARDWARE, RECOMPUTE_MODES, ParallelConfig
 from .cli_options import add_model_option, positive_int
 
 BACKENDS = ("te", "flash", "flash3", "torch")
@@ -35,8 +35,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens in the pack (default: one document)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size")
     parser.add_argument("--cp", type=positive_int, default=1, help="context parallel size")
-    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                        help="Megatron's recompute: selective re-runs core attention, full the whole layer")
+    parser.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES),
+                        help="Megatron's recompute: selective re-runs core attention, selective-mlp the MLP too "
+                             "(--recompute-modules core_attn mlp), full the whole layer")
     parser.add_argument("--strategy", default="slimpack",
                         help="whose overlaps price the communication (default slimpack: serial TP, blocking CP)")
     parser.add_argument("--json", action="store_true", help="the figures as one JSON document")

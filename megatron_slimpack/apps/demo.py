@@ -53,7 +53,7 @@ from ..runtime.host_memory import keep_freed_host_memory
 from ..runtime.processes import free_port
 from ..simulator.report import gantt_title, write_gantt
 from ..specs import ParallelConfig, SpecError, get_model
-from ..workload import GlobalBatchSampler, TextCorpus, WorkloadError
+from ..workload import GlobalBatchSampler, TextCorpus, WorkloadError, corpus_long_document_note
 from . import profiler
 from .library_noise import ignore_library_warnings
 from .profiler import QUICK_GRID
@@ -64,6 +64,10 @@ DEFAULT_GLOBAL_BATCH = 2  # sequences of the context length per step (8K tokens)
 STRATEGIES = ("megatron-fixed", "slimpack")
 LOSS_RTOL = 1e-3  # per-step relative loss difference allowed (float32 round-off through Adam)
 BOOTSTRAP_RESAMPLES = 4000
+# Source files longer than the context are cut into pieces of the context length, each a sample
+# of its own: the paper's setting, and what Megatron's fixed-length packing (the baseline) does to
+# them too, so both strategies see the same documents. The demo says how many on its first line.
+LONG_DOCUMENTS = "split"
 
 
 @dataclass
@@ -341,7 +345,7 @@ class DemoRunner:
                 initial = {k: (v.detach().clone() if v is not None else None) for k, v in chunk.state_dict().items()}
             chunk.load_state_dict(initial)
             sampler = GlobalBatchSampler(self.corpus.lengths, options.context_length, options.global_batch_size,
-                                         seed=options.seed)
+                                         seed=options.seed, long_documents=LONG_DOCUMENTS)
             planner = PlannerIterator(sampler, make_plan_function(strategy, cost, parallel, config),
                                       plan_ahead=options.plan_ahead, steps=options.steps)
             runs.append(StrategyRun(strategy, chunk, torch.optim.Adam(chunk.parameters(), lr=options.lr), planner))
@@ -721,6 +725,10 @@ def run_demo(args) -> int:
     print(f"slimpack demo: model {options.model}, pp={options.pp} gloo processes on CPU, context "
           f"{options.context_length}, {options.global_batch_size} sequences/step, {options.steps} steps per strategy, "
           f"text from {options.data_dir or 'the Python standard library'}", file=sys.stderr, flush=True)
+    note = corpus_long_document_note(TextCorpus(options.data_dir).lengths, options.context_length, LONG_DOCUMENTS,
+                                     options=(None, "--context-length"))
+    if note:
+        print(f"slimpack demo: {note}", file=sys.stderr, flush=True)
     result = launch(options)
     summary = summarize(result, options)
     summary["gantt_files"] = []

@@ -34,7 +34,7 @@ from ..runtime.processes import spawn
 from ..simulator.dag import simulate
 from ..simulator.report import write_chrome_trace
 from ..specs import ModelSpec, ParallelConfig, model_from_dict
-from ..workload import GlobalBatch, TextCorpus, global_batches
+from ..workload import GlobalBatch, TextCorpus, global_batches, load_lengths, long_document_note
 from .cli_options import add_model_option, positive_int
 from .profiler import reference_seconds, transformer_config
 
@@ -324,7 +324,9 @@ def text_plans(cost, *, strategies: Sequence[str], pp: int = 2, dp: int = 1, con
     """Global batches of real text lengths (`load_lengths("text")`, documents longer than the
     context split by the sampler) planned by each strategy. Returns [(strategy, batch, plan)]."""
     parallel = ParallelConfig(pp=pp, dp=dp, tp=1, sequence_parallel=False, zero1=False)
-    batches = global_batches("text", context_length, global_batch_size, steps, seed=seed)
+    # The standard library holds files longer than any context measured here: they are cut into
+    # pieces of the context length, each a sample of its own (the paper's setting; `validate` says how many).
+    batches = global_batches("text", context_length, global_batch_size, steps, seed=seed, long_documents="split")
     out = []
     for batch in batches:
         for name in strategies:
@@ -344,6 +346,10 @@ def validate(cost, *, plans: int = 2, pp: int = 2, dp: int = 1, strategies: Sequ
     planned = text_plans(cost, strategies=strategies, pp=pp, dp=dp, context_length=context_length,
                          global_batch_size=global_batch_size, steps=plans, seed=seed)
     if progress:
+        batches = list({id(batch): batch for _, batch, _ in planned if batch is not None}.values())
+        note = long_document_note(batches, load_lengths("text", seed=seed), context_length, option=None)
+        if note:
+            progress(f"text: {note}")
         progress(f"running {len(planned)} plans x {warmup + repeats} steps on {pp * dp} processes")
     steps = measure_plans([p for _, _, p in planned], cost.model, batches=[b for _, b, _ in planned],
                           repeats=repeats, warmup=warmup, reference=getattr(cost, "reference", None))

@@ -50,6 +50,9 @@ ATTENTION_BACKWARD_RATIO = 2.5
 # gradients (Megatron keeps only the sequence-parallel shard).
 TP_COLLECTIVES_FORWARD = 4
 TP_COLLECTIVES_BACKWARD = 6
+# The MLP's share of the forward's: the all-gather of fc1's input and the reduce-scatter of fc2's
+# output, re-run by MLP recompute (the checkpoint holds the sequence-parallel shard of its input).
+TP_COLLECTIVES_MLP_FORWARD = 2
 # megatron's RotaryEmbedding caches its table per requested length; the runtime asks for a power
 # of two, so the tables of every size up to the longest hold at most twice its rows.
 ROPE_TABLE_COPIES = 2
@@ -108,6 +111,14 @@ def analytic_activation(model: ModelSpec, dtype_bytes: int, attention_backend: s
     # ... plus the rotated q and k the kernel saves (h + kv): the runtime's RoPE writes new tensors.
     per_token = (2 * h + 2) + (h + 2 * kv) + (h + kv) + h + h + fc1 + f
     return ActivationCoefficients(per_token * dtype_bytes, 0.0, per_prefix_token, (2 * h + 1) * dtype_bytes)
+
+
+def mlp_saved_bytes_per_token(model: ModelSpec, dtype_bytes: int, attention_backend: str) -> float:
+    """The MLP's share of `analytic_activation`'s per-token bytes beyond its input: fc1's output
+    and the activation's (SwiGLU: 2f and f on the fused path; the torch path's itemisation, fc1 + 3f)."""
+    f = model.ffn_hidden_size
+    fc1 = 2 * f if model.swiglu else f
+    return float((fc1 + (3 * f if attention_backend == "torch" else f)) * dtype_bytes)
 
 
 REGENERATE_PROFILE = "regenerate it with `slimpack profile --out FILE`"
@@ -358,11 +369,29 @@ class CostModel:
         fc1 = 2 * f if m.swiglu else f
         return [((h + 2 * kv) // t, h), (h, h // t), (fc1 // t, h), (h, f // t)]
 
-    def gemm_time(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
-        """Forward seconds of one layer's GEMMs for `tokens` rows on one device."""
+    def gemm_time(self, tokens: Amount, parallel: ParallelConfig, mlp_only: bool = False) -> Amount:
+        """Forward seconds of one layer's GEMMs for `tokens` rows on one device (`mlp_only`: fc1
+        and fc2, what MLP recompute re-runs)."""
         gemm = self.kernels.gemm
-        seconds = sum(gemm.seconds(tokens, n, k) for n, k in self.gemm_shapes(parallel))
+        shapes = self.gemm_shapes(parallel)[2:] if mlp_only else self.gemm_shapes(parallel)
+        seconds = sum(gemm.seconds(tokens, n, k) for n, k in shapes)
         return seconds / self.hardware.sustained_compute_share
+
+    def mlp_forward_time(self, tokens: float, parallel: ParallelConfig) -> float:
+        """What `--recompute-modules mlp` re-runs in a layer's backward: the MLP block's forward
+        (fc1, the activation, fc2; its TP collectives are counted in `tp_comm_time`)."""
+        local = tokens / parallel.cp
+        if self.profiled_forward is not None:  # no itemised GEMMs: the MLP's share of the layer's token term
+            return self.profiled_forward.per_token * local / parallel.tp * self._mlp_flop_share()
+        f = self.model.ffn_hidden_size
+        activation = (3 * f if self.model.swiglu else 2 * f) * local * self.dtype_bytes / parallel.tp
+        elementwise = (activation / (self.hardware.memory_bandwidth * ELEMENTWISE_BANDWIDTH_SHARE)
+                       if self.hardware.memory_bandwidth else 0.0)
+        return self.gemm_time(local, parallel, mlp_only=True) + elementwise
+
+    def _mlp_flop_share(self) -> float:
+        shapes = self.gemm_shapes(ParallelConfig())
+        return sum(n * k for n, k in shapes[2:]) / sum(n * k for n, k in shapes)
 
     def elementwise_time(self, tokens: Amount, parallel: ParallelConfig, backward: bool) -> Amount:
         """Memory-bound work of one layer: two norms and two residual adds (read and write [T, h]),
@@ -409,12 +438,15 @@ class CostModel:
 
     def _recompute_time(self, tokens: float, pairs: float, parallel: ParallelConfig) -> float:
         """What Megatron re-runs in a layer's backward: with `--recompute-granularity selective`
-        (its default `--recompute-modules core_attn`) the core attention forward; with full
-        recompute the whole layer forward."""
+        (its default `--recompute-modules core_attn`) the core attention forward, with
+        `--recompute-modules core_attn mlp` the MLP's forward too; with full recompute the whole
+        layer forward."""
         if parallel.recompute == "none":
             return 0.0
-        if parallel.recompute == "selective":
-            return self.attention_time(tokens, pairs, parallel, backward=False)
+        if parallel.recompute in ("selective", "selective-mlp"):
+            attention = self.attention_time(tokens, pairs, parallel, backward=False)
+            return attention + (self.mlp_forward_time(tokens, parallel) if parallel.recompute == "selective-mlp"
+                                else 0.0)
         return self.layer_time(tokens, pairs, parallel.with_(recompute="none"), backward=False)
 
     def head_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
@@ -443,6 +475,8 @@ class CostModel:
         collectives = TP_COLLECTIVES_BACKWARD if backward else TP_COLLECTIVES_FORWARD
         if backward and parallel.recompute == "full":
             collectives += TP_COLLECTIVES_FORWARD
+        elif backward and parallel.recompute == "selective-mlp":
+            collectives += TP_COLLECTIVES_MLP_FORWARD
         bandwidth = self.collective_bandwidth(t, stride=1)
         return collectives * (volume / bandwidth + self.hardware.link_latency_s)
 
@@ -598,10 +632,14 @@ class CostModel:
             # Selective recompute (core_attn) checkpoints the core attention: its inputs stay (q, k,
             # v are saved by the checkpoint, its output by the out-projection), what the kernel
             # alone saves goes: the K/V concatenated with a prefix, and a dense mask where one is built.
-            attention_only = parallel.recompute == "selective"
-            per_layer = (self.activation.per_token * tokens + self.activation.per_pair * pairs / parallel.cp
-                         + (0.0 if attention_only else self.activation.per_prefix_token * prefix_tokens)) / shards
-            if not attention_only:
+            # With mlp as well, the MLP's checkpoint keeps its input (the norm's output) and frees
+            # what fc1 and the activation saved.
+            selective = parallel.recompute in ("selective", "selective-mlp")
+            per_token = self.activation.per_token - (self.mlp_saved_bytes_per_token
+                                                     if parallel.recompute == "selective-mlp" else 0.0)
+            per_layer = (per_token * tokens + self.activation.per_pair * pairs / parallel.cp
+                         + (0.0 if selective else self.activation.per_prefix_token * prefix_tokens)) / shards
+            if not selective:
                 per_layer = per_layer + self.activation.per_masked_entry * masked_entries / parallel.cp
         total = layers * per_layer
         if last_stage:
@@ -613,10 +651,21 @@ class CostModel:
         return 4.0 * tokens / parallel.cp * self.model.vocab_size / parallel.tp
 
     def recompute_peak_bytes(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig) -> Amount | float:
-        """With full recompute, one layer's full activations exist again during its backward."""
+        """What a recomputed block holds again during its layer's backward: with full recompute one
+        layer's full activations, with MLP recompute one MLP's (core attention's re-run forward
+        saves what the backward uses at once: counted in its layer's activations)."""
+        if parallel.recompute == "selective-mlp":
+            shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
+            return self.mlp_saved_bytes_per_token * tokens / shards + 0.0 * pairs
         if parallel.recompute != "full":
             return 0.0
         return self.activation_bytes(tokens, pairs, parallel.with_(recompute="none")) / self.layers_per_stage(parallel)
+
+    @property
+    def mlp_saved_bytes_per_token(self) -> float:
+        """Bytes per token the MLP saves beyond its input (fc1's output and the activation's:
+        `analytic_activation` itemises them), which MLP recompute frees."""
+        return mlp_saved_bytes_per_token(self.model, self.dtype_bytes, self.attention_backend)
 
     def kv_cache_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
         """K/V leaves of a sample's finished slices (model dtype) plus their gradients, which the

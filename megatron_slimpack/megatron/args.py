@@ -39,6 +39,7 @@ from ..config import (
 )
 from ..errors import SlimPackError
 from ..planner.strategies import strategy_help, strategy_names, strategy_specs, trainable_strategy_names
+from ..specs import SELECTIVE_MODULES
 
 # megatron-core versions whose trainer seams (docs/design.md section 7) hooks.py knows, and the newest
 # release trained through its real trainer by the tests (tests/test_megatron_releases.py).
@@ -158,6 +159,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     if getattr(args, "apply_rope_fusion", False):
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     problems += _fixed_shape_problems(args)
+    problems += _recompute_problems(args)
     problems += _attention_option_problems(args)
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
         problems.append("--slimpack needs --micro-batch-size 1 (a MicroPack is one packed THD sequence)")
@@ -196,6 +198,45 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
 
 _GRAPH_FIX = ("use --cuda-graph-impl none (the default) and remove --enable-cuda-graph / "
               "--external-cuda-graph")
+
+
+def recompute_mode_of_args(args) -> str:
+    """The planner's recompute mode (`specs.RECOMPUTE_MODES`) of Megatron's recompute flags, as
+    `_recompute_problems` accepts them."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        return "full"
+    if granularity != "selective":
+        return "none"
+    modules = sorted(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
+    return next((mode for mode, wanted in SELECTIVE_MODULES.items() if sorted(wanted) == modules), "selective")
+
+
+def _recompute_problems(args) -> list[str]:
+    """Recompute the planner prices exactly: selective with `--recompute-modules` core_attn (the
+    default) or core_attn mlp, and full recompute of every layer on its own. Other module sets or a
+    full recompute of some layers (or of groups of layers) would be priced as something else: the
+    plans could hold more memory than the device has, or run slower than planned."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "selective":
+        modules = list(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
+        if sorted(modules) not in [sorted(wanted) for wanted in SELECTIVE_MODULES.values()]:
+            accepted = " or ".join(f"'{' '.join(wanted)}'" for wanted in SELECTIVE_MODULES.values())
+            return [f"--slimpack plans selective recompute with --recompute-modules {accepted}; "
+                    f"'{' '.join(modules)}' is not priced by its planner: use one of those"]
+    if granularity == "full":
+        method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None) or 1
+        num_layers = getattr(args, "num_layers", None)
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        chunk = num_layers // (pp * virtual_stages_of_args(args)) if num_layers else None
+        every_layer = (method == "uniform" and layers == 1) or (method == "block" and chunk is not None
+                                                               and layers >= chunk)
+        if not every_layer:
+            return [f"--slimpack plans full recompute of every layer on its own; --recompute-method {method} "
+                    f"--recompute-num-layers {layers} recomputes "
+                    + ("groups of layers" if method == "uniform" else "only some of each chunk's layers")
+                    + ": use --recompute-method uniform --recompute-num-layers 1"]
+    return []
 
 
 def _fixed_shape_problems(args) -> list[str]:

@@ -392,7 +392,7 @@ class ResumeStateError(SlimPackError):
 
 RESUME_FIX = "resume from the state_dict() the run saved, unchanged"
 SAMPLER_STATE_KEYS = ("fingerprint", "step", "epoch", "cursor", "document", "offset", "split_documents",
-                      "split_pieces")
+                      "split_pieces", "dropped_documents", "dropped_tokens")
 
 
 def _is_count(value) -> bool:

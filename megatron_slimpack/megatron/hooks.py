@@ -51,11 +51,19 @@ from typing import Any, Optional, cast
 from ..costmodel import CostModel
 from ..planner.strategies import new_planner
 from ..specs import ModelSpec, ParallelConfig
-from ..workload import GlobalBatchSampler, load_lengths
+from ..workload import (
+    GlobalBatchSampler,
+    LongDocumentsError,
+    WorkloadError,
+    check_batch_scale,
+    corpus_long_document_note,
+    load_lengths,
+)
 from .args import (
     SlimPackArgumentError,
     integration_config_from_args,
     mcore_version,
+    recompute_mode_of_args,
     slimpack_config_from_args,
     validate_slimpack_args,
     virtual_stages_of_args,
@@ -452,14 +460,13 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
     )
     options = integration_config_from_args(args)
     cost = CostModel.load(options.cost_model, model, options.hardware)
-    recompute = {"full": "full", "selective": "selective"}.get(getattr(args, "recompute_granularity", ""), "none")
+    recompute = recompute_mode_of_args(args)
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               vpp=virtual_stages_of_args(args), tp=args.tensor_model_parallel_size,
                               recompute=recompute)
     config = slimpack_config_from_args(args)
     planner = new_planner(config.strategy)
-    sampler = GlobalBatchSampler(corpus.lengths, args.seq_length, args.global_batch_size,
-                                 seed=getattr(args, "seed", 0) or 0)
+    sampler = training_sampler(corpus.lengths, args, config.long_documents)
     # Resuming from a checkpoint (Megatron sets args.iteration when it loads one), as Megatron
     # resumes its own samplers from the consumed samples: the sampler is deterministic, and a
     # stateful strategy (wlb-llm's delay queues) is brought to its state after those batches.
@@ -472,6 +479,34 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
                                timeout_s=options.planner_timeout)
     iterator.start()  # the worker starts (imports, first plan) while Megatron finishes its setup
     return MegatronPlannerIterator(iterator, corpus, options.dump_plans)
+
+
+def training_sampler(lengths, args, long_documents: str) -> GlobalBatchSampler:
+    """The run's batch sampler: global batches of --global-batch-size sequences of --seq-length
+    tokens. Documents longer than --seq-length are what --slimpack-long-documents says (refused,
+    naming the fix, unless split or drop is given; what they become is said once, on rank 0), and
+    a batch too large to plan is refused before training starts."""
+    mode, context = "--slimpack-long-documents", "--seq-length"
+    try:
+        sampler = GlobalBatchSampler(lengths, args.seq_length, args.global_batch_size,
+                                     seed=getattr(args, "seed", 0) or 0, long_documents=long_documents)
+        check_batch_scale(lengths, args.seq_length, args.global_batch_size, long_documents,
+                          options=("--global-batch-size", context))
+    except LongDocumentsError as error:
+        raise SlimPackArgumentError(f"--slimpack: {error.message(mode, context)}") from None
+    except WorkloadError as error:
+        raise SlimPackArgumentError(f"--slimpack: {error}") from None
+    note = corpus_long_document_note(lengths, args.seq_length, long_documents, options=(mode, context))
+    if note:
+        _print_rank_0(f"SlimPack: training documents: {note}")
+    return sampler
+
+
+def _print_rank_0(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 # ---- seam 3: the model config --------------------------------------------------------------

@@ -9,7 +9,8 @@ with its plans, reports and every rejected layout with its reason.
 Search, cheapest checks first:
 1. Enumerate: tp within a node and dividing the attention and KV heads, pp dividing the layers,
    virtual stages per rank vpp dividing the layers per stage (pp > 1, up to MAX_VPP; only for
-   strategies whose schedule interleaves), cp a power of two, recompute none/selective/full,
+   strategies whose schedule interleaves), cp a power of two, recompute none/selective/
+   selective-mlp/full (`specs.RECOMPUTE_MODES`, Megatron's flags in `specs.recompute_flags`),
    minus the strategy's own constraints
    (`StrategySpec.constraints`; every per-strategy fact below is its `StrategySpec`'s, registry.py).
 2. Static memory: weights, gradients and optimizer state must fit (`cost.static_memory_bytes`).
@@ -21,7 +22,8 @@ Search, cheapest checks first:
    PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
    layout whose bound is already above the best screened time is not planned (branch and
    bound). Recompute modes cascade: selective is tried
-   only where none does not fit, full only where selective does not, since recompute only adds
+   only where none does not fit, selective-mlp only where selective does not, full only where
+   selective-mlp does not, since recompute only adds
    time (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
    more memory can buy larger MicroPacks). Virtual stages cascade too: vpp > 1 is tried only where
    the same layout with vpp = 1 fits and its simulated busy time per device (`work_bound_s`) is

@@ -14,8 +14,10 @@ lengths by `load_lengths(spec)`; `describe_sources()` prints every form. The sou
 
 A `GlobalBatchSampler` turns lengths into global batches the way a trainer sees them: a token
 budget of `global_batch_size * context_length` per step, documents in seeded random order,
-documents longer than the context split at the context length, nothing dropped or truncated.
-`check_lengths()` is the input check the planner uses.
+nothing truncated. A document longer than the context is what `long_documents` says: refused
+before any batch is drawn ("error", the default), split at the context length into samples of
+their own ("split"), or left out and counted ("drop"). `check_batch_scale()` refuses batches too
+large to plan; `check_lengths()` is the input check the planner uses.
 
 Modules: lengths.py (the sources, their registry and readers, `check_lengths`), corpus.py (the
 text corpus and its `text` source), sampler.py (`GlobalBatchSampler`). Their public names are
@@ -41,12 +43,25 @@ from .lengths import (
     resolve_path,
     uniform_lengths,
 )
-from .sampler import BatchStats, GlobalBatch, GlobalBatchSampler, global_batches
+from .sampler import (
+    LONG_DOCUMENT_MODES,
+    MAX_SAMPLES_PER_BATCH,
+    BatchStats,
+    GlobalBatch,
+    GlobalBatchSampler,
+    LongDocumentsError,
+    check_batch_scale,
+    check_long_documents,
+    corpus_long_document_note,
+    global_batches,
+    long_document_note,
+)
 
 __all__ = [
     "WorkloadError", "check_lengths", "load_lengths", "describe_sources", "register_source", "LengthSource",
     "UniformParams", "LognormalParams", "LongTailParams", "PRESETS", "uniform_lengths", "lognormal_lengths",
     "longtail_lengths", "read_length_file", "read_jsonl_lengths", "read_megatron_lengths", "resolve_path",
     "TokenSource", "TextCorpus", "default_text_dir", "BatchStats", "GlobalBatch", "GlobalBatchSampler",
-    "global_batches",
+    "global_batches", "LONG_DOCUMENT_MODES", "LongDocumentsError", "check_long_documents", "long_document_note",
+    "MAX_SAMPLES_PER_BATCH", "check_batch_scale", "corpus_long_document_note",
 ]

@@ -30,8 +30,8 @@ def check_lengths(lengths, context_length: int | None = None) -> list[int]:
 
     Rejects an empty batch, zero or negative lengths and anything that is not an integer
     (bools, strings, floats with a fractional part; 3.0 is accepted as 3). With
-    `context_length`, a length above it is an error too: documents are split at the context
-    length by `GlobalBatchSampler`, before planning, never by the planner.
+    `context_length`, a length above it is an error too: the planner never cuts a document;
+    `GlobalBatchSampler(..., long_documents="split")` does, before planning, where asked to.
     """
     array = as_length_array(lengths, what="lengths")
     if context_length is not None:
@@ -41,11 +41,11 @@ def check_lengths(lengths, context_length: int | None = None) -> list[int]:
             index = int(too_long[0])
             raise WorkloadError(
                 f"lengths[{index}] = {int(array[index])} exceeds the context length {context_length} "
-                f"({too_long.size} document(s) do). Documents longer than the context are split at the "
-                "context length by the sampler, before planning: draw global batches with "
-                "GlobalBatchSampler(lengths, context_length, global_batch_size) (or "
-                "global_batches(spec, context_length, global_batch_size, steps)) and plan each batch's "
-                "`lengths`, whose pieces are at most context_length tokens"
+                f"({too_long.size} document(s) do). The planner plans samples of at most the context length: "
+                "draw global batches with GlobalBatchSampler(lengths, context_length, global_batch_size, "
+                "long_documents='split') (or global_batches(spec, context_length, global_batch_size, steps, "
+                "long_documents='split')), which cuts such documents into pieces of the context length, or "
+                "long_documents='drop', which leaves them out, and plan each batch's `lengths`"
             )
     return array.tolist()
 

@@ -21,6 +21,7 @@ from ...plan import (
 )
 from ...specs import ParallelConfig
 from ..registry import StepPlanner, register_stateful
+from ..slimpack.memory import activation_budget, fullest_stage_bytes
 from ..work import WorkRates
 from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, whole_documents
 
@@ -65,7 +66,8 @@ class WlbLlmPlanner(StepPlanner):
 
     Reproduces, per global batch:
     - Micro-batch count fixed as in Megatron: M = ceil(new tokens / (context_length * dp)) per
-      replica, dp * M micro-batches in all, each capped at `context_length` tokens; with virtual
+      replica, dp * M micro-batches in all, each capped at S_max tokens, the longest micro-batch
+      memory permits (`longest_micro_batch`: at least the context, at most twice it); with virtual
       stages M is rounded up to a multiple of pp (Megatron's interleaved 1F1B needs it), and a
       replica left with fewer non-empty micro-batches is split or merged to one (`meet_interleaved_count`).
     - Multi-level outlier-delay queues: a new document longer than `context_length *
@@ -165,6 +167,7 @@ class WlbLlmPlanner(StepPlanner):
             sources = check_sources(sources, len(lengths))
         self.arrived += len(lengths)
         context = config.context_length
+        capacity = longest_micro_batch(cost, parallel, context)
         rates = WorkRates.from_cost(cost, parallel, context)
         per_replica = _micro_batches_per_replica(sum(lengths), context, parallel)
         micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
@@ -173,10 +176,10 @@ class WlbLlmPlanner(StepPlanner):
                 zip(lengths, self._levels(lengths, context), sources)):
             pending = PendingDocument(self.step, index, length, document, offset)
             (fresh if level is None else self.queues[level]).append(pending)
-        released = [self._release(queue, micro_batches, rates, context) for queue in self.queues]
+        released = [self._release(queue, micro_batches, rates, capacity) for queue in self.queues]
         carried, self.carried = self.carried, []
-        self.carried = pack_by_cost(carried, micro_batches, rates, context)  # they waited: first
-        self.carried += pack_by_cost(fresh, micro_batches, rates, context)
+        self.carried = pack_by_cost(carried, micro_batches, rates, capacity)  # they waited: first
+        self.carried += pack_by_cost(fresh, micro_batches, rates, capacity)
         metadata = {"micro_batches_per_replica": per_replica, "released_per_level": released}
         if not any(mb.documents for mb in micro_batches):
             return None, per_replica, rates, metadata
@@ -193,10 +196,11 @@ class WlbLlmPlanner(StepPlanner):
         """All pending documents, packed by cost into just enough micro-batches."""
         documents = self._take_pending()
         context = config.context_length
+        capacity = longest_micro_batch(cost, parallel, context)
         per_replica = _micro_batches_per_replica(sum(d.length for d in documents), context, parallel)
         while True:
             micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
-            if not pack_by_cost(documents, micro_batches, rates, context):
+            if not pack_by_cost(documents, micro_batches, rates, capacity):
                 break
             # Greedy packing left some out: more micro-batches per replica (pp more with virtual stages).
             per_replica += parallel.pp if parallel.vpp > 1 else 1
@@ -230,7 +234,8 @@ class WlbLlmPlanner(StepPlanner):
         micropacks = [[whole_documents(list(itertools.islice(in_order, len(mb.documents)))) for mb in mbs]
                       for mbs in per_rank]
         # A replica left short (empty micro-batches: documents delayed).
-        micropacks = meet_interleaved_count(micropacks, parallel, config.context_length, "wlb-llm")
+        capacity = longest_micro_batch(cost, parallel, config.context_length)
+        micropacks = meet_interleaved_count(micropacks, parallel, capacity, "wlb-llm")
         pending = self.pending
         metadata = {
             **metadata, "step": self.step,
@@ -243,8 +248,21 @@ class WlbLlmPlanner(StepPlanner):
         # Its samples are whole input documents, some from earlier batches: any two that overlap are
         # one document drawn twice (an epoch boundary of a small corpus).
         repeated = overlapping_documents(sources, [d.length for d in documents])
-        return assemble_plan(micropacks, samples, parallel, cost, config, config.context_length, metadata,
-                             (sources, repeated))
+        return assemble_plan(micropacks, samples, parallel, cost, config, capacity, metadata, (sources, repeated))
+
+
+def longest_micro_batch(cost: CostModel, parallel: ParallelConfig, context_length: int) -> int:
+    """WLB-LLM's S_max, the longest micro-batch memory permits (its paper packs up to it, not up to
+    the context): the largest multiple of an eighth of the context, up to twice the context, of
+    which stage 0 holds pp in flight (1F1B) next to the weights and optimizer state; at least the
+    context, which the layout search has already checked fits (`minimum_memory_bytes`)."""
+    budget = activation_budget(cost, parallel)
+    step = max(context_length // 8, 1)
+    longest = context_length
+    while longest + step <= 2 * context_length and \
+            fullest_stage_bytes(cost, parallel, longest + step, (longest + step) ** 2 / 2, longest + step) <= budget:
+        longest += step
+    return longest
 
 
 def _micro_batches_per_replica(tokens: int, context_length: int, parallel: ParallelConfig) -> int:

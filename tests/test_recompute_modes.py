@@ -1,0 +1,83 @@
+"""Megatron's recompute as the planner prices it: none, selective (`--recompute-modules core_attn`,
+Megatron's default), selective-mlp (`core_attn mlp`) and full recompute of every layer. A Megatron
+run with other settings is refused with the flags to use (it would be priced as something else);
+the cluster scripts give each layout the flags of its mode. The cost model's terms are checked by
+hand in tests/test_cost_model.py; training with MLP recompute through the real trainer in
+tests/test_megatron_releases.py (vpp2)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_slimpack.megatron import add_slimpack_args
+from megatron_slimpack.megatron.args import SlimPackArgumentError, recompute_mode_of_args, validate_slimpack_args
+from megatron_slimpack.specs import RECOMPUTE_MODES, ParallelConfig, recompute_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def megatron_args(*argv: str):
+    """--slimpack with Megatron's recompute flags, as Megatron's parser spells them (a 8-layer model)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=2)
+    parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    parser.add_argument("--recompute-modules", nargs="*", default=None)
+    parser.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    parser.add_argument("--recompute-num-layers", type=int, default=None)
+    return add_slimpack_args(parser).parse_args(["--slimpack", "--calculate-per-token-loss", *argv])
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_each_mode_trains_with_the_flags_it_is_priced_as(mode):
+    args = megatron_args(*recompute_flags(mode))
+    validate_slimpack_args(args)
+    assert recompute_mode_of_args(args) == mode
+
+
+def test_the_modules_may_come_in_any_order():
+    assert recompute_mode_of_args(megatron_args("--recompute-granularity", "selective", "--recompute-modules",
+                                                "mlp", "core_attn")) == "selective-mlp"
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+     "'layernorm' is not priced by its planner"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], "'mlp' is not priced"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "recomputes groups of layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     "recomputes only some of each chunk's layers"),
+])
+def test_recompute_the_planner_does_not_price_is_refused_with_the_fix(argv, problem):
+    with pytest.raises(SlimPackArgumentError, match=problem) as caught:
+        validate_slimpack_args(megatron_args(*argv))
+    assert "use" in str(caught.value)
+
+
+def test_block_recompute_of_a_whole_chunk_is_every_layer():
+    # 8 layers on 2 stages: 4 per chunk, each recomputed on its own
+    args = megatron_args("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                         "4")
+    validate_slimpack_args(args)
+    assert recompute_mode_of_args(args) == "full"
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_the_cluster_script_gives_a_layout_its_modes_flags(mode):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import reproduce_paper
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    text = ParallelConfig(tp=2, pp=2, dp=2, recompute=mode).describe()
+    layout = reproduce_paper.Layout.parse(text)
+    argv = reproduce_paper.flags(reproduce_paper.layout_options(layout, base_merge=False))
+    start = argv.index("--recompute-granularity") if "--recompute-granularity" in argv else len(argv)
+    recompute = [flag for flag in argv[start:] if not flag.startswith("--") or flag.startswith("--recompute")]
+    assert recompute == recompute_flags(mode)
