@@ -492,6 +492,29 @@ def _megatron_args(**overrides):
     return args
 
 
+def test_plans_are_priced_with_the_attention_backend_the_runtime_runs(monkeypatch):
+    """What is planned is what runs: the planner's cost model prices the kernel the runtime's 'auto'
+    picks on this machine (the torch kernel on a CPU; flash-attn where only it is installed)."""
+    from megatron_slimpack.costmodel import CostModel
+    from megatron_slimpack.megatron import hooks
+    from megatron_slimpack.runtime.attention import kernels
+
+    assert hooks.planned_attention_backend() == kernels.resolve_backend("auto") == "torch"
+    priced = []
+    load = CostModel.load.__func__
+
+    def recording_load(cls, cost_model, model, hardware, **options):
+        cost = load(cls, cost_model, model, hardware, **options)
+        priced.append(cost.attention_backend)
+        return cost
+
+    monkeypatch.setattr(CostModel, "load", classmethod(recording_load))
+    monkeypatch.setattr(kernels, "resolve_backend", lambda backend="auto": "flash")
+    iterator = hooks.build_planner_iterator(_megatron_args(mock_data=True))
+    iterator.close()
+    assert priced == ["flash"]
+
+
 def test_planner_iterator_from_megatron_args_on_an_indexed_dataset(tmp_path):
     import numpy as np
     import torch

@@ -445,6 +445,16 @@ def _training_corpus(args) -> IndexedCorpus:
     return IndexedCorpus(paths[0], split=None if train_paths else (getattr(args, "split", None) or "969, 30, 1"))
 
 
+def planned_attention_backend() -> str:
+    """The attention kernel the plans are priced with: the one the runtime's 'auto' runs on this
+    machine (Transformer Engine, else flash-attn, else the torch kernel), so that what is planned
+    is what runs; rates and saved activations differ by backend (costmodel/kernels.py). On a GPU
+    the start-up probe may still move a shape class to another fused backend, and logs it."""
+    from ..runtime.attention.kernels import resolve_backend  # torch: the trainer has loaded it
+
+    return resolve_backend("auto")
+
+
 def build_planner_iterator(args) -> MegatronPlannerIterator:
     """The planner iterator for a Megatron run: document lengths of `--data-path` (one prefix) or
     --mock-data, global batches of `--global-batch-size` sequences of `--seq-length` tokens."""
@@ -459,7 +469,7 @@ def build_planner_iterator(args) -> MegatronPlannerIterator:
         vocab_size=getattr(args, "padded_vocab_size", 32000), swiglu=bool(getattr(args, "swiglu", True)),
     )
     options = integration_config_from_args(args)
-    cost = CostModel.load(options.cost_model, model, options.hardware)
+    cost = CostModel.load(options.cost_model, model, options.hardware, attention_backend=planned_attention_backend())
     recompute = recompute_mode_of_args(args)
     parallel = ParallelConfig(dp=args.data_parallel_size, pp=args.pipeline_model_parallel_size,
                               vpp=virtual_stages_of_args(args), tp=args.tensor_model_parallel_size,
