@@ -9,6 +9,7 @@ import pytest
 import megatron_slimpack as ms
 from megatron_slimpack import cli
 from megatron_slimpack.config import CLI, MegatronIntegrationConfig, SlimPackConfig, option_fields
+from test_cli_output import stand_in_comparison
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +44,7 @@ def test_compare_leaves_out_what_each_layout_search_chooses(parser):
 
 
 def test_compare_passes_the_planner_options_on(monkeypatch):
-    from megatron_slimpack import comparison
-
-    seen = {}
-
-    def fake(**kwargs):
-        seen.update(kwargs)
-        return comparison.ComparisonResult({}, failures={"slimpack": "a stand-in comparison: nothing searched"})
-
-    monkeypatch.setattr(comparison, "run_comparison", fake)
+    seen = stand_in_comparison(monkeypatch)
     assert cli.main(["compare", "--json", "--solver-time-limit", "2", "--slice-tokens", "512",
                      "--context-length", "4096", "--hardware", "h200"]) == 2  # no row: exit 2
     assert seen["config"] == SlimPackConfig(solver_time_limit_s=2.0, slice_tokens=512, context_length=4096,

@@ -65,16 +65,23 @@ def test_megatron_spellings_are_checked_and_named_like_ours(capsys):
     assert code == 2 and "--recompute-granularity: invalid choice: 'sometimes'" in err
 
 
-def test_compare_takes_seq_length(monkeypatch, capsys):
+def stand_in_comparison(monkeypatch) -> dict:
+    """`compare` with a stand-in for the search that records its arguments (returned, filled on
+    each call) and finds no row (so `compare` exits 2)."""
     from megatron_slimpack import comparison
 
-    seen = {}
+    seen: dict = {}
 
     def fake(**kwargs):
         seen.update(kwargs)
-        return comparison.ComparisonResult({}, failures={"slimpack": "a stand-in comparison"})
+        return comparison.ComparisonResult({}, failures={"slimpack": "a stand-in comparison: nothing searched"})
 
     monkeypatch.setattr(comparison, "run_comparison", fake)
+    return seen
+
+
+def test_compare_takes_seq_length(monkeypatch, capsys):
+    seen = stand_in_comparison(monkeypatch)
     code, _, err = run_cli(["compare", "--seq-length", "4096", "--json"], capsys)
     assert code == 2 and "no strategy has a feasible layout" in err  # the stand-in has no row
     assert seen["config"] == SlimPackConfig(context_length=4096, long_documents="split")  # the command's default

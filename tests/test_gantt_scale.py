@@ -4,13 +4,12 @@ reductions and DP-Merge tasks drawn at least _MIN_MARKED_PX wide; titles that na
 context, layout and time. The figures are checked through their matplotlib objects."""
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import pytest
 
 from megatron_slimpack.simulator import report as gantt
 from megatron_slimpack.simulator import simulate
 from test_simulator import LLAMA, equal_units_plan, random_plan
-
-plt = pytest.importorskip("matplotlib.pyplot")
 
 F_S, B_S, WAIT_S = 0.3, 0.6, 0.01  # forward, backward, the idle wait after each task
 IDLE_S = 20.0  # one long idle gap per row, far over GAP_SHARE of the axis
@@ -97,13 +96,16 @@ def test_a_large_chart_draws_far_fewer_rectangles_than_tasks(large):
     assert {gid for gid, *_ in bands} == {"band F", "band B", "band F merged", "band B merged"}
 
 
-def test_every_busy_second_is_inside_a_band(large):
-    records, fig = large
-    ax = fig.axes[0]
-    bands = rectangles(ax, "band")
+def rows_with_bands(records, fig):
+    """(row, its tasks sorted, its band rectangles, the time axis's end) of every row of the chart."""
+    bands = rectangles(fig.axes[0], "band")
     horizon = max(r["end"] for r in records)
     for row, tasks in rows_of(records).items():
-        mine = [band for band in bands if band[1] == row]
+        yield row, sorted(tasks), [band for band in bands if band[1] == row], horizon
+
+
+def test_every_busy_second_is_inside_a_band(large):
+    for row, tasks, mine, horizon in rows_with_bands(*large):
         covered = union([(x0, x1) for _, _, x0, x1, _, _ in mine])
         busy = sum(end - start for start, end in tasks)
         waits = (len(tasks) - 2) * WAIT_S  # the waits inside the bands; the long gap is not one
@@ -116,21 +118,16 @@ def test_every_busy_second_is_inside_a_band(large):
         assert area == pytest.approx(busy, rel=1e-9)
         for _, _, _, _, y0, y1 in mine:
             assert row - 0.4 - 1e-9 <= y0 < y1 <= row + 0.2 + 1e-9
-    assert gantt.GAP_SHARE * horizon > WAIT_S
+        assert gantt.GAP_SHARE * horizon > WAIT_S
 
 
 def test_idle_gaps_over_the_threshold_stay_gaps(large):
-    records, fig = large
-    ax = fig.axes[0]
-    bands = rectangles(ax, "band")
-    horizon = max(r["end"] for r in records)
-    for row, tasks in rows_of(records).items():
-        tasks.sort()
+    for _, tasks, mine, horizon in rows_with_bands(*large):
         gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(tasks, tasks[1:])
                 if b_start - a_end > gantt.GAP_SHARE * horizon]
         assert len(gaps) == 1 and gaps[0][1] - gaps[0][0] == pytest.approx(IDLE_S + WAIT_S)
         for low, high in gaps:
-            assert not [band for band in bands if band[1] == row and band[2] < high - 1e-9 and band[3] > low + 1e-9]
+            assert not [band for band in mine if band[2] < high - 1e-9 and band[3] > low + 1e-9]
 
 
 def test_busy_bands_merge_short_gaps_only():

@@ -22,16 +22,7 @@ from megatron_slimpack.workload import (
     global_batches,
     long_document_note,
 )
-
-
-def run_cli(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
+from test_cli_output import run_cli, stand_in_comparison
 
 
 def pieces(batch) -> list[tuple[int, int, int]]:
@@ -225,15 +216,7 @@ def test_a_short_enough_workload_prints_no_note(tmp_path, capsys):
 
 
 def test_compare_gets_the_mode_through_its_config(monkeypatch):
-    from megatron_slimpack import comparison
-
-    seen = {}
-
-    def fake(**kwargs):
-        seen.update(kwargs)
-        return comparison.ComparisonResult({}, failures={"slimpack": "a stand-in comparison: nothing searched"})
-
-    monkeypatch.setattr(comparison, "run_comparison", fake)
+    seen = stand_in_comparison(monkeypatch)
     cli.main(["compare", "--json", "--long-documents", "drop"])
     assert seen["config"].long_documents == "drop"
     cli.main(["compare", "--json"])
