@@ -28,9 +28,8 @@ from ..simulator.report import (
 from ..specs import HARDWARE, RECOMPUTE_MODES, ParallelConfig, SpecError
 from ..workload import (
     LONG_DOCUMENT_MODES,
-    GlobalBatchSampler,
     LongDocumentsError,
-    check_batch_scale,
+    draw_global_batches,
     load_lengths,
     long_document_note,
 )
@@ -146,12 +145,10 @@ def global_batches(args) -> list[list[int]]:
     than the context (--long-documents) is said in one line on stderr (stdout stays JSON with --json)."""
     lengths = load_lengths(args.workload, seed=args.seed)
     try:
-        sampler = GlobalBatchSampler(lengths, args.context_length, args.global_batch_size, seed=args.seed,
-                                     long_documents=args.long_documents)
+        batches = draw_global_batches(lengths, args.context_length, args.global_batch_size, args.steps, args.seed,
+                                      args.long_documents)
     except LongDocumentsError as error:
         raise CliError(f"--workload {args.workload}: {error.message('--long-documents', '--context-length')}") from None
-    check_batch_scale(lengths, args.context_length, args.global_batch_size, args.long_documents)
-    batches = [sampler.next_batch() for _ in range(args.steps)]
     note = long_document_note(batches, lengths, args.context_length)
     if note:
         print(f"slimpack {args.command}: note: {note}", file=sys.stderr)

@@ -54,7 +54,7 @@ from ..simulator.report import (
     write_gantt,
 )
 from ..specs import ParallelConfig
-from ..workload import GlobalBatchSampler, check_batch_scale, load_lengths, long_document_note
+from ..workload import draw_global_batches, load_lengths, long_document_note
 from .library_noise import ignore_library_warnings
 
 REFERENCE = "megatron-fixed"  # every speedup is over it
@@ -296,10 +296,7 @@ def run_comparison(
     workload_notes = []
     if batches is None:
         lengths = load_lengths(workload, seed=seed)
-        sampler = GlobalBatchSampler(lengths, context_length, global_batch_size, seed=seed,
-                                     long_documents=config.long_documents)
-        check_batch_scale(lengths, context_length, global_batch_size, config.long_documents)
-        drawn = [sampler.next_batch() for _ in range(steps)]
+        drawn = draw_global_batches(lengths, context_length, global_batch_size, steps, seed, config.long_documents)
         batches = [batch.lengths for batch in drawn]
         note = long_document_note(drawn, lengths, context_length)
         workload_notes = [f"{workload}: {note}"] if note else []

@@ -62,8 +62,8 @@ QUICK_GRID = KernelGrid(gemm_sizes=(64, 128, 256), doc_lengths=(32, 64, 128), pa
 
 def _describe(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
-    return f"measured by `slimpack profile --kernels` on {name}, PyTorch {torch.__version__}, {dtype}".replace(
-        "torch.", "")
+    precision = str(dtype).removeprefix("torch.")
+    return f"measured by `slimpack profile --kernels` on {name}, PyTorch {torch.__version__}, {precision}"
 
 
 def measure_gemm(sizes, device: torch.device, dtype: torch.dtype, repeats: int) -> PublishedTable:

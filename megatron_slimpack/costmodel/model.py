@@ -181,10 +181,11 @@ def read_profile(path: str | Path) -> dict:
     return data
 
 
-def read_kernel_profile(path: str | Path) -> tuple[PublishedTable, ...]:
-    """The measured tables of a `slimpack profile --kernels` file (`ProfileError` naming the problem)."""
+def read_kernel_profile(path: str | Path, data: dict | None = None) -> tuple[PublishedTable, ...]:
+    """The measured tables of a `slimpack profile --kernels` file (`ProfileError` naming the problem);
+    `data`: its JSON object, where already read."""
     path = Path(path)
-    data = _profile_object(path)
+    data = _profile_object(path) if data is None else data
     regenerate = "regenerate it with `slimpack profile --kernels --out FILE`"
     if not is_kernel_profile(data):
         raise ProfileError(f"{path} is not a kernel profile (no \"format\": \"{KERNEL_PROFILE_FORMAT}\"); "
@@ -284,8 +285,9 @@ class CostModel:
         if str(cost_model) == "analytic":
             return cls.analytic(model, hardware, **options)
         path = Path(cost_model)
-        if is_kernel_profile(_profile_object(path)):
-            return cls.analytic(model, hardware, kernel_tables=read_kernel_profile(path),
+        data = _profile_object(path)
+        if is_kernel_profile(data):
+            return cls.analytic(model, hardware, kernel_tables=read_kernel_profile(path, data),
                                 source=f"analytic with kernels measured in {path}", **options)
         return cls.from_profile(path)
 

@@ -53,6 +53,7 @@ from .sampler import (
     check_batch_scale,
     check_long_documents,
     corpus_long_document_note,
+    draw_global_batches,
     global_batches,
     long_document_note,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "UniformParams", "LognormalParams", "LongTailParams", "PRESETS", "uniform_lengths", "lognormal_lengths",
     "longtail_lengths", "read_length_file", "read_jsonl_lengths", "read_megatron_lengths", "resolve_path",
     "TokenSource", "TextCorpus", "default_text_dir", "BatchStats", "GlobalBatch", "GlobalBatchSampler",
-    "global_batches", "LONG_DOCUMENT_MODES", "LongDocumentsError", "check_long_documents", "long_document_note",
+    "global_batches", "draw_global_batches", "LONG_DOCUMENT_MODES", "LongDocumentsError", "check_long_documents",
+    "long_document_note",
     "MAX_SAMPLES_PER_BATCH", "check_batch_scale", "corpus_long_document_note",
 ]

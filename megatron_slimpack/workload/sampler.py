@@ -374,7 +374,15 @@ def global_batches(
 ) -> list[GlobalBatch]:
     """`steps` global batches drawn from the length source `spec` (same seed for both);
     `long_documents`: what a document longer than the context becomes (`GlobalBatchSampler`)."""
+    return draw_global_batches(load_lengths(spec, seed=seed), context_length, global_batch_size, steps, seed,
+                               long_documents)
+
+
+def draw_global_batches(lengths, context_length: int, global_batch_size: int, steps: int, seed: int = 0,
+                        long_documents: str = DEFAULT_LONG_DOCUMENTS) -> list[GlobalBatch]:
+    """The first `steps` global batches of `lengths`, after checking that a batch of this size can
+    be planned (`check_batch_scale`); the sampler's errors as it raises them."""
     steps = positive_int(steps, "steps")
-    sampler = GlobalBatchSampler(load_lengths(spec, seed=seed), context_length, global_batch_size, seed=seed,
-                                 long_documents=long_documents)
+    sampler = GlobalBatchSampler(lengths, context_length, global_batch_size, seed=seed, long_documents=long_documents)
+    check_batch_scale(lengths, context_length, global_batch_size, long_documents)
     return [sampler.next_batch() for _ in range(steps)]
