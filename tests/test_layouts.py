@@ -436,6 +436,22 @@ def test_a_strategy_that_plans_by_shape_plans_each_batch_once_per_shape():
         [(r.parallel, r.kind, r.reason) for r in shared.rejected]
 
 
+def test_layouts_of_one_shape_get_plans_of_their_own():
+    """Two layouts of one shape (dp, pp, vpp) screen on copies of the same plan; as finalists each
+    gets plans that share no part with the other's, so changing one never changes the other."""
+    context = 32768
+    batches = [batch(seed, 120, context) for seed in (5, 6)]
+    same_shape = [ParallelConfig(tp=tp, cp=2 // tp, dp=4, recompute="full") for tp in (1, 2)]
+    result = best_layout("bfd", batches, COST_7B, 8, context, FAST, layouts=same_shape, finalists=2)
+    assert sorted(e.parallel.tp for e in result.finalists) == [1, 2]
+    first, second = (e.plans for e in result.finalists)
+    assert [p.fingerprint() for p in first] != [p.fingerprint() for p in second]  # their own layouts
+    assert [p.to_dict(False)["replicas"] for p in first] == [p.to_dict(False)["replicas"] for p in second]
+    for one, other in zip(first, second):
+        assert not {id(r) for r in one.replicas} & {id(r) for r in other.replicas}
+        assert one.samples is not other.samples and one.metadata is not other.metadata
+
+
 def test_the_work_bound_is_superadditive():
     """The bounds of any split of the documents sum to at least the bound of all of them, which
     lets a stateful strategy's remaining steps be bounded by what they still have to train."""

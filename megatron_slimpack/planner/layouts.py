@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import dataclasses
 import math
 import pickle
 import time
@@ -440,42 +441,75 @@ class _Run:
     def shelve(self) -> None:
         """Keep the plans pickled, about 8x smaller (one llama-13b 256K plan of 64 replicas: 50 MiB
         as objects, 6 MiB pickled): a search screens hundreds of layouts, and only its finalists'
-        plans are used again."""
-        if self.plans:
+        plans are used again. A shape-planned run's plans are its shape's, kept by `shape_plans`:
+        dropped, and made again from there (`unshelve`)."""
+        if self.plans and self.shape_plans is not None:
+            self.plans = []
+        elif self.plans:
             self.shelved, self.plans = pickle.dumps(self.plans, protocol=pickle.HIGHEST_PROTOCOL), []
 
     def unshelve(self) -> None:
         if self.shelved is not None:
             self.plans, self.shelved = pickle.loads(self.shelved), None
+        elif self.shape_plans is not None and len(self.plans) < len(self.reports):
+            self.plans = [self.shape_plans.own_copy(self, step) for step in range(len(self.reports))]
+
+    def evaluation(self, batches: int) -> "LayoutEvaluation":
+        """The run over every batch, its plans objects of their own (a shape-planned run's are
+        shallow copies of its shape's plans until then)."""
+        if self.shape_plans is not None:
+            self.plans[:] = [self.shape_plans.own_copy(self, step) for step in range(len(self.reports))]
+        return LayoutEvaluation(self.parallel, self.plans, self.reports, batches)
 
 
 class _ShapePlans:
     """One search's plans of a strategy that plans by shape (`StrategySpec.plans_by_shape`), by
     (batch, dp, pp, vpp): each batch is planned and validated once per shape, and every other
-    layout of the shape gets a copy (kept pickled: `Plan.__reduce__` makes that cheap, and a search
-    over ~10^5-document batches meets tens of shapes). A planning error is kept too, as a copy
-    without its traceback (`outcomes.kept`: the search pauses the cyclic collector), and each
-    later layout of the shape raises a copy of it."""
+    layout of the shape gets a copy. The plans are kept pickled (`Plan.__reduce__` makes that
+    cheap, and a search over ~10^5-document batches meets tens of shapes), the last few shapes
+    used also as objects: a layout being screened gets a shallow copy with its own layout (the
+    simulator only reads a plan), a run that is finished its own deep copy (`_Run.unshelve`).
+    A planning error is kept too, as a copy without its traceback (`outcomes.kept`: the search
+    pauses the cyclic collector), and each later layout of the shape raises a copy of it."""
+
+    RECENT = 4  # shapes kept as objects besides pickled: layouts are screened in bound order, not by shape
 
     def __init__(self):
         self.plans: dict[tuple[int, ...], bytes | PlanError] = {}
+        self.recent: dict[tuple[int, ...], Plan] = {}  # the last RECENT shapes used, oldest first
+
+    @staticmethod
+    def key(run: _Run, step: int) -> tuple[int, ...]:
+        return step, run.parallel.dp, run.parallel.pp, run.parallel.vpp
 
     def plan(self, run: _Run, lengths: list[int], cost: CostModel, step: int) -> Plan:
-        key = (step, run.parallel.dp, run.parallel.pp, run.parallel.vpp)
+        key = self.key(run, step)
         kept = self.plans.get(key)
         if isinstance(kept, PlanError):
             raise copy.copy(kept)
-        if kept is not None:
-            plan = pickle.loads(kept)
-            plan.parallel = run.parallel
-            return plan
-        try:
-            plan = cast(Plan, _planned(run, lengths, cost, step))  # a batch, not the flush: never None
-        except PlanError as error:
-            self.plans[key] = copy.copy(error)
-            raise
-        self.plans[key] = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        if kept is None:
+            try:
+                planned = cast(Plan, _planned(run, lengths, cost, step))  # a batch, not the flush: never None
+            except PlanError as error:
+                self.plans[key] = copy.copy(error)
+                raise
+            self.plans[key] = pickle.dumps(planned, protocol=pickle.HIGHEST_PROTOCOL)
+            self._remember(key, planned)
+            return planned
+        master = self.recent.pop(key, None) or pickle.loads(kept)
+        self._remember(key, master)
+        return dataclasses.replace(master, parallel=run.parallel, metadata=dict(master.metadata))
+
+    def own_copy(self, run: _Run, step: int) -> Plan:
+        """The run's plan of `step` sharing no part with another plan (its shape's was planned)."""
+        plan = pickle.loads(cast(bytes, self.plans[self.key(run, step)]))
+        plan.parallel = run.parallel
         return plan
+
+    def _remember(self, key: tuple[int, ...], plan: Plan) -> None:
+        self.recent[key] = plan
+        if len(self.recent) > self.RECENT:
+            del self.recent[next(iter(self.recent))]
 
 
 def _planned(run: _Run, lengths: list[int], cost: CostModel, step: int | None) -> Plan | None:
@@ -619,7 +653,7 @@ def _finish_fastest(runs: list[_Run], batches: list[list[int]], cost: CostModel,
                     ticker.total += 1  # the next one is finished in its place
                     ticker.tick()
                 continue
-            evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
+            evaluations[id(run)] = run.evaluation(len(batches))
             _drop_plans_of_slower(evaluations, finalists)
             if ticker:
                 ticker.tick(evaluations[id(run)].mean_iteration_time_s)
@@ -877,7 +911,7 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
                 fitted.add(shape)
             continue
         fitted.add(shape)
-        evaluations[id(run)] = LayoutEvaluation(run.parallel, run.plans, run.reports, len(batches))
+        evaluations[id(run)] = run.evaluation(len(batches))
         _drop_plans_of_slower(evaluations, finalists)
     return started, evaluations
 

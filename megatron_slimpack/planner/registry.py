@@ -182,6 +182,9 @@ class StrategySpec:
                              f"got {self.minimum_in_flight!r}")
         if self.role not in ROLES:
             raise ValueError(f"strategy {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
+        if self.plans_by_shape and self.stateful:
+            raise ValueError(f"strategy {self.name!r}: a stateful planner's step depends on the batches before it, "
+                             "so it cannot plan by shape")
 
     def new_planner(self) -> StepPlanner:
         return self.factory()
