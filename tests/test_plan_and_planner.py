@@ -160,6 +160,10 @@ def test_even_costs_slice_documents_heavier_than_a_typical_micropack():
         costs = MicroPackCosts.of(micropacks, COST, parallel)
         seconds = costs.forward[0] + costs.backward[0]
         spread[even] = seconds.max() / np.median(seconds)
+        # A piece cut from past a document's start is always its MicroPack's first slice (the replica
+        # search looks for sliced documents there only: `ReplicaSearch._sliced_a_whole_fitting_document`).
+        assert all(piece.start == 0 for pack in micropacks for piece in pack.slices[1:])
+        assert any(pack.slices[0].start > 0 for pack in micropacks)
     assert spread[False] > 1.2
     assert spread[True] <= PlannerTunables().even_cost_tolerance
 

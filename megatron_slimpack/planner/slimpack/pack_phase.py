@@ -138,12 +138,15 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, rounds: int) -> 
     b = rates.forward_per_pair + rates.backward_per_pair
     total = _prefix_work(length, rates)
     shares = np.full(count, 1.0 / count)
-    for _ in range(rounds if rates.half_tokens else 1):
+    rounds = rounds if rates.half_tokens else 1
+    for round_ in range(rounds):
         bounds = [0]
         for target in (total * np.cumsum(shares)[:-1]).tolist():
             x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
             bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
         bounds.append(length)
+        if round_ == rounds - 1:  # the last round's bounds are the answer: no shares for another
+            break
         edges = np.asarray(bounds, dtype=float)
         lengths = np.diff(edges)
         weights = 1.0 / rates.size_penalty(lengths, lengths * edges[:-1] + lengths * (lengths + 1) / 2)

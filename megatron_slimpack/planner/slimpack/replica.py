@@ -143,8 +143,10 @@ class ReplicaSearch:
         return pack_micropacks(self.ordered, options, self.rates)
 
     def _sliced_a_whole_fitting_document(self, micropacks: list[MicroPack], micropack_tokens: int) -> bool:
-        return any(piece.start > 0 and self.lengths[piece.sample_id] <= micropack_tokens
-                   for pack in micropacks for piece in pack.slices)
+        # A slice that starts past its document's first token is a chain's piece, which `pack_micropacks`
+        # puts first in its MicroPack (the documents topping it up are whole).
+        return any(pack.slices[0].start > 0 and self.lengths[pack.slices[0].sample_id] <= micropack_tokens
+                   for pack in micropacks)
 
     def consider(self, micropacks: list[MicroPack], micropack_tokens: int) -> bool:
         """Segment, order and replay the most promising unit counts of one packing; True when a
