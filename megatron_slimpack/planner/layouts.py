@@ -56,6 +56,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
+
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
@@ -282,23 +284,24 @@ def _virtual_stage_counts(num_layers: int, pp: int) -> list[int]:
     return [v for v in divisors(num_layers // pp) if v <= MAX_VPP]
 
 
-def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
-                         context_length: int) -> float:
+def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int] | np.ndarray, cost: CostModel,
+                         parallel: ParallelConfig, context_length: int) -> float:
     """A lower bound on the strategy's peak memory per device: static memory plus the
-    activations (and, for slicing strategies, the KV cache) of what it must hold at once."""
+    activations (and, for slicing strategies, the KV cache) of what it must hold at once.
+    `lengths`: a list, or an int64 array (a search checks ~10^3 layouts on one ~10^5-document batch)."""
     spec = as_spec(strategy)
     static = cost.static_memory_bytes(parallel)
     rule = spec.minimum_in_flight
     if rule == "none":
         return static
-    longest = max(lengths)
+    longest, total = _longest_and_total(lengths)
     if rule == "merged-document":
         group = parallel.dp & -parallel.dp  # merge groups are powers of two dividing dp
         # a merge group of k ranks: k-fold context parallelism over dp/k replicas
         merged = parallel.with_(cp=parallel.cp * group, dp=max(1, parallel.dp // group))
         return document_memory_bytes(longest, cost, merged)
     tokens = {
-        "sequence": min(context_length, sum(lengths)),
+        "sequence": min(context_length, total),
         "document": longest,
         "half-document": -(-longest // 2),
     }[rule]
@@ -308,13 +311,19 @@ def minimum_memory_bytes(strategy: StrategySpec | str, lengths: list[int], cost:
     if rule == "sequence" and parallel.pp > 1:
         # 1F1B: stage 0 holds min(pp, its micro-batches) full sequences before its first backward;
         # interleaved, its warm-up's 2 (pp - 1) + (vpp - 1) pp chunk forwards and one more.
-        full_sequences = sum(lengths) // context_length  # rank 0's block starts with full ones
-        first_rank = math.ceil(math.ceil(sum(lengths) / context_length) / parallel.dp)
+        full_sequences = total // context_length  # rank 0's block starts with full ones
+        first_rank = math.ceil(math.ceil(total / context_length) / parallel.dp)
         in_flight = parallel.pp if parallel.vpp == 1 else 2 * (parallel.pp - 1) + (parallel.vpp - 1) * parallel.pp + 1
         if min(full_sequences, first_rank) * parallel.vpp >= in_flight:
             first_stage = static + in_flight * cost.activation_bytes(tokens, pairs, parallel)
             need = max(need, first_stage)
     return need
+
+
+def _longest_and_total(lengths: list[int] | np.ndarray) -> tuple[int, int]:
+    if isinstance(lengths, np.ndarray):
+        return int(lengths.max()), int(lengths.sum())
+    return max(lengths), sum(lengths)
 
 
 def attention_pairs_bound(strategy: StrategySpec | str, lengths: list[int]) -> float:
@@ -388,9 +397,10 @@ def work_lower_bound(strategy: StrategySpec | str, tokens: float, pairs: float, 
     return cost.with_overlaps(spec.overlaps).pass_time_bound(tokens, pairs, parallel, largest) / parallel.dp
 
 
-def cheap_rejection(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
-                    context_length: int) -> Rejection | None:
-    """Static memory, then the strategy's minimum need; None when neither rules the layout out."""
+def cheap_rejection(strategy: StrategySpec | str, lengths: list[int] | np.ndarray, cost: CostModel,
+                    parallel: ParallelConfig, context_length: int) -> Rejection | None:
+    """Static memory, then the strategy's minimum need; None when neither rules the layout out.
+    `lengths` as `minimum_memory_bytes` takes them."""
     spec = as_spec(strategy)
     budget = cost.memory_budget_bytes()
     static = cost.static_memory_bytes(parallel)
@@ -400,11 +410,11 @@ def cheap_rejection(strategy: StrategySpec | str, lengths: list[int], cost: Cost
                          f"{format_bytes(budget)} usable on {cost.hardware.name}")
     need = minimum_memory_bytes(spec, lengths, cost, parallel, context_length)
     if need > budget:
-        rule, longest = spec.minimum_in_flight, max(lengths)
+        rule, (longest, total) = spec.minimum_in_flight, _longest_and_total(lengths)
         what = {
-            "sequence": f"full {min(context_length, sum(lengths))}-token sequences (1F1B keeps up to pp of them "
+            "sequence": f"full {min(context_length, total)}-token sequences (1F1B keeps up to pp of them "
                         "on stage 0)" if parallel.vpp == 1 else
-                        f"full {min(context_length, sum(lengths))}-token sequences' chunks (interleaved 1F1B keeps "
+                        f"full {min(context_length, total)}-token sequences' chunks (interleaved 1F1B keeps "
                         f"2 (pp - 1) + (vpp - 1) pp + 1 of them on stage 0)",
             "document": f"the longest document ({longest} tokens) whole",
             "half-document": f"the larger piece of the longest document ({-(-longest // 2)}+ tokens)",
@@ -709,8 +719,9 @@ def best_layout(
     first = batches[0]
     screened: list[_Run] = []
     shape_plans = _ShapePlans() if spec.plans_by_shape else None
+    first_lengths = np.asarray(first, dtype=np.int64)  # checked for every candidate: summed in C
     for parallel in candidates:
-        rejection = cheap_rejection(spec, first, cost, parallel, context_length)
+        rejection = cheap_rejection(spec, first_lengths, cost, parallel, context_length)
         if rejection:
             rejected.append(rejection)
             continue
