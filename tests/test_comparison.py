@@ -44,6 +44,30 @@ def test_a_row_is_every_step_together_and_never_beats_its_bound(strategy):
         assert report.iteration_time_s >= report.lower_bound_s * (1 - 1e-12)
 
 
+def test_a_delaying_strategy_gets_its_steady_state_figures_beside_its_mean():
+    """wlb-llm trains what its queues still hold after the last batch in a final flush, which its
+    mean counts; its steady-state figures leave the flush out: tokens per second over the planned
+    steps, and the seconds a global batch of the same tokens takes at that rate."""
+    result = compare(3, "megatron-fixed,wlb-llm")
+    states = result.steady_states()
+    assert list(states) == ["wlb-llm"]  # megatron-fixed has no flush
+    figure, reports = states["wlb-llm"], result.results["wlb-llm"].reports
+    planned, flush = reports[:3], reports[3]
+    assert len(reports) == 4 and figure["steps"] == 3
+    rate = sum(r.num_tokens for r in planned) / sum(r.iteration_time_s for r in planned)
+    assert figure["tokens_per_s"] == pytest.approx(rate, rel=1e-12)
+    assert figure["flush_tokens"] == flush.num_tokens > 0
+    assert figure["flush_s"] == flush.iteration_time_s
+    given = sum(sum(lengths) for lengths in batches(3))
+    assert sum(r.num_tokens for r in reports) == given  # every token trained once, in a step or the flush
+    assert figure["iteration_s"] == pytest.approx(given / 3 / rate, rel=1e-12)
+    note = next(line for line in result.notes() if line.startswith("wlb-llm delays documents"))
+    fixed = result.results["megatron-fixed"].mean_iteration_time_s
+    assert f"{figure['flush_tokens']:,} tokens" in note and f"{figure['iteration_s']:.3f} s" in note
+    assert f"{fixed / figure['iteration_s']:.2f}x over megatron-fixed" in note
+    assert json.loads(json.dumps(result.to_dict()))["steady_state"] == {"wlb-llm": pytest.approx(figure)}
+
+
 def test_one_batch_compare_equals_plan_and_simulate_of_its_layout():
     result = compare(1, "slimpack")
     row = result.rows()[0]

@@ -210,8 +210,28 @@ class ComparisonResult:
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
         lines += ["overlaps priced: " + "; ".join(overlap_note(name) for name in self.results)] if self.results else []
+        lines += self._steady_state_notes()
         headline = self.headline() if len(self.results) > 1 else None
         return lines + ([headline] if headline else []) + self.explanations
+
+    def steady_states(self) -> dict[str, dict]:
+        """`steady_state` of each strategy that delays documents to a final flush."""
+        figures = {name: steady_state(result) for name, result in self.results.items()}
+        return {name: figure for name, figure in figures.items() if figure is not None}
+
+    def _steady_state_notes(self) -> list[str]:
+        reference = self.results.get(REFERENCE)
+        lines = []
+        for name, figure in self.steady_states().items():
+            speedup = (f" ({reference.mean_iteration_time_s / figure['iteration_s']:.2f}x over {REFERENCE})"
+                       if reference and name != REFERENCE else "")
+            lines.append(
+                f"{name} delays documents across steps: {figure['flush_tokens']:,} tokens still queued after its "
+                f"{figure['steps']} step(s) train in a final flush ({figure['flush_s']:.3f} s), counted in its mean; "
+                f"at its steady-state rate (tokens per second over the planned steps, the flush left out) a global "
+                f"batch takes {figure['iteration_s']:.3f} s{speedup}, optimistic until its queues release as many "
+                "documents as arrive (more --steps)")
+        return lines
 
     def markdown_document(self, wide: bool = True) -> str:
         """The comparison as Markdown to paste into a page: the table, its footer lines (a paragraph
@@ -243,7 +263,28 @@ class ComparisonResult:
             "explanations": self.explanations,  # why SlimPack is slower than a competitor, where it is
             "cost_model": self.cost_model,  # what every row is priced with: model, hardware, source
             "workload_notes": self.workload_notes,  # documents longer than the context split or left out
+            # a strategy that delays documents to a final flush: its figures with the flush left out
+            "steady_state": self.steady_states(),
         }
+
+
+def steady_state(result: LayoutResult) -> dict | None:
+    """A strategy that delays documents across steps (WLB-LLM's outlier queues) trains what is
+    still delayed after the last batch in a final flush, which its mean counts. Its steady-state
+    figures leave the flush out: tokens trained per second over the planned steps, and the seconds
+    a global batch takes at that rate. Over few steps the queues may not yet release as many
+    documents as arrive, so the steps hold fewer long documents than steady state would and the
+    rate is optimistic. None for a strategy without a flush."""
+    evaluation = result.best
+    steps = evaluation.num_batches
+    planned, flush = evaluation.reports[:steps], evaluation.reports[steps:]
+    if not flush:
+        return None
+    rate = per_batch_report(planned, steps).tokens_per_s
+    tokens_per_batch = sum(report.num_tokens for report in evaluation.reports) / steps
+    return {"steps": steps, "tokens_per_s": rate, "iteration_s": tokens_per_batch / rate,
+            "flush_s": sum(report.iteration_time_s for report in flush),
+            "flush_tokens": sum(report.num_tokens for report in flush)}
 
 
 def resolve_strategies(text: str) -> list[str]:
