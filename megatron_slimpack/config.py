@@ -299,6 +299,27 @@ class PlannerTunables:
                 raise ValueError(f"PlannerTunables.{item.name} must be a finite number >= 1, got {value!r}")
 
 
+DEFAULT_WLB_DELAY_FRACTIONS = "0.5,0.25"  # WLB-LLM's two queues: over half the context, over a quarter
+
+
+def delay_fractions(text: str) -> tuple[float, ...]:
+    """WLB-LLM's delay thresholds from `wlb_delay_fractions` ("0.5,0.25"; "" for none): fractions of
+    the context in (0, 1], strictly decreasing. ValueError names what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"must be a comma-separated string of fractions such as '0.5,0.25', got {text!r}")
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"must be comma-separated numbers such as '0.5,0.25', got {text!r}") from None
+    if not all(0.0 < value <= 1.0 for value in values):
+        raise ValueError(f"must hold fractions of the context in (0, 1], got {text!r}")
+    if any(later >= earlier for earlier, later in zip(values, values[1:])):
+        raise ValueError(f"must be strictly decreasing (queue 0 holds the longest documents), got {text!r}")
+    return values
+
+
 @dataclass(frozen=True)
 class SlimPackConfig:
     """What the planner plans for. Every field but `tunables` is validated here, whatever the
@@ -348,6 +369,12 @@ class SlimPackConfig:
         "A document longer than the context length: 'error' refuses the corpus before the first batch (naming how "
         "many, the longest and the fix), 'split' cuts it into pieces of the context length, each a sample of its "
         "own, 'drop' leaves it out (counted).", choices=LONG_DOCUMENT_MODES))
+    # WLB-LLM's outlier-delay queues (its strategy only): the thresholds, as fractions of the context.
+    wlb_delay_fractions: str = field(default=DEFAULT_WLB_DELAY_FRACTIONS, metadata=option(
+        "WLB-LLM's outlier-delay queues (strategy wlb-llm): thresholds as fractions of the context length, "
+        "largest first, comma-separated; a document longer than the context x the i-th fraction (and not longer "
+        "than the one before) waits in queue i until the queue holds one per micro-batch; '' delays none.",
+        metavar="F1,F2"))
     solver_workers: int = field(default=1, metadata=not_an_option(
         "one CP-SAT worker keeps plans reproducible and leaves the cores to training; set it from Python"))
     # The search's effort knobs (not exposed as flags).
@@ -381,10 +408,19 @@ class SlimPackConfig:
         if not isinstance(values["long_documents"], str) or values["long_documents"] not in LONG_DOCUMENT_MODES:
             problems.append(("long_documents", f"{n('long_documents')} must be one of "
                                                f"{', '.join(LONG_DOCUMENT_MODES)}, got {values['long_documents']!r}"))
+        try:
+            delay_fractions(values["wlb_delay_fractions"])
+        except ValueError as error:
+            problems.append(("wlb_delay_fractions", f"{n('wlb_delay_fractions')} {error}"))
         _integer(problems, values, n, "solver_workers", 1)
         if not isinstance(values["tunables"], PlannerTunables):
             problems.append(("tunables", f"{n('tunables')} must be a PlannerTunables, got {values['tunables']!r}"))
         return problems
+
+    @property
+    def delay_fractions(self) -> tuple[float, ...]:
+        """`wlb_delay_fractions` as numbers, largest first."""
+        return delay_fractions(self.wlb_delay_fractions)
 
     def with_(self, **changes) -> "SlimPackConfig":
         return replace(self, **changes)
@@ -455,6 +491,7 @@ class MegatronIntegrationConfig:
         return asdict(self)
 
 
-__all__ = ["SlimPackConfig", "PlannerTunables", "MegatronIntegrationConfig", "ConfigError", "Option", "option",
+__all__ = ["SlimPackConfig", "delay_fractions", "DEFAULT_WLB_DELAY_FRACTIONS", "PlannerTunables",
+           "MegatronIntegrationConfig", "ConfigError", "Option", "option",
            "not_an_option", "Surface", "CLI", "MEGATRON", "add_options", "from_options", "option_fields",
            "not_options", "option_name"]

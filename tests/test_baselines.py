@@ -190,9 +190,9 @@ def test_sorted_batching_sorts_packs_in_order_and_shuffles_groups():
 
 
 # ---- wlb-llm ----------------------------------------------------------------------------------
-def wlb_step(planner, lengths, dp=2, context=100):
+def wlb_step(planner, lengths, dp=2, context=100, delays="0.5,0.25"):
     """One step; document i of step s has the source (1000 s + i, 0), so plans say which they hold."""
-    config = ms.SlimPackConfig(strategy="wlb-llm", context_length=context)
+    config = ms.SlimPackConfig(strategy="wlb-llm", context_length=context, wlb_delay_fractions=delays)
     sources = [(1000 * planner.step + index, 0) for index in range(len(lengths))]
     return planner.plan(lengths, ParallelConfig(dp=dp, tp=8), COST, config, sources=sources).validate()
 
@@ -222,6 +222,44 @@ def test_wlb_llm_delays_outliers_until_a_queue_holds_one_per_micro_batch():
     flushed = planner.flush(ParallelConfig(dp=2, tp=8), COST, config)
     assert scheduled(flushed.validate()) == [(0, 3)] and planner.pending == []
     assert planner.flush(ParallelConfig(dp=2, tp=8), COST, config) is None
+
+
+def test_wlb_llm_delay_thresholds_come_from_the_config_and_stay_for_the_run():
+    """`wlb_delay_fractions` sets the queues: one queue per threshold, a document joins the first
+    whose threshold it passes; '' delays none. The thresholds are part of the planner's state, an
+    old state without them has the default ones, and a run may not change them."""
+    one_queue = new_planner("wlb-llm")
+    plan = wlb_step(one_queue, [80, 60, 30, 30, 20], delays="0.7")
+    # only the 80 passes 0.7 x 100: it waits alone; the rest are packed at once
+    assert scheduled(plan) == [(0, 1), (0, 2), (0, 3), (0, 4)]
+    assert [d.length for d in one_queue.pending] == [80] and len(one_queue.queues) == 1
+    assert plan.metadata["delay_fractions"] == [0.7]
+    state = one_queue.state_dict()
+    assert state["delay_fractions"] == [0.7]
+    with pytest.raises(PlanError, match="delay thresholds changed within a run"):
+        wlb_step(one_queue, [10], delays="0.5,0.25")
+    restored = new_planner("wlb-llm")
+    restored.load_state_dict(state)
+    assert scheduled(wlb_step(restored, [90], delays="0.7")) == [(0, 0), (1, 0)]  # a round of two: released
+    no_delay = new_planner("wlb-llm")
+    assert scheduled(wlb_step(no_delay, [80, 60, 30], delays="")) == [(0, 0), (0, 1), (0, 2)]
+    assert no_delay.pending == [] and no_delay.queues == []
+    old = {key: value for key, value in state.items() if key != "delay_fractions"}
+    old["queues"] = [[], []]
+    legacy = new_planner("wlb-llm")
+    legacy.load_state_dict(old)
+    assert legacy.fractions == (0.5, 0.25)
+    with pytest.raises(PlanError, match="one delay queue per threshold"):
+        legacy.load_state_dict({**old, "queues": [[]]})
+
+
+def test_wlb_delay_fractions_are_checked_with_the_fix():
+    for bad, why in [("0.25,0.5", "strictly decreasing"), ("1.5", r"in \(0, 1\]"), ("0,0.5", r"in \(0, 1\]"),
+                     ("half", "comma-separated numbers"), (0.5, "comma-separated string")]:
+        with pytest.raises(ms.config.ConfigError, match=f"wlb_delay_fractions .*{why}"):
+            ms.SlimPackConfig(wlb_delay_fractions=bad)
+    assert ms.SlimPackConfig(wlb_delay_fractions=" ").delay_fractions == ()
+    assert ms.SlimPackConfig(wlb_delay_fractions="0.75,0.375").delay_fractions == (0.75, 0.375)
 
 
 def test_wlb_llm_drops_nothing_over_many_steps():

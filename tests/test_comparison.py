@@ -68,6 +68,31 @@ def test_a_delaying_strategy_gets_its_steady_state_figures_beside_its_mean():
     assert json.loads(json.dumps(result.to_dict()))["steady_state"] == {"wlb-llm": pytest.approx(figure)}
 
 
+def test_wlb_llm_is_compared_with_its_fastest_delay_thresholds_at_its_layout():
+    """A comparison tunes WLB-LLM's delay thresholds on the layout its search chose (its paper tunes
+    them): each candidate is run over the batches at that layout, the fastest mean is its row, and
+    the note says how to train with it."""
+    from megatron_slimpack.planner.baselines.wlb_llm import DELAY_CANDIDATES
+    from megatron_slimpack.planner.layouts import best_layout
+
+    result = compare(3, "wlb-llm")
+    found = result.results["wlb-llm"]
+    tuning = found.plans[0].metadata["delay_tuning"]
+    assert list(tuning) == list(DELAY_CANDIDATES)  # the configured ones (the default) first
+    means = {text: seconds for text, seconds in tuning.items() if isinstance(seconds, float)}
+    chosen = ",".join(f"{f:g}" for f in found.plans[0].metadata["delay_fractions"])
+    assert found.mean_iteration_time_s == pytest.approx(min(means.values()), rel=1e-12) == means[chosen]
+    searched = best_layout("wlb-llm", batches(3), COST, 8, CONTEXT, CONFIG)
+    assert searched.parallel == found.parallel  # tuned at the layout the search chose
+    assert means["0.5,0.25"] == pytest.approx(searched.mean_iteration_time_s, rel=1e-12)
+    for text, seconds in means.items():  # each candidate as a run of its own thresholds would time it
+        alone = best_layout("wlb-llm", batches(3), COST, 8, CONTEXT, CONFIG.with_(wlb_delay_fractions=text),
+                            layouts=[found.parallel])
+        assert seconds == pytest.approx(alone.mean_iteration_time_s, rel=1e-12)
+    note = next(line for line in result.notes() if line.startswith("wlb-llm: delay thresholds"))
+    assert f"--slimpack-wlb-delay-fractions '{chosen}'" in note
+
+
 def test_one_batch_compare_equals_plan_and_simulate_of_its_layout():
     result = compare(1, "slimpack")
     row = result.rows()[0]

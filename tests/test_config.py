@@ -32,7 +32,7 @@ MEGATRON_FLAGS = {
     "--no-slimpack-fixed-grouping-floor", "--slimpack-base-merge", "--slimpack-cost-model",
     "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
     "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron", "--slimpack-planner-timeout",
-    "--slimpack-long-documents",
+    "--slimpack-long-documents", "--slimpack-wlb-delay-fractions",
 }
 # Fields deliberately not flags, on each surface.
 NOT_MEGATRON_FLAGS = {"context_length", "seed", "merge_threshold", "solver_workers", "tunables"}
@@ -94,12 +94,14 @@ def test_megatron_flags_reach_the_config():
         "--seq-length", "8192", "--seed", "7", "--slimpack-strategy", "bfd", "--slimpack-slice-tokens", "1024",
         "--slimpack-max-micropack-tokens", "4096", "--slimpack-solver-time-limit", "3",
         "--slimpack-solver-deterministic-limit", "0.5", "--no-slimpack-dp-merge", "--slimpack-base-merge", "4",
-        "--slimpack-plan-ahead", "0", "--slimpack-hardware", "cpu", "--slimpack-dump-plans", "out/plans"])
+        "--slimpack-plan-ahead", "0", "--slimpack-hardware", "cpu", "--slimpack-dump-plans", "out/plans",
+        "--slimpack-wlb-delay-fractions", "0.75,0.375"])
     from megatron_slimpack.megatron.args import integration_config_from_args, slimpack_config_from_args
 
     assert slimpack_config_from_args(args) == SlimPackConfig(
         strategy="bfd", context_length=8192, seed=7, slice_tokens=1024, max_micropack_tokens=4096,
-        solver_time_limit_s=3.0, solver_deterministic_limit=0.5, dp_merge=False, base_merge=4)
+        solver_time_limit_s=3.0, solver_deterministic_limit=0.5, dp_merge=False, base_merge=4,
+        wlb_delay_fractions="0.75,0.375")
     assert integration_config_from_args(args) == MegatronIntegrationConfig(plan_ahead=0, hardware="cpu",
                                                                            dump_plans="out/plans")
     # An args object without the flags (another provider's parser, a stand-in) gets the defaults.
@@ -113,7 +115,7 @@ def test_cli_options_are_generated_with_the_dataclass_defaults():
     assert option_strings(parser) - {"-h", "--help"} == {
         "--strategy", "--context-length", "--max-micropack-tokens", "--slice-tokens", "--dp-merge", "--no-dp-merge",
         "--fixed-grouping-floor", "--no-fixed-grouping-floor",
-        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--long-documents",
+        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--long-documents", "--wlb-delay-fractions",
         "--cost-model", "--hardware"}
     args = parser.parse_args([])
     assert from_options(SlimPackConfig, args, CLI) == SlimPackConfig()
@@ -209,8 +211,8 @@ def test_the_python_api_validates_and_keeps_its_contract():
         "strategy": "slimpack", "context_length": 262144, "max_micropack_tokens": None, "slice_tokens": None,
         "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
         "solver_time_limit_s": 0.5,
-        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "solver_workers": 1,
-        "tunables": dataclasses.asdict(PlannerTunables())}
+        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "wlb_delay_fractions": "0.5,0.25",
+        "solver_workers": 1, "tunables": dataclasses.asdict(PlannerTunables())}
     with pytest.raises(ValueError, match="SlimPackConfig.base_merge must be a power of two"):
         ms.SlimPackConfig(base_merge=3)
     import numpy as np

@@ -210,6 +210,7 @@ class ComparisonResult:
                   f"{r.parallel.dp * r.parallel.cp} data-parallel replicas and --slimpack-base-merge {r.parallel.cp}"
                   for name, r in self.results.items() if strategy_spec(name).cp_is_base_merge and r.parallel.cp > 1]
         lines += ["overlaps priced: " + "; ".join(overlap_note(name) for name in self.results)] if self.results else []
+        lines += self._tuning_notes()
         lines += self._steady_state_notes()
         headline = self.headline() if len(self.results) > 1 else None
         return lines + ([headline] if headline else []) + self.explanations
@@ -218,6 +219,22 @@ class ComparisonResult:
         """`steady_state` of each strategy that delays documents to a final flush."""
         figures = {name: steady_state(result) for name, result in self.results.items()}
         return {name: figure for name, figure in figures.items() if figure is not None}
+
+    def _tuning_notes(self) -> list[str]:
+        """What each strategy with settings of its own tuned them to (`StrategySpec.tune`), and how
+        to train with that."""
+        lines = []
+        for name, result in self.results.items():
+            tuning = result.plans[0].metadata.get("delay_tuning") if result.plans else None
+            if not tuning:
+                continue
+            chosen = ",".join(f"{f:g}" for f in result.plans[0].metadata["delay_fractions"])
+            tried = "; ".join(f"'{text}' {seconds:.3f} s" if isinstance(seconds, float) else f"'{text}' {seconds}"
+                              for text, seconds in tuning.items())
+            lines.append(f"{name}: delay thresholds '{chosen}' (fractions of the context), the fastest on these "
+                         f"batches at its layout (mean per batch: {tried}); train it with "
+                         f"--slimpack-wlb-delay-fractions '{chosen}'")
+        return lines
 
     def _steady_state_notes(self) -> list[str]:
         reference = self.results.get(REFERENCE)
@@ -520,10 +537,15 @@ def _read_cached(result: ComparisonResult, display: "CompareProgress", cache: "S
 
 def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
             tell: Callable[[SearchProgress], None] | None = None) -> LayoutResult | NoFeasibleLayout | str:
-    """One strategy's layout search: its result, NoFeasibleLayout, or the message of another
-    PlanError (the strategy cannot plan these inputs at all)."""
+    """One strategy's layout search, its own settings then tuned on the layout found where it has
+    any (`StrategySpec.tune`: each strategy in its best configuration): its result,
+    NoFeasibleLayout, or the message of another PlanError (the strategy cannot plan these inputs
+    at all)."""
     try:
-        return best_layout(name, batches, cost, gpus, context_length, config, progress=tell)
+        found = best_layout(name, batches, cost, gpus, context_length, config, progress=tell)
+        tune = strategy_spec(name).tune
+        return found if tune is None else tune(found, batches, cost,
+                                               config.with_(strategy=name, context_length=context_length))
     except NoFeasibleLayout as error:
         return error
     except PlanError as error:

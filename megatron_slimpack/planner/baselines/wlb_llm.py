@@ -5,11 +5,11 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...config import SlimPackConfig
+from ...config import DEFAULT_WLB_DELAY_FRACTIONS, SlimPackConfig, delay_fractions
 from ...costmodel import CostModel
 from ...plan import (
     Plan,
@@ -58,9 +58,50 @@ class MicroBatch:
         self.cost += cost
 
 
+# The delay thresholds a comparison tries for WLB-LLM beside the configured ones (its paper tunes
+# them to the corpus): two queues at other depths, one queue, and none.
+DELAY_CANDIDATES = ("0.5,0.25", "0.75,0.5", "0.75,0.375", "0.25,0.125", "0.5", "")
+
+
+def tune_delay_fractions(result, batches: list[list[int]], cost: CostModel, config: SlimPackConfig):
+    """WLB-LLM's delay thresholds tuned on the layout its search chose (`result`, a `LayoutResult`,
+    its best run with the configured thresholds): each other one of `DELAY_CANDIDATES` is run over
+    `batches` and the final flush and simulated; the fastest mean wins, the configured ones on a tie. A candidate whose
+    plans do not fit memory is left out. Returns `result` with the winner's run as its best; every
+    plan of it records the tuning (`delay_tuning`: candidate -> mean seconds, or why not)."""
+    from ...simulator.dag import simulate  # the simulator and the layout search import the strategies
+    from ..layouts import LayoutEvaluation
+
+    parallel = result.parallel
+    # the search ran the configured thresholds already
+    runs: dict[str, LayoutEvaluation] = {config.wlb_delay_fractions: result.best}
+    tuning: dict[str, float | str] = {config.wlb_delay_fractions: float(result.best.mean_iteration_time_s)}
+    for text in [text for text in DELAY_CANDIDATES if delay_fractions(text) != config.delay_fractions]:
+        planner, tried = WlbLlmPlanner(), config.with_(wlb_delay_fractions=text)
+        try:
+            plans = [planner.plan(lengths, parallel, cost, tried).validate() for lengths in batches]
+            flushed = planner.flush(parallel, cost, tried)
+            plans += [flushed.validate()] if flushed is not None else []
+        except PlanError as error:
+            tuning[text] = f"not planned: {error}"
+            continue
+        reports = [simulate(plan, cost, detail=False) for plan in plans]
+        if not all(report.fits_memory for report in reports):
+            tuning[text] = "does not fit memory"
+            continue
+        runs[text] = LayoutEvaluation(parallel, plans, reports, len(batches))
+        tuning[text] = float(runs[text].mean_iteration_time_s)
+    best = min(runs.values(), key=lambda run: run.mean_iteration_time_s)  # the first on a tie
+    for plan in best.plans:
+        plan.metadata["delay_tuning"] = dict(tuning)
+    finalists = [best if evaluation is result.best else evaluation for evaluation in result.finalists]
+    return replace(result, best=best, finalists=finalists)
+
+
 @register_stateful("wlb-llm", role="baseline", trainable=True,
                    description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
-                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED)
+                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED,
+                   tune=tune_delay_fractions)
 class WlbLlmPlanner(StepPlanner):
     """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
 
@@ -71,8 +112,9 @@ class WlbLlmPlanner(StepPlanner):
       stages M is rounded up to a multiple of pp (Megatron's interleaved 1F1B needs it), and a
       replica left with fewer non-empty micro-batches is split or merged to one (`meet_interleaved_count`).
     - Multi-level outlier-delay queues: a new document longer than `context_length *
-      LEVEL_FRACTIONS[i]` (and not longer than the previous level's threshold) joins queue i
-      instead of being packed. A queue releases documents only once it holds as many as there
+      config.delay_fractions[i]` (and not longer than the previous level's threshold) joins queue i
+      instead of being packed (`SlimPackConfig.wlb_delay_fractions`, default 0.5 and 0.25; its paper
+      tunes them: `tune_delay_fractions`). A queue releases documents only once it holds as many as there
       are micro-batches, and then releases exactly one per micro-batch (oldest first; the
       longest released document goes to the micro-batch with the most token room). It keeps
       releasing rounds while it still holds a full round and the previous round fitted; a
@@ -94,13 +136,13 @@ class WlbLlmPlanner(StepPlanner):
     `state_dict()` / `load_state_dict()` save and restore the queues, carried documents and step.
     """
 
-    LEVEL_FRACTIONS = (0.5, 0.25)  # level 0: > context/2; level 1: (context/4, context/2]
-
     def __init__(self):
         super().__init__()
         self.step = 0
         self.arrived = 0  # documents given so far (numbers them when no sources are given)
-        self.queues: list[deque[PendingDocument]] = [deque() for _ in self.LEVEL_FRACTIONS]
+        # The delay thresholds (fractions of the context), set by the first step's config: one queue each.
+        self.fractions: tuple[float, ...] | None = None
+        self.queues: list[deque[PendingDocument]] = []
         self.carried: list[PendingDocument] = []
 
     # ---- state ---------------------------------------------------------------------------
@@ -113,25 +155,39 @@ class WlbLlmPlanner(StepPlanner):
         return [document.length for document in self.pending]
 
     def state_dict(self) -> dict:
-        """Step counter, documents seen, delay queues and carried documents (with their sources)."""
+        """Step counter, documents seen, delay thresholds, delay queues and carried documents (with
+        their sources)."""
         return {
             "strategy": "wlb-llm", "step": self.step, "arrived": self.arrived,
+            "delay_fractions": None if self.fractions is None else list(self.fractions),
             "queues": [[d.to_list() for d in queue] for queue in self.queues],
             "carried": [d.to_list() for d in self.carried],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("strategy") != "wlb-llm" or len(state.get("queues", ())) != len(self.LEVEL_FRACTIONS):
-            raise PlanError(f"wlb-llm: not a wlb-llm planner state with {len(self.LEVEL_FRACTIONS)} delay queues: "
-                            f"{sorted(state)}")
+        # A state saved before the thresholds were recorded has the default ones.
+        fractions = state.get("delay_fractions", list(delay_fractions(DEFAULT_WLB_DELAY_FRACTIONS)))
+        queues = state.get("queues", ())
+        if state.get("strategy") != "wlb-llm" or (fractions is not None and len(queues) != len(fractions)):
+            raise PlanError(f"wlb-llm: not a wlb-llm planner state with one delay queue per threshold: {sorted(state)}")
         self.step = int(state["step"])
         self.arrived = int(state["arrived"])
-        self.queues = [deque(PendingDocument.from_list(d) for d in queue) for queue in state["queues"]]
+        self.fractions = None if fractions is None else tuple(float(f) for f in fractions)
+        self.queues = [deque(PendingDocument.from_list(d) for d in queue) for queue in queues]
         self.carried = [PendingDocument.from_list(d) for d in state["carried"]]
+
+    def _use_fractions(self, config: SlimPackConfig) -> None:
+        """The delay thresholds of `config`, fixed for the run by its first step (a queue each)."""
+        fractions = config.delay_fractions
+        if self.fractions is None:
+            self.fractions, self.queues = fractions, [deque() for _ in fractions]
+        elif fractions != self.fractions:
+            raise PlanError(f"wlb-llm: the delay thresholds changed within a run (queues of {self.fractions}, now "
+                            f"{fractions}): keep --wlb-delay-fractions for the whole run")
 
     def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
         """Each length's delay queue (None: packed at once), the thresholds computed once."""
-        thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.LEVEL_FRACTIONS)]
+        thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.fractions or ())]
         return [next((level for level, threshold in thresholds if length > threshold), None) for length in lengths]
 
     # ---- planning ------------------------------------------------------------------------
@@ -166,6 +222,7 @@ class WlbLlmPlanner(StepPlanner):
         else:
             sources = check_sources(sources, len(lengths))
         self.arrived += len(lengths)
+        self._use_fractions(config)
         context = config.context_length
         capacity = longest_micro_batch(cost, parallel, context)
         rates = WorkRates.from_cost(cost, parallel, context)
@@ -188,7 +245,7 @@ class WlbLlmPlanner(StepPlanner):
     def _take_pending(self) -> list[PendingDocument]:
         """Every pending document; the queues and the carried list are emptied."""
         documents = self.pending
-        self.queues = [deque() for _ in self.LEVEL_FRACTIONS]
+        self.queues = [deque() for _ in self.queues]
         self.carried = []
         return documents
 
@@ -241,6 +298,7 @@ class WlbLlmPlanner(StepPlanner):
             **metadata, "step": self.step,
             "micro_batch_costs_s": [[mb.cost for mb in mbs] for mbs in per_rank],
             "delayed_documents": len(pending), "delayed_tokens": sum(d.length for d in pending),
+            "delay_fractions": list(self.fractions or ()),
         }
         self.step += 1
         new = tuple.__new__
