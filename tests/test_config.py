@@ -115,8 +115,8 @@ def test_cli_options_are_generated_with_the_dataclass_defaults():
     assert option_strings(parser) - {"-h", "--help"} == {
         "--strategy", "--context-length", "--max-micropack-tokens", "--slice-tokens", "--dp-merge", "--no-dp-merge",
         "--fixed-grouping-floor", "--no-fixed-grouping-floor",
-        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--long-documents", "--wlb-delay-fractions",
-        "--cost-model", "--hardware"}
+        "--base-merge", "--solver-time-limit", "--solver-deterministic-limit", "--seed", "--long-documents",
+        "--wlb-delay-fractions", "--cost-model", "--hardware"}
     args = parser.parse_args([])
     assert from_options(SlimPackConfig, args, CLI) == SlimPackConfig()
     assert from_options(MegatronIntegrationConfig, args, CLI) == MegatronIntegrationConfig()
