@@ -32,3 +32,8 @@ def test_tiny_run(capsys):
         assert row["benchmark"] in out
     assert rows[2]["baseline_figures"]["objective"] == "documents cut at sequence boundaries"
     assert rows[2]["peer_figures"]["objective"] == "documents whole"
+    # WLB-LLM's delay thresholds tuned on another sample: the fastest candidate's, then measured
+    wlb = rows[2]
+    rates = wlb["sample_rates_by_delay_fractions"]
+    assert wlb["tuned_delay_fractions"] == max(rates, key=rates.get) and len(rates) == 6
+    assert wlb["simulated_tuned"] > 0 and f"tuned on another sample ('{wlb['tuned_delay_fractions']}')" in out
