@@ -478,7 +478,7 @@ class _ShapePlans:
     layout of the shape gets a copy. The plans are kept pickled (`Plan.__reduce__` makes that
     cheap, and a search over ~10^5-document batches meets tens of shapes), the last few shapes
     used also as objects: a layout being screened gets a shallow copy with its own layout (the
-    simulator only reads a plan), a run that is finished its own deep copy (`_Run.unshelve`).
+    simulator only reads a plan), a run that is finished its own deep copies (`_Run.evaluation`).
     A planning error is kept too, as a copy without its traceback (`outcomes.kept`: the search
     pauses the cyclic collector), and each later layout of the shape raises a copy of it."""
 

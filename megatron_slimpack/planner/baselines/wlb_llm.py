@@ -66,9 +66,10 @@ DELAY_CANDIDATES = ("0.5,0.25", "0.75,0.5", "0.75,0.375", "0.25,0.125", "0.5", "
 def tune_delay_fractions(result, batches: list[list[int]], cost: CostModel, config: SlimPackConfig):
     """WLB-LLM's delay thresholds tuned on the layout its search chose (`result`, a `LayoutResult`,
     its best run with the configured thresholds): each other one of `DELAY_CANDIDATES` is run over
-    `batches` and the final flush and simulated; the fastest mean wins, the configured ones on a tie. A candidate whose
-    plans do not fit memory is left out. Returns `result` with the winner's run as its best; every
-    plan of it records the tuning (`delay_tuning`: candidate -> mean seconds, or why not)."""
+    `batches` and the final flush and simulated; the fastest mean wins, the configured ones on a
+    tie. A candidate whose plans do not fit memory is left out. Returns `result` with the winner's
+    run as its best; every plan of it records the tuning (`delay_tuning`: candidate -> mean
+    seconds, or why not)."""
     from ...simulator.dag import simulate  # the simulator and the layout search import the strategies
     from ..layouts import LayoutEvaluation
 
@@ -113,9 +114,9 @@ class WlbLlmPlanner(StepPlanner):
       replica left with fewer non-empty micro-batches is split or merged to one (`meet_interleaved_count`).
     - Multi-level outlier-delay queues: a new document longer than `context_length *
       config.delay_fractions[i]` (and not longer than the previous level's threshold) joins queue i
-      instead of being packed (`SlimPackConfig.wlb_delay_fractions`, default 0.5 and 0.25; its paper
-      tunes them: `tune_delay_fractions`). A queue releases documents only once it holds as many as there
-      are micro-batches, and then releases exactly one per micro-batch (oldest first; the
+      instead of being packed (`SlimPackConfig.wlb_delay_fractions`, default 0.5 and 0.25; its
+      paper tunes them: `tune_delay_fractions`). A queue releases documents only once it holds as
+      many as there are micro-batches, and then releases exactly one per micro-batch (oldest first; the
       longest released document goes to the micro-batch with the most token room). It keeps
       releasing rounds while it still holds a full round and the previous round fitted; a
       released document that does not fit its micro-batch's token room goes back to the queue.
@@ -183,7 +184,8 @@ class WlbLlmPlanner(StepPlanner):
             self.fractions, self.queues = fractions, [deque() for _ in fractions]
         elif fractions != self.fractions:
             raise PlanError(f"wlb-llm: the delay thresholds changed within a run (queues of {self.fractions}, now "
-                            f"{fractions}): keep --wlb-delay-fractions for the whole run")
+                            f"{fractions}): keep wlb_delay_fractions (--slimpack-wlb-delay-fractions) for the "
+                            "whole run")
 
     def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
         """Each length's delay queue (None: packed at once), the thresholds computed once."""
