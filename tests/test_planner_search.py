@@ -182,7 +182,8 @@ def test_tunables_are_frozen_validated_and_part_of_the_config():
         "strategy": "slimpack", "context_length": 65536, "max_micropack_tokens": None, "slice_tokens": None,
         "dp_merge": True, "fixed_grouping_floor": True, "base_merge": 1, "merge_threshold": 1.25,
         "solver_time_limit_s": 0.5,
-        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "solver_workers": 1}
+        "solver_deterministic_limit": None, "seed": 0, "long_documents": "error", "wlb_delay_fractions": "0.5,0.25",
+        "solver_workers": 1}
 
 
 def test_the_config_tunables_reach_phase_one():

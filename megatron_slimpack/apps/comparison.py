@@ -43,6 +43,7 @@ from ..planner.layouts import (
     best_layout,
 )
 from ..planner.strategies import REGISTRY, strategy_names, strategy_spec
+from ..planner.tuning import tuned
 from ..simulator import per_batch_report, simulate
 from ..simulator.dag import SimulationReport
 from ..simulator.report import (
@@ -221,8 +222,8 @@ class ComparisonResult:
         return {name: figure for name, figure in figures.items() if figure is not None}
 
     def _tuning_notes(self) -> list[str]:
-        """What each strategy with settings of its own tuned them to (`StrategySpec.tune`), and how
-        to train with that."""
+        """What each strategy with settings of its own tuned them to (`planner.tuning`), and how to
+        train with that."""
         lines = []
         for name, result in self.results.items():
             tuning = result.plans[0].metadata.get("delay_tuning") if result.plans else None
@@ -538,14 +539,12 @@ def _read_cached(result: ComparisonResult, display: "CompareProgress", cache: "S
 def _search(name: str, batches, cost: CostModel, gpus: int, context_length: int, config: SlimPackConfig,
             tell: Callable[[SearchProgress], None] | None = None) -> LayoutResult | NoFeasibleLayout | str:
     """One strategy's layout search, its own settings then tuned on the layout found where it has
-    any (`StrategySpec.tune`: each strategy in its best configuration): its result,
+    any (`planner.tuning`: each strategy in its best configuration): its result,
     NoFeasibleLayout, or the message of another PlanError (the strategy cannot plan these inputs
     at all)."""
     try:
         found = best_layout(name, batches, cost, gpus, context_length, config, progress=tell)
-        tune = strategy_spec(name).tune
-        return found if tune is None else tune(found, batches, cost,
-                                               config.with_(strategy=name, context_length=context_length))
+        return tuned(name, found, batches, cost, config.with_(context_length=context_length))
     except NoFeasibleLayout as error:
         return error
     except PlanError as error:

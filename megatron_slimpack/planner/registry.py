@@ -168,10 +168,6 @@ class StrategySpec:
     # The communication its real run hides behind compute (costmodel/overlaps.py); the simulator
     # prices its plans with these, and comparisons print them with the flags that give them.
     overlaps: Overlaps = SERIAL
-    # Its own settings tuned on the layout a comparison's search chose for it (WLB-LLM's delay
-    # thresholds): `tune(result, batches, cost, config)` returns the search's `LayoutResult` with the
-    # tuned run as its best, the tuning recorded in its plans' metadata. None: nothing to tune.
-    tune: Callable | None = None
 
     @property
     def is_reference(self) -> bool:

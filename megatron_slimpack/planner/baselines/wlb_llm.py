@@ -5,7 +5,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,50 +59,13 @@ class MicroBatch:
 
 
 # The delay thresholds a comparison tries for WLB-LLM beside the configured ones (its paper tunes
-# them to the corpus): two queues at other depths, one queue, and none.
+# them to the corpus; `planner.tuning`): two queues at other depths, one queue, and none.
 DELAY_CANDIDATES = ("0.5,0.25", "0.75,0.5", "0.75,0.375", "0.25,0.125", "0.5", "")
-
-
-def tune_delay_fractions(result, batches: list[list[int]], cost: CostModel, config: SlimPackConfig):
-    """WLB-LLM's delay thresholds tuned on the layout its search chose (`result`, a `LayoutResult`,
-    its best run with the configured thresholds): each other one of `DELAY_CANDIDATES` is run over
-    `batches` and the final flush and simulated; the fastest mean wins, the configured ones on a
-    tie. A candidate whose plans do not fit memory is left out. Returns `result` with the winner's
-    run as its best; every plan of it records the tuning (`delay_tuning`: candidate -> mean
-    seconds, or why not)."""
-    from ...simulator.dag import simulate  # the simulator and the layout search import the strategies
-    from ..layouts import LayoutEvaluation
-
-    parallel = result.parallel
-    # the search ran the configured thresholds already
-    runs: dict[str, LayoutEvaluation] = {config.wlb_delay_fractions: result.best}
-    tuning: dict[str, float | str] = {config.wlb_delay_fractions: float(result.best.mean_iteration_time_s)}
-    for text in [text for text in DELAY_CANDIDATES if delay_fractions(text) != config.delay_fractions]:
-        planner, tried = WlbLlmPlanner(), config.with_(wlb_delay_fractions=text)
-        try:
-            plans = [planner.plan(lengths, parallel, cost, tried).validate() for lengths in batches]
-            flushed = planner.flush(parallel, cost, tried)
-            plans += [flushed.validate()] if flushed is not None else []
-        except PlanError as error:
-            tuning[text] = f"not planned: {error}"
-            continue
-        reports = [simulate(plan, cost, detail=False) for plan in plans]
-        if not all(report.fits_memory for report in reports):
-            tuning[text] = "does not fit memory"
-            continue
-        runs[text] = LayoutEvaluation(parallel, plans, reports, len(batches))
-        tuning[text] = float(runs[text].mean_iteration_time_s)
-    best = min(runs.values(), key=lambda run: run.mean_iteration_time_s)  # the first on a tie
-    for plan in best.plans:
-        plan.metadata["delay_tuning"] = dict(tuning)
-    finalists = [best if evaluation is result.best else evaluation for evaluation in result.finalists]
-    return replace(result, best=best, finalists=finalists)
 
 
 @register_stateful("wlb-llm", role="baseline", trainable=True,
                    description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
-                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED,
-                   tune=tune_delay_fractions)
+                   minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED)
 class WlbLlmPlanner(StepPlanner):
     """WLB-LLM (OSDI'25): workload-balanced variable-length packing with outlier delay.
 
@@ -115,7 +78,7 @@ class WlbLlmPlanner(StepPlanner):
     - Multi-level outlier-delay queues: a new document longer than `context_length *
       config.delay_fractions[i]` (and not longer than the previous level's threshold) joins queue i
       instead of being packed (`SlimPackConfig.wlb_delay_fractions`, default 0.5 and 0.25; its
-      paper tunes them: `tune_delay_fractions`). A queue releases documents only once it holds as
+      paper tunes them: `planner.tuning.tune_delay_fractions`). A queue releases documents only once it holds as
       many as there are micro-batches, and then releases exactly one per micro-batch (oldest first; the
       longest released document goes to the micro-batch with the most token room). It keeps
       releasing rounds while it still holds a full round and the previous round fitted; a

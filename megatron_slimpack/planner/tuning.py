@@ -1,0 +1,62 @@
+"""A strategy's own settings, tuned on the layout its search chose: what a comparison runs each
+strategy with, so that each is in its best configuration (WLB-LLM's outlier-delay thresholds,
+which its paper tunes to the corpus)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import SlimPackConfig, delay_fractions
+from ..costmodel import CostModel
+from ..plan import PlanError
+from ..simulator.dag import simulate
+from .baselines.wlb_llm import DELAY_CANDIDATES, WlbLlmPlanner
+from .layouts import LayoutEvaluation, LayoutResult
+
+
+def tune_delay_fractions(result: LayoutResult, batches: list[list[int]], cost: CostModel,
+                         config: SlimPackConfig) -> LayoutResult:
+    """WLB-LLM's delay thresholds tuned on the layout its search chose (`result`, its best run with
+    the configured thresholds): each other one of `DELAY_CANDIDATES` is run over `batches` and the
+    final flush and simulated; the fastest mean wins, the configured ones on a tie. A candidate
+    whose plans do not fit memory is left out. Returns `result` with the winner's run as its best;
+    every plan of it records the tuning (`delay_tuning`: candidate -> mean seconds, or why not)."""
+    parallel = result.parallel
+    # the search ran the configured thresholds already
+    runs: dict[str, LayoutEvaluation] = {config.wlb_delay_fractions: result.best}
+    tuning: dict[str, float | str] = {config.wlb_delay_fractions: float(result.best.mean_iteration_time_s)}
+    for text in [text for text in DELAY_CANDIDATES if delay_fractions(text) != config.delay_fractions]:
+        planner, tried = WlbLlmPlanner(), config.with_(wlb_delay_fractions=text)
+        try:
+            plans = [planner.plan(lengths, parallel, cost, tried).validate() for lengths in batches]
+            flushed = planner.flush(parallel, cost, tried)
+            plans += [flushed.validate()] if flushed is not None else []
+        except PlanError as error:
+            tuning[text] = f"not planned: {error}"
+            continue
+        reports = [simulate(plan, cost, detail=False) for plan in plans]
+        if not all(report.fits_memory for report in reports):
+            tuning[text] = "does not fit memory"
+            continue
+        runs[text] = LayoutEvaluation(parallel, plans, reports, len(batches))
+        tuning[text] = float(runs[text].mean_iteration_time_s)
+    best = min(runs.values(), key=lambda run: run.mean_iteration_time_s)  # the first on a tie
+    for plan in best.plans:
+        plan.metadata["delay_tuning"] = dict(tuning)
+    finalists = [best if evaluation is result.best else evaluation for evaluation in result.finalists]
+    return replace(result, best=best, finalists=finalists)
+
+
+# strategy -> its tuner: `tuner(result, batches, cost, config)` returns the search's result with the
+# tuned run as its best, the tuning recorded in that run's plans' metadata
+TUNERS = {"wlb-llm": tune_delay_fractions}
+
+
+def tuned(strategy: str, result: LayoutResult, batches: list[list[int]], cost: CostModel,
+          config: SlimPackConfig) -> LayoutResult:
+    """`result` with `strategy`'s own settings tuned at its layout (`TUNERS`); as it is where the
+    strategy has none."""
+    tuner = TUNERS.get(strategy)
+    return result if tuner is None else tuner(result, batches, cost, config.with_(strategy=strategy))
+
+
+__all__ = ["tune_delay_fractions", "TUNERS", "tuned"]
