@@ -47,6 +47,7 @@ from megatron_slimpack.costmodel import Overlaps
 from megatron_slimpack.plan import sequence_sharded_pairs
 from megatron_slimpack.planner.baselines.wlb_llm import DELAY_CANDIDATES
 from megatron_slimpack.planner.strategies import new_planner, strategy_spec
+from megatron_slimpack.simulator import per_batch_report
 from megatron_slimpack.specs import ModelSpec, ParallelConfig
 from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
@@ -277,7 +278,7 @@ def run_wlb_llm(batches, parallel: ParallelConfig, cost: ms.CostModel, config: m
 
 def steady_rate(reports) -> float:
     """Tokens trained per second over the steps."""
-    return sum(r.num_tokens for r in reports) / sum(r.iteration_time_s for r in reports)
+    return per_batch_report(reports, len(reports)).tokens_per_s
 
 
 def tuned_delay_fractions(sample, parallel: ParallelConfig, cost: ms.CostModel, config: ms.SlimPackConfig):
@@ -315,16 +316,15 @@ def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -
         wlb_runtime = [ms.simulate(plan, cost) for plan in wlb_plans]
         flushed = ms.simulate(flush_plan, cost, overlaps=WLB_LLM_AS_PUBLISHED) if flush_plan else None
 
-        rate = steady_rate
-        base_rate = rate(fixed)
+        base_rate = steady_rate(fixed)
         # its thresholds tuned on a sample of the corpus (other batches than the measured ones)
         sampler = GlobalBatchSampler(lengths, context, pp * dp, seed=seed + 1, long_documents="split")
         tuned, tuning = tuned_delay_fractions([sampler.next_batch() for _ in range(steps)], parallel, cost,
                                               wlb_config)
         tuned_plans, _, _ = run_wlb_llm(batches, parallel, cost, wlb_config.with_(wlb_delay_fractions=tuned))
-        tuned_rate = rate([ms.simulate(plan, cost, overlaps=WLB_LLM_AS_PUBLISHED) for plan in tuned_plans])
-        simulated = rate(wlb) / base_rate
-        with_flush = rate(wlb + ([flushed] if flushed else [])) / base_rate
+        tuned_rate = steady_rate([ms.simulate(plan, cost, overlaps=WLB_LLM_AS_PUBLISHED) for plan in tuned_plans])
+        simulated = steady_rate(wlb) / base_rate
+        with_flush = steady_rate(wlb + ([flushed] if flushed else [])) / base_rate
         same_overlaps = Priced(cost, strategy_spec("megatron-fixed").overlaps)
         wlb_same = [ms.simulate(plan, same_overlaps) for plan in wlb_plans]
         fixed_no_cp = [ms.simulate(plan, Priced(cost, PLAIN_4D, no_cp_exchange=True)) for plan in fixed_plans]
@@ -337,8 +337,8 @@ def run_wlb(settings: list[str], steps: int, corpus: str, seed: int, vpp: int) -
             "simulated_with_flush": with_flush,
             "simulated_tuned": tuned_rate / base_rate, "tuned_delay_fractions": tuned,
             "sample_rates_by_delay_fractions": tuning,
-            "simulated_same_overlaps": rate(wlb_same) / base_rate,
-            "simulated_runtime_overlaps": rate(wlb_runtime) / base_rate,
+            "simulated_same_overlaps": steady_rate(wlb_same) / base_rate,
+            "simulated_runtime_overlaps": steady_rate(wlb_runtime) / base_rate,
             "peer_figures": {
                 "layout": parallel.describe(), "objective": objective("wlb-llm"),
                 "step_s": float(np.mean([r.iteration_time_s for r in wlb])),

@@ -43,7 +43,7 @@ from ..planner.layouts import (
     best_layout,
 )
 from ..planner.strategies import REGISTRY, strategy_names, strategy_spec
-from ..planner.tuning import tuned
+from ..planner.tuning import tuned, tuning_note
 from ..simulator import per_batch_report, simulate
 from ..simulator.dag import SimulationReport
 from ..simulator.report import (
@@ -222,20 +222,9 @@ class ComparisonResult:
         return {name: figure for name, figure in figures.items() if figure is not None}
 
     def _tuning_notes(self) -> list[str]:
-        """What each strategy with settings of its own tuned them to (`planner.tuning`), and how to
-        train with that."""
-        lines = []
-        for name, result in self.results.items():
-            tuning = result.plans[0].metadata.get("delay_tuning") if result.plans else None
-            if not tuning:
-                continue
-            chosen = ",".join(f"{f:g}" for f in result.plans[0].metadata["delay_fractions"])
-            tried = "; ".join(f"'{text}' {seconds:.3f} s" if isinstance(seconds, float) else f"'{text}' {seconds}"
-                              for text, seconds in tuning.items())
-            lines.append(f"{name}: delay thresholds '{chosen}' (fractions of the context), the fastest on these "
-                         f"batches at its layout (mean per batch: {tried}); train it with "
-                         f"--slimpack-wlb-delay-fractions '{chosen}'")
-        return lines
+        """What each strategy with settings of its own tuned them to, and how to train with that."""
+        notes = (tuning_note(name, result) for name, result in self.results.items())
+        return [note for note in notes if note]
 
     def _steady_state_notes(self) -> list[str]:
         reference = self.results.get(REFERENCE)

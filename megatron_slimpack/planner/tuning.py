@@ -46,9 +46,24 @@ def tune_delay_fractions(result: LayoutResult, batches: list[list[int]], cost: C
     return replace(result, best=best, finalists=finalists)
 
 
+def delay_tuning_note(result: LayoutResult) -> str | None:
+    """What `tune_delay_fractions` kept for `result` and tried, and the flag that trains with it."""
+    metadata = result.plans[0].metadata if result.plans else {}
+    tuning = metadata.get("delay_tuning")
+    if not tuning:
+        return None
+    chosen = ",".join(f"{fraction:g}" for fraction in metadata["delay_fractions"])
+    tried = "; ".join(f"'{text}' {seconds:.3f} s" if isinstance(seconds, float) else f"'{text}' {seconds}"
+                      for text, seconds in tuning.items())
+    return (f"delay thresholds '{chosen}' (fractions of the context), the fastest on these batches at its layout "
+            f"(mean per batch: {tried}); train it with --slimpack-wlb-delay-fractions '{chosen}'")
+
+
 # strategy -> its tuner: `tuner(result, batches, cost, config)` returns the search's result with the
 # tuned run as its best, the tuning recorded in that run's plans' metadata
 TUNERS = {"wlb-llm": tune_delay_fractions}
+# strategy -> what its tuning chose, in words (None: its result was not tuned)
+TUNING_NOTES = {"wlb-llm": delay_tuning_note}
 
 
 def tuned(strategy: str, result: LayoutResult, batches: list[list[int]], cost: CostModel,
@@ -59,4 +74,11 @@ def tuned(strategy: str, result: LayoutResult, batches: list[list[int]], cost: C
     return result if tuner is None else tuner(result, batches, cost, config.with_(strategy=strategy))
 
 
-__all__ = ["tune_delay_fractions", "TUNERS", "tuned"]
+def tuning_note(strategy: str, result: LayoutResult) -> str | None:
+    """"strategy: what its tuning chose and how to train with it", where its result was tuned."""
+    describe = TUNING_NOTES.get(strategy)
+    note = describe(result) if describe else None
+    return f"{strategy}: {note}" if note else None
+
+
+__all__ = ["tune_delay_fractions", "delay_tuning_note", "TUNERS", "TUNING_NOTES", "tuned", "tuning_note"]
