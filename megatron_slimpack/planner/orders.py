@@ -12,13 +12,13 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import numpy as np
 
 from ..plan import PlanError, last_forward_needed
+from . import compiled
 
 
 def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
@@ -29,7 +29,14 @@ def segment(costs: list[float] | np.ndarray, units: int) -> list[list[int]]:
 
 
 def segment_bounds(costs: list[float] | np.ndarray, units: int) -> list[int]:
-    """`segment`'s groups as cut points: group g holds positions bounds[g]..bounds[g + 1] - 1."""
+    """`segment`'s groups as cut points: group g holds positions bounds[g]..bounds[g + 1] - 1.
+
+    Greedy with limit L (each group takes as many positions as fit, at least one) needs fewer
+    groups as L grows, and L = mean + max always fits: the bottleneck is bracketed SEARCH_WAYS
+    limits at a time (the first that fits, by bisection) to within BRACKET_TOLERANCE, then the
+    search finishes exactly: the optimal bottleneck is the sum of a contiguous run, so it steps
+    down through the bottlenecks the greedy reaches until a limit just below one no longer fits
+    (`compiled.optimal_bounds`)."""
     costs = np.asarray(costs, dtype=float)
     count = len(costs)
     if count == 0:
@@ -38,75 +45,11 @@ def segment_bounds(costs: list[float] | np.ndarray, units: int) -> list[int]:
     if units == count:
         return list(range(count + 1))
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    sums = prefix.tolist()  # the greedy checks step with bisect: numpy's per-call cost dominated
-    # Greedy with limit L cuts groups of more than L - max each: L = mean + max always fits.
-    low = max(float(costs.max()), float(prefix[-1]) / units)
-    high = min(float(prefix[-1]), low + float(costs.max()))
-    # Narrow [low, high] to the first of 16 limits that fits, found by bisection (the greedy's group
-    # count only falls as the limit grows) ...
-    while high - low > BRACKET_TOLERANCE * max(high, 1.0):
-        step = (high - low) / (SEARCH_WAYS + 1)  # np.linspace's interior points, without its per-call cost
-        limits = [low + step * i for i in range(1, SEARCH_WAYS + 1)]
-        first = _first_fitting(sums, limits, units)
-        if first < len(limits):
-            high = limits[first]
-            low = limits[first - 1] if first > 0 else low
-        else:
-            low = limits[-1]
-    # ... then finish exactly: the optimal bottleneck is the sum of a contiguous run, so step down
-    # through the bottlenecks the greedy reaches until a limit just below one no longer fits.
-    bounds = _greedy_bounds(sums, high)
-    while True:
-        bottleneck = float(np.max(prefix[bounds[1:]] - prefix[bounds[:-1]]))
-        below = bottleneck * (1 - 3e-12)  # past the 1e-12 tolerance of the greedy checks
-        if below <= low or not _fits(sums, below, units):
-            break
-        bounds = _greedy_bounds(sums, below)
-    return bounds.tolist()
+    return compiled.optimal_bounds(prefix, float(costs.max()), units, BRACKET_TOLERANCE, SEARCH_WAYS).tolist()
 
 
 BRACKET_TOLERANCE = 1e-6
 SEARCH_WAYS = 16
-
-
-def _first_fitting(sums: list[float], limits: list[float], units: int) -> int:
-    """Index of the first of the increasing `limits` under which the greedy needs at most `units`
-    groups (len(limits): none)."""
-    low, high = 0, len(limits)
-    while low < high:
-        middle = (low + high) // 2
-        if _fits(sums, limits[middle], units):
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
-def _fits(sums: list[float], limit: float, units: int) -> bool:
-    """Whether the greedy segmentation under `limit` (each group takes as many positions as fit,
-    at least one) needs at most `units` groups; `sums`: the prefix sums."""
-    count = len(sums) - 1
-    reach = limit * (1 + 1e-12)
-    position = groups = 0
-    while position < count:
-        if groups == units:
-            return False
-        position = min(max(bisect.bisect_right(sums, sums[position] + reach) - 1, position + 1), count)
-        groups += 1
-    return True
-
-
-def _greedy_bounds(sums: list[float], limit: float) -> np.ndarray:
-    """Cut points of the greedy segmentation: each group takes as many positions as fit `limit`
-    (at least one), found by binary search on the prefix sums."""
-    count = len(sums) - 1
-    bounds = [0]
-    tolerance = limit * 1e-12
-    while bounds[-1] < count:
-        start = bounds[-1]
-        end = bisect.bisect_right(sums, sums[start] + limit + tolerance) - 1
-        bounds.append(min(max(end, start + 1), count))
-    return np.array(bounds)
 
 
 @dataclass
@@ -436,70 +379,36 @@ class InterleavedSchedule:
         """Run every rank's order, each task once its inputs are done: a forward on virtual stage
         v after the same unit's forward on v - 1; a backward after its needed forward on v and
         its own backward on v + 1. With `work`, times them (per-chunk durations, p2p between
-        ranks) and returns the makespan; without, returns 0.0. None: a circular wait."""
-        pp, vpp, needs, forwards, backwards = self.pp, self.vpp, self.needs, self.forwards, self.backwards
-        virtual = pp * vpp
-        forward_count = len(forwards) // vpp
-        forward_end: list[list[float | None]] = [[None] * forward_count for _ in range(virtual)]
-        backward_end: list[list[float | None]] = [[None] * len(needs) for _ in range(virtual)]
-        ready: float | None  # when a task's input arrives; None: not yet
+        ranks) and returns the makespan; without, returns 0.0. None: a circular wait
+        (`compiled.interleaved_walk`)."""
+        pp, vpp = self.pp, self.vpp
+        forward_count, backward_count = len(self.forwards) // vpp, len(self.needs)
         if work is None:
-            zeros = [0.0] * max(forward_count, len(needs))
-            forward_rows = backward_rows = [zeros] * virtual
-            forward_transfer = backward_transfer = zeros
+            forward_rows, backward_rows = np.zeros((pp * vpp, forward_count)), np.zeros((pp * vpp, backward_count))
+            forward_transfer, backward_transfer = np.zeros(forward_count), np.zeros(backward_count)
         else:
-            forward_rows = [_chunk_row(work.forward_time, v % pp, v // pp, pp, vpp) for v in range(virtual)]
-            backward_rows = [_chunk_row(work.backward_time, v % pp, v // pp, pp, vpp) for v in range(virtual)]
-            forward_transfer, backward_transfer = work.forward_transfer, work.backward_transfer
-        between_ranks = pp > 1  # with one rank, neighbouring virtual stages share a device: no p2p
-        targets = np.asarray(self.targets).tolist()
-        total_forwards, total_backwards = len(forwards), len(backwards)
-        free, next_forward, next_backward = [0.0] * pp, [0] * pp, [0] * pp
-        progress = True
-        while progress:
-            progress = False
-            for stage in range(pp):
-                clock, done_f, done_b, row = free[stage], next_forward[stage], next_backward[stage], targets[stage]
-                while True:
-                    if done_b < total_backwards:
-                        forward_next = done_f < row[done_b]
-                    elif done_f < total_forwards:
-                        forward_next = True
-                    else:
-                        break
-                    if forward_next:
-                        _, unit, chunk = forwards[done_f]
-                        vstage = chunk * pp + stage
-                        ready = 0.0
-                        if vstage > 0:
-                            end = forward_end[vstage - 1][unit]
-                            if end is None:
-                                break
-                            ready = end + forward_transfer[unit] if between_ranks else end
-                        clock = (clock if clock > ready else ready) + forward_rows[vstage][unit]
-                        forward_end[vstage][unit] = clock
-                        done_f += 1
-                    else:
-                        _, unit, chunk = backwards[done_b]
-                        vstage = chunk * pp + stage
-                        ready = forward_end[vstage][needs[unit]]
-                        if ready is None:
-                            break
-                        if vstage < virtual - 1:
-                            end = backward_end[vstage + 1][unit]
-                            if end is None:
-                                break
-                            end = end + backward_transfer[unit] if between_ranks else end
-                            ready = ready if ready > end else end
-                        clock = (clock if clock > ready else ready) + backward_rows[vstage][unit]
-                        backward_end[vstage][unit] = clock
-                        done_b += 1
-                if done_f != next_forward[stage] or done_b != next_backward[stage]:
-                    progress = True
-                free[stage], next_forward[stage], next_backward[stage] = clock, done_f, done_b
-        if next_forward != [total_forwards] * pp or next_backward != [total_backwards] * pp:
+            forward_rows, backward_rows = _chunk_rows(work.forward_time, vpp), _chunk_rows(work.backward_time, vpp)
+            forward_transfer = np.asarray(work.forward_transfer, dtype=float)
+            backward_transfer = np.asarray(work.backward_transfer, dtype=float)
+            if pp == 1:  # neighbouring virtual stages share the device: no p2p
+                forward_transfer, backward_transfer = np.zeros(forward_count), np.zeros(backward_count)
+        makespan = compiled.interleaved_walk(
+            np.asarray(self.targets, dtype=np.int64), self.forward_table.units, self.forward_table.chunks,
+            self.backward_table.units, self.backward_table.chunks, np.asarray(self.needs, dtype=np.int64),
+            forward_rows, backward_rows, forward_transfer, backward_transfer, pp, vpp)
+        if makespan < 0.0:
             return None
-        return max(free) if work is not None else 0.0
+        return makespan if work is not None else 0.0
+
+
+def _chunk_rows(rows: list[list[float]], vpp: int) -> np.ndarray:
+    """A StageWork row per virtual stage (chunk * pp + stage): the last stage's row (output layer)
+    only for the last virtual stage; every other chunk is a middle one."""
+    pp = len(rows)
+    table = np.empty((pp * vpp, len(rows[0])))
+    table[:] = rows[0]
+    table[-1] = rows[pp - 1]
+    return table
 
 
 # What the replica search tries, in this order, for candidates that Megatron's interleaved
@@ -605,9 +514,3 @@ def interleaved_microbatch_error(num_units: int, pp: int, group: int | None = No
         return (f"{num_units} microbatches with interleaving over pp={pp}: Megatron needs a multiple of "
                 f"{group} (or a last group of at least pp)")
     return None
-
-
-def _chunk_row(rows: list, stage: int, chunk: int, pp: int, vpp: int):
-    """A StageWork row for one chunk: the last stage's row (output layer) only for the last
-    virtual stage; every other chunk is a middle one."""
-    return rows[pp - 1] if (stage, chunk) == (pp - 1, vpp - 1) else rows[0]

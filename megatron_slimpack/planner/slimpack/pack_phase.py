@@ -35,6 +35,7 @@ from ...plan import (
     whole_slices,
 )
 from ...specs import ParallelConfig
+from .. import compiled
 from ..orders import (
     InterleavedSchedule,
     StageWork,
@@ -140,18 +141,14 @@ def _balanced_bounds(length: int, count: int, rates: WorkRates, rounds: int) -> 
     shares = np.full(count, 1.0 / count)
     rounds = rounds if rates.half_tokens else 1
     for round_ in range(rounds):
-        bounds = [0]
-        for target in (total * np.cumsum(shares)[:-1]).tolist():
-            x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
-            bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
-        bounds.append(length)
+        bounds = compiled.bounds_at_work(total * np.cumsum(shares)[:-1], a, b, length)
         if round_ == rounds - 1:  # the last round's bounds are the answer: no shares for another
             break
-        edges = np.asarray(bounds, dtype=float)
+        edges = bounds.astype(float)
         lengths = np.diff(edges)
         weights = 1.0 / rates.size_penalty(lengths, lengths * edges[:-1] + lengths * (lengths + 1) / 2)
         shares = weights / weights.sum()
-    return tuple(bounds)
+    return tuple(bounds.tolist())
 
 
 def _prefix_work(tokens: float, rates: WorkRates) -> float:

@@ -1,0 +1,185 @@
+"""The planner's compiled loops (`planner/compiled.py`) give exactly what their plain-Python
+transcriptions below give: the same cut points, the same slice bounds, the same makespans to the
+last bit, and the same circular waits. A difference of one rounding would move a plan (the golden
+plans would catch it too, on fewer inputs)."""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+
+import numpy as np
+
+from megatron_slimpack.planner import compiled
+from megatron_slimpack.planner.orders import (
+    BRACKET_TOLERANCE,
+    SEARCH_WAYS,
+    StageWork,
+    interleaved_schedules,
+    segment_bounds,
+)
+from test_simulator import build_replica, random_micropacks
+
+# ---- plain-Python transcriptions ---------------------------------------------------------------
+
+
+def python_segment_bounds(costs: np.ndarray, units: int) -> list[int]:
+    count = len(costs)
+    units = max(1, min(units, count))
+    if units == count:
+        return list(range(count + 1))
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    sums = prefix.tolist()
+
+    def fits(limit: float) -> bool:
+        reach, position, groups = limit * (1 + 1e-12), 0, 0
+        while position < count:
+            if groups == units:
+                return False
+            position = min(max(bisect.bisect_right(sums, sums[position] + reach) - 1, position + 1), count)
+            groups += 1
+        return True
+
+    def greedy(limit: float) -> list[int]:
+        bounds, tolerance = [0], limit * 1e-12
+        while bounds[-1] < count:
+            start = bounds[-1]
+            end = bisect.bisect_right(sums, sums[start] + limit + tolerance) - 1
+            bounds.append(min(max(end, start + 1), count))
+        return bounds
+
+    low = max(float(costs.max()), float(prefix[-1]) / units)
+    high = min(float(prefix[-1]), low + float(costs.max()))
+    while high - low > BRACKET_TOLERANCE * max(high, 1.0):
+        step = (high - low) / (SEARCH_WAYS + 1)
+        limits = [low + step * i for i in range(1, SEARCH_WAYS + 1)]
+        first = next((i for i, limit in enumerate(limits) if fits(limit)), len(limits))
+        if first < len(limits):
+            high = limits[first]
+            low = limits[first - 1] if first > 0 else low
+        else:
+            low = limits[-1]
+    bounds = greedy(high)
+    while True:
+        bottleneck = max(sums[b] - sums[a] for a, b in zip(bounds, bounds[1:]))
+        below = bottleneck * (1 - 3e-12)
+        if below <= low or not fits(below):
+            return bounds
+        bounds = greedy(below)
+
+
+def python_bounds_at_work(targets: list[float], a: float, b: float, length: int) -> list[int]:
+    count = len(targets) + 1
+    bounds = [0]
+    for target in targets:
+        x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
+        bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
+    return bounds + [length]
+
+
+def python_walk(schedule, work: StageWork) -> float | None:
+    pp, vpp, needs = schedule.pp, schedule.vpp, schedule.needs
+    forwards, backwards = schedule.forwards, schedule.backwards
+    virtual = pp * vpp
+    forward_end = [[None] * (len(forwards) // vpp) for _ in range(virtual)]
+    backward_end = [[None] * len(needs) for _ in range(virtual)]
+
+    def row(rows, vstage):
+        return rows[pp - 1] if vstage == virtual - 1 else rows[0]
+
+    targets = np.asarray(schedule.targets).tolist()
+    free, next_f, next_b = [0.0] * pp, [0] * pp, [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for stage in range(pp):
+            clock, done_f, done_b = free[stage], next_f[stage], next_b[stage]
+            while True:
+                if done_b < len(backwards):
+                    forward_next = done_f < targets[stage][done_b]
+                elif done_f < len(forwards):
+                    forward_next = True
+                else:
+                    break
+                if forward_next:
+                    _, unit, chunk = forwards[done_f]
+                    vstage, ready = chunk * pp + stage, 0.0
+                    if vstage > 0:
+                        end = forward_end[vstage - 1][unit]
+                        if end is None:
+                            break
+                        ready = end + work.forward_transfer[unit] if pp > 1 else end
+                    clock = max(clock, ready) + row(work.forward_time, vstage)[unit]
+                    forward_end[vstage][unit] = clock
+                    done_f += 1
+                else:
+                    _, unit, chunk = backwards[done_b]
+                    vstage = chunk * pp + stage
+                    ready = forward_end[vstage][needs[unit]]
+                    if ready is None:
+                        break
+                    if vstage < virtual - 1:
+                        end = backward_end[vstage + 1][unit]
+                        if end is None:
+                            break
+                        end = end + work.backward_transfer[unit] if pp > 1 else end
+                        ready = max(ready, end)
+                    clock = max(clock, ready) + row(work.backward_time, vstage)[unit]
+                    backward_end[vstage][unit] = clock
+                    done_b += 1
+            progress |= (done_f, done_b) != (next_f[stage], next_b[stage])
+            free[stage], next_f[stage], next_b[stage] = clock, done_f, done_b
+    if next_f != [len(forwards)] * pp or next_b != [len(backwards)] * pp:
+        return None
+    return max(free)
+
+
+# ---- the checks --------------------------------------------------------------------------------
+
+
+def random_costs(rng: np.random.Generator) -> np.ndarray:
+    count = int(rng.integers(2, 160))
+    costs = rng.lognormal(0.0, rng.uniform(0.05, 2.0), count)
+    return np.round(costs, 1) + 0.1 if rng.random() < 0.3 else costs  # ties: many equal run sums
+
+
+def test_segmentation_cuts_where_the_python_search_does():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        costs = random_costs(rng)
+        units = int(rng.choice([2, 3, 4, 8, 16, 32, len(costs) - 1]))
+        assert segment_bounds(costs, units) == python_segment_bounds(costs, units)
+
+
+def test_cost_balanced_slice_bounds_are_the_python_inversion():
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        length, count = int(rng.integers(2, 600_000)), int(rng.integers(2, 200))
+        count = min(count, length)
+        a, b = float(rng.uniform(1e-9, 1e-6)), float(rng.choice([0.0, rng.uniform(1e-15, 1e-10)]))
+        total = a * length + b * length * length / 2
+        shares = rng.dirichlet(np.ones(count))
+        targets = total * np.cumsum(shares)[:-1]
+        assert (compiled.bounds_at_work(targets, a, b, length).tolist()
+                == python_bounds_at_work(targets.tolist(), a, b, length))
+
+
+def test_interleaved_walks_time_and_stall_as_the_python_walk():
+    walked = circular = 0
+    for seed, (pp, vpp) in itertools.product(range(8), [(1, 2), (2, 2), (4, 2), (3, 3), (2, 4)]):
+        rng = random.Random(seed)
+        packs, _, _ = random_micropacks(rng, 0, 9 + seed, 512, long_share=0.5)
+        replica = build_replica(packs, [0], 2, rng, max_unit=1 + seed % 3)
+        forwards, backwards = len(replica.forward_units), len(replica.backward_units)
+        work = StageWork([[rng.random() for _ in range(forwards)] for _ in range(pp)],
+                         [[rng.random() for _ in range(backwards)] for _ in range(pp)],
+                         [rng.random() / 10 for _ in range(forwards)], [rng.random() / 10 for _ in range(backwards)],
+                         [[1.0] * forwards] * pp, [[1.0] * backwards] * pp, [float("inf")] * pp)
+        for schedule in interleaved_schedules(replica.forward_units, replica.backward_units, pp, vpp):
+            expected = python_walk(schedule, work)
+            assert schedule.walked_s(work) == expected
+            assert schedule.runs_through() == (expected is not None)
+            walked += expected is not None
+            circular += expected is None
+    assert walked and circular  # the cases run through, and some wait in a circle
