@@ -374,10 +374,27 @@ def test_malformed_plan_file_names_the_problem(tmp_path):
 def test_cp_sat_balances_and_reports_status():
     rng = np.random.default_rng(1)
     costs = rng.lognormal(0, 1.5, size=500)
-    result = dp_phase.assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False)
+    # Every document decided by CP-SAT: no sand to level the LPT hint to the mean load.
+    result = dp_phase.assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False,
+                                         tunables=PlannerTunables(max_model_items=500))
     assert result.solver["status"] in ("OPTIMAL", "FEASIBLE")
     assert result.solver["imbalance"] < 1.01
     assert sorted(i for r in result.replica_samples for i in r) == list(range(500))
+
+
+def test_a_hint_at_the_load_bound_is_used_without_a_solve(monkeypatch):
+    """Where the sand levels the LPT hint to the mean load, no assignment is better and CP-SAT's
+    would not be used (only one that beats the hint is): it is not run, and the replicas are the
+    ones a solve gives."""
+    costs = np.random.default_rng(1).lognormal(0, 1.5, size=3000)
+    shortcut = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1.0, dp_merge=False)
+    assert shortcut.solver["status"] == "hint-at-bound" and shortcut.solver["source"] == "hint"
+    assert shortcut.solver["objective"] == shortcut.solver["bound"] == shortcut.solver["hint"]
+    assert shortcut.solver["gap"] == 0.0 and shortcut.solver["imbalance"] < 1.001
+    monkeypatch.setattr(dp_phase, "_load_bound", lambda scaled, fixed, sand_total: -1)  # always solve
+    solved = dp_phase.assign_to_replicas(costs, 8, time_limit_s=1.0, dp_merge=False)
+    assert solved.solver["status"] in ("OPTIMAL", "FEASIBLE") and solved.solver["source"] == "hint"
+    assert solved.replica_samples == shortcut.replica_samples
 
 
 def test_cp_sat_timeout_falls_back_to_lpt_and_says_so():
@@ -1058,7 +1075,8 @@ def test_merge_groups_are_sized_both_ways_and_the_faster_plan_kept(model, layout
 def test_cli_plan_passes_the_deterministic_budget_to_cp_sat(tmp_path, capsys):
     from megatron_slimpack import cli
 
-    argv = ["plan", "--workload", "longtail:n=3000", "--context-length", "16384", "--global-batch-size", "64",
+    # Few enough documents for CP-SAT to decide each (no sand levels the hint to the bound: it runs).
+    argv = ["plan", "--workload", "longtail:n=3000", "--context-length", "16384", "--global-batch-size", "8",
             "--tp", "2", "--pp", "2", "--dp", "4", "--solver-time-limit", "60", "--solver-deterministic-limit", "1e-6",
             "--json", "--out", str(tmp_path / "plan.json")]
     assert cli.main(argv) == 0

@@ -220,7 +220,8 @@ def test_phase_one_uses_no_deprecated_cp_sat_names(monkeypatch):
     costs = np.random.default_rng(1).lognormal(0, 1.5, size=300)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        result = assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False)
+        result = assign_to_replicas(costs, 4, time_limit_s=1.0, dp_merge=False,
+                                    tunables=PlannerTunables(max_model_items=300))  # no sand: CP-SAT runs
     assert result.solver["status"] in ("OPTIMAL", "FEASIBLE") and result.solver["source"] in ("hint", "cp-sat")
     assert "objective" in result.solver and "bound" in result.solver
 

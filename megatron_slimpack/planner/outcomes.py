@@ -67,9 +67,10 @@ class ReplicasDoNotFit(DoesNotFit):
 class CpSatOutcome:
     """What phase 1's CP-SAT solve returned and which assignment was used.
 
-    `status`: CP-SAT's status name (OPTIMAL, FEASIBLE, INFEASIBLE, MODEL_INVALID or UNKNOWN), or
-    TRIVIAL where one replica leaves nothing to solve (then only `time_s` and `imbalance` are
-    set). `source`: "cp-sat" where CP-SAT's assignment beat its hint, else "hint" (the LPT
+    `status`: CP-SAT's status name (OPTIMAL, FEASIBLE, INFEASIBLE, MODEL_INVALID or UNKNOWN);
+    HINT_AT_BOUND where the LPT hint's makespan is already a lower bound of every assignment's,
+    so CP-SAT is not run (the hint is used, `bound` is that lower bound); or TRIVIAL where one
+    replica leaves nothing to solve (then only `time_s` and `imbalance` are set). `source`: "cp-sat" where CP-SAT's assignment beat its hint, else "hint" (the LPT
     assignment); `fallback` says why the hint was used where CP-SAT gave none or a worse one.
     Makespans and bounds are in seconds of the busiest replica's load."""
 
@@ -86,6 +87,7 @@ class CpSatOutcome:
     imbalance: float = 1.0  # the busiest replica's load over the mean
 
     TRIVIAL: ClassVar[str] = "trivial"
+    HINT_AT_BOUND: ClassVar[str] = "hint-at-bound"
 
     @property
     def solved(self) -> bool:
