@@ -70,8 +70,9 @@ class CpSatOutcome:
     `status`: CP-SAT's status name (OPTIMAL, FEASIBLE, INFEASIBLE, MODEL_INVALID or UNKNOWN);
     HINT_AT_BOUND where the LPT hint's makespan is already a lower bound of every assignment's,
     so CP-SAT is not run (the hint is used, `bound` is that lower bound); or TRIVIAL where one
-    replica leaves nothing to solve (then only `time_s` and `imbalance` are set). `source`: "cp-sat" where CP-SAT's assignment beat its hint, else "hint" (the LPT
-    assignment); `fallback` says why the hint was used where CP-SAT gave none or a worse one.
+    replica leaves nothing to solve (then only `time_s` and `imbalance` are set). `source`:
+    "cp-sat" where CP-SAT's assignment beat its hint, else "hint" (the LPT assignment);
+    `fallback` says why the hint was used where CP-SAT gave none or a worse one.
     Makespans and bounds are in seconds of the busiest replica's load."""
 
     status: str
