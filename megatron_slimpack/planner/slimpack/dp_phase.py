@@ -180,9 +180,9 @@ def _solve(
     # Every status, as the OR-Tools samples check them: a solution (OPTIMAL, FEASIBLE) is used
     # where it beats the hint; otherwise the hint is, and `fallback` says why.
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        objective, bound = solver.objective_value, solver.best_objective_bound
-        outcome = replace(outcome, makespan=objective / scale, bound=bound / scale,
-                          gap=(objective - bound) / objective if objective else 0.0)
+        objective, solver_bound = solver.objective_value, solver.best_objective_bound
+        outcome = replace(outcome, makespan=objective / scale, bound=solver_bound / scale,
+                          gap=(objective - solver_bound) / objective if objective else 0.0)
         use_hint = objective >= hint.makespan
         if objective > hint.makespan:
             fallback: str | None = (f"CP-SAT returned {outcome.status} within {limits}, worse than its hint "
