@@ -228,6 +228,7 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
     """`InterleavedCandidate.of`: Megatron's schedules by default, over budget or not; asked for
     the leaner ones, the first within the budget that runs through, or where none is, the
     leanest, for the search to drop."""
+    from megatron_slimpack.plan import last_forward_needed
     from megatron_slimpack.planner.orders import StageWork
     from megatron_slimpack.planner.slimpack.pack_phase import InterleavedCandidate
 
@@ -238,6 +239,7 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
 
     class Candidate:  # the part of a UnitCandidate that `of` reads
         forward_units = backward_units = units
+        needs = last_forward_needed(units, units)
         vpp = 2
 
     Candidate.work = work

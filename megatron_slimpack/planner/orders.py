@@ -96,7 +96,8 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
 
 
 def forward_targets(forward_units: list[list[int]], backward_units: list[list[int]],
-                    warmups: list[int], chain_lead: int | None = None) -> np.ndarray:
+                    warmups: list[int], chain_lead: int | None = None,
+                    needs: np.ndarray | None = None) -> np.ndarray:
     """How many forward units each stage has run before each backward unit, [stage][backward]:
     the whole of a stage's order (`orders_of_targets`), small enough to judge many orders by.
 
@@ -104,7 +105,8 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     many), then alternates one backward and one forward. Before backward unit b the last stage has
     run every forward unit b needs, and stage s is pp - 1 - s units further ahead, as in 1F1B.
     A chain's forwards are pulled ahead of the backwards before it, at most `chain_lead` units
-    beyond what those backwards need (None: the whole chain; 0: a burst).
+    beyond what those backwards need (None: the whole chain; 0: a burst). `needs`:
+    `last_forward_needed` of the units, where the caller has it.
     Stage s never runs fewer forwards before a given backward than stage s + 1, and the forwards
     needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
@@ -113,7 +115,7 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     # share b * forwards / backwards of the forwards (b itself where the counts are equal, as in
     # 1F1B; with twice as many backward units as forward units, one forward per two backwards),
     # and never fewer than before b - 1.
-    needed_by_unit = last_forward_needed(forward_units, backward_units)
+    needed_by_unit = last_forward_needed(forward_units, backward_units) if needs is None else needs
     steady = np.arange(len(needed_by_unit)) * len(forward_units) // max(len(needed_by_unit), 1)
     required = np.maximum.accumulate(np.maximum(needed_by_unit, steady)).tolist()
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
@@ -417,7 +419,8 @@ LEANER_SCHEDULES = ("groupings", "per-rank")
 
 
 def interleaved_schedules(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
-                          group: int | None = None, which: str = "all") -> list[InterleavedSchedule]:
+                          group: int | None = None, which: str = "all",
+                          needs: np.ndarray | None = None) -> list[InterleavedSchedule]:
     """The interleaved 1F1B schedules to try (`interleaved_orders`), over the groupings of
     `interleaved_groupings`, least in flight first within a grouping. `which`: "all", two per
     grouping, Megatron's first; "megatron", its two; or one of `LEANER_SCHEDULES`, which hold
@@ -446,7 +449,8 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
     jobs = {"all": [(index, "ends") for index in range(len(pairs))], "megatron": [(0, "ends")],
             "groupings": [(index, "ends") for index in range(1, len(pairs))],
             "per-rank": [(index, "per-rank") for index in range(len(pairs))]}[which]
-    needs = last_forward_needed(forward_units, backward_units) if backward_units else np.zeros(0, dtype=np.int64)
+    if needs is None:  # `needs`: `last_forward_needed` of the units, where the caller has it
+        needs = last_forward_needed(forward_units, backward_units) if backward_units else np.zeros(0, dtype=np.int64)
     needs_list = needs.tolist()
     schedules = []
     for index, kinds in jobs:

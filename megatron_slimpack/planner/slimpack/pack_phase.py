@@ -30,6 +30,7 @@ from ...plan import (
     Sample,
     Slice,
     backward_sequence,
+    last_forward_needed,
     pack_figures,
     slice_table,
     whole_slices,
@@ -82,21 +83,37 @@ def _cut_bounds(length: int, options: PackOptions, rates: WorkRates, slice_cost:
     batch cut the same documents of the same replicas again, at every MicroPack size they try)."""
     if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
         return (0, length)
-    count = math.ceil(length / options.slice_tokens)
     if not options.cost_balanced_slices:
+        count = math.ceil(length / options.slice_tokens)
         return tuple(_uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
-    count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, options.token_cap), rates)))
-    while _longest(_balanced_bounds(length, count, rates, 1)) > options.token_cap:  # 1 round: work-balanced
-        count += 1  # rounding only: the estimate above is exact up to it
+    count = _fewest_balanced_slices(length, options.slice_tokens, options.token_cap, rates)
     if slice_cost:
         count = max(count, math.ceil(rates.document(length) / slice_cost))
     extra_slices, rounds = options.tunables.extra_slices, options.tunables.balancing_rounds
     for extra in range(extra_slices + 1):
-        bounds = _balanced_bounds(length, count + extra, rates, rounds)
-        if _longest(bounds) <= options.token_cap and (
-                slice_cost is None or _heaviest_slice(bounds, rates, options.token_cap) <= slice_cost):
+        bounds, longest, heaviest = _balanced_slices(length, count + extra, rates, rounds, options.token_cap)
+        if longest <= options.token_cap and (slice_cost is None or heaviest <= slice_cost):
             return bounds
     return _balanced_bounds(length, count + extra_slices, rates, 1)
+
+
+@lru_cache(maxsize=1 << 16)
+def _fewest_balanced_slices(length: int, slice_tokens: int, token_cap: int, rates: WorkRates) -> int:
+    """Fewest work-balanced slices of a document, none longer than `slice_tokens` nor the cap.
+    (Cached apart from `_cut_bounds`: the even-cost bound each replica passes differs.)"""
+    count = math.ceil(length / slice_tokens)
+    count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, token_cap), rates)))
+    while _longest(_balanced_bounds(length, count, rates, 1)) > token_cap:  # 1 round: work-balanced
+        count += 1  # rounding only: the estimate above is exact up to it
+    return count
+
+
+@lru_cache(maxsize=1 << 16)
+def _balanced_slices(length: int, count: int, rates: WorkRates, rounds: int,
+                     token_cap: int) -> tuple[tuple[int, ...], int, float]:
+    """`_balanced_bounds`, its longest slice and its heaviest (`_heaviest_slice`)."""
+    bounds = _balanced_bounds(length, count, rates, rounds)
+    return bounds, _longest(bounds), _heaviest_slice(bounds, rates, token_cap)
 
 
 def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
@@ -414,6 +431,14 @@ class UnitCandidate:
             drain += work.backward_time[stage][-1] + work.backward_transfer[-1]
         return bound
 
+    @cached_property
+    def needs(self) -> np.ndarray:
+        """The last forward unit each backward unit needs (`last_forward_needed`): the schedules
+        of every leaner level the search tries on this candidate share it."""
+        if not self.backward_units:
+            return np.zeros(0, dtype=np.int64)
+        return last_forward_needed(self.forward_units, self.backward_units)
+
     @property
     def warmup_bytes(self) -> float:
         """A lower bound of its peak memory: 1F1B runs at least pp forward units on stage 0 before
@@ -447,7 +472,7 @@ class UnitCandidate:
         return leanest
 
     def _ordered(self, dp_ranks: list[int], warmups: list[int], chain_lead: int | None) -> "OrderedCandidate":
-        targets = forward_targets(self.forward_units, self.backward_units, warmups, chain_lead)
+        targets = forward_targets(self.forward_units, self.backward_units, warmups, chain_lead, self.needs)
         return OrderedCandidate(self, list(dp_ranks), targets, max(peaks_of_targets(targets, self.work)))
 
 
@@ -502,7 +527,7 @@ class InterleavedCandidate:
         leanest: tuple[InterleavedSchedule, float] | None = None
         over_budget = set()  # groupings whose first schedule is over budget
         for schedule in interleaved_schedules(candidate.forward_units, candidate.backward_units, pp, candidate.vpp,
-                                              which=which):
+                                              which=which, needs=candidate.needs):
             if schedule.grouping in over_budget:
                 continue
             peak = schedule.peak_bytes(candidate.work)
