@@ -2,8 +2,8 @@
 
 A layout search plans one ~10^5-document batch on each of tens of layouts, and each planning
 segments, orders and replays thousands of unit candidates per replica: these loops ran as Python
-bytecode a few hundred thousand times per layout (a 256K search: segmentation 13%, interleaved
-walks and peaks 8% of its profile). Each function here is the loop its caller documents, written
+bytecode a few hundred thousand times per layout (cProfile of a 256K search: segmentation 13%,
+interleaved walks 4%). Each function here is the loop its caller documents, written
 with the same floating-point operations in the same order, so a plan is the same with or without
 compilation (`tests/test_compiled_loops.py` checks them against plain-Python transcriptions, and
 the golden plans against their fingerprints). Compiled code is cached on disk (`cache=True`): a
@@ -133,7 +133,7 @@ def interleaved_walk(targets: np.ndarray, forward_units: np.ndarray, forward_chu
     """`InterleavedSchedule._walk`: every rank runs its order (before backward b, forwards up to
     targets[rank, b]), each task once its inputs are done; -1.0 on a circular wait, else the
     makespan. `forward_rows`/`backward_rows`: [virtual stage, unit] seconds; transfers: p2p
-    seconds after each unit (zero with one rank)."""
+    seconds after each unit, left out with one rank (its virtual stages share the device)."""
     virtual = pp * vpp
     forward_count = len(forward_units) // vpp
     total_forwards, total_backwards = len(forward_units), len(backward_units)

@@ -392,8 +392,6 @@ class InterleavedSchedule:
             forward_rows, backward_rows = _chunk_rows(work.forward_time, vpp), _chunk_rows(work.backward_time, vpp)
             forward_transfer = np.asarray(work.forward_transfer, dtype=float)
             backward_transfer = np.asarray(work.backward_transfer, dtype=float)
-            if pp == 1:  # neighbouring virtual stages share the device: no p2p
-                forward_transfer, backward_transfer = np.zeros(forward_count), np.zeros(backward_count)
         makespan = compiled.interleaved_walk(
             np.asarray(self.targets, dtype=np.int64), self.forward_table.units, self.forward_table.chunks,
             self.backward_table.units, self.backward_table.chunks, np.asarray(self.needs, dtype=np.int64),
