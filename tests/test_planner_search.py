@@ -12,7 +12,7 @@ import pytest
 
 import megatron_slimpack as ms
 from megatron_slimpack.config import PlannerTunables
-from megatron_slimpack.plan import PlanError, Sample
+from megatron_slimpack.plan import PlanError, ReplicaPlan, Sample
 from megatron_slimpack.planner.outcomes import DoesNotFit, PlannedBatch, ReplicaOutcome, ReplicasDoNotFit
 from megatron_slimpack.planner.slimpack.ladder import SizeLadder
 from megatron_slimpack.planner.slimpack.search import Attempt, GroupSizing, Sizing, SlimPackSearch
@@ -366,10 +366,61 @@ def test_a_replica_search_checked_to_fit_then_finished_is_the_full_search():
     assert str(finished.value) == str(full.value) and finished.value.sample_ids == full.value.sample_ids
 
 
-def test_a_known_failure_stands_for_its_level_and_those_below():
-    from megatron_slimpack.planner.slimpack.search import KnownFailures
 
-    known = KnownFailures()
+def test_sizes_a_failing_replica_tried_are_not_tried_again_by_another_walk(monkeypatch):
+    """A replica that fits nowhere records each size it tried (`SizesWithoutFit`); a later search
+    of it at the same or a lower leaner level, from another ladder, skips those sizes and fails
+    with the same leanest need; at a higher level it tries them again (a leaner schedule may fit)."""
+    from megatron_slimpack.plan import samples_of
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, SizesWithoutFit, replica_search
+    from megatron_slimpack.planner.work import WorkRates
+
+    context = 64 * K
+    parallel = ParallelConfig(dp=4, pp=2, vpp=2, tp=2)
+    config = ms.SlimPackConfig(context_length=context)
+    cost = ms.CostModel.analytic("llama-13b", "h100-sxm")
+    cap = auto_token_cap(cost, parallel, config)
+    rates = WorkRates.from_cost(cost, parallel, cap)
+    samples = samples_of([int(x) for x in np.random.default_rng(2).integers(500, cap, size=12)])
+    tried: list[int] = []
+    try_packings = ReplicaSearch._try_packings
+
+    def counted(self, micropack_tokens):
+        tried.append(micropack_tokens)
+        return try_packings(self, micropack_tokens)
+
+    monkeypatch.setattr(ReplicaSearch, "_try_packings", counted)
+    sizes = SizesWithoutFit()
+
+    def failure(ladder=None, leaner_level=2, record=sizes):
+        with pytest.raises(DoesNotFit) as raised:
+            replica_search(samples, cost, parallel, config, rates, cap, [3], False, ladder, budget=1e6,
+                           first_fit=ladder is not None, leaner_level=leaner_level,
+                           sizes_without_fit=record).finish(samples)
+        return str(raised.value)
+
+    failure()
+    walked = list(tried)
+    assert len(walked) == len(SizeLadder.below_cap(cap, config).micropack_tokens) > 2
+    tried.clear()
+    shorter = SizeLadder(tuple(walked[1:]))
+    recorded = failure(shorter, leaner_level=1)
+    assert len(tried) < len(walked) - 1  # sizes skipped (one whose replays were all skipped is tried again)
+    tried.clear()
+    assert recorded == failure(shorter, leaner_level=1, record=SizesWithoutFit())  # the same failure
+    assert tried == walked[1:]  # a fresh record tries every size
+    tried.clear()
+    lower = SizesWithoutFit()
+    lower.record(walked[0], 0, (1e12, walked[0]))  # known at level 0 only: no stand-in for level 2
+    failure(record=lower)
+    assert tried == walked
+
+
+def test_a_known_failure_stands_for_its_level_and_those_below():
+    from megatron_slimpack.planner.slimpack.search import KnownSearches
+
+    known = KnownSearches()
     samples = [Sample(0, 9000), Sample(4, 100)]
     key = known.key(samples, ParallelConfig(dp=4, pp=2, vpp=2), 8192, [1], None)
     failure = DoesNotFit("replica [1] does not fit", sample_ids=[0, 4])
@@ -385,11 +436,27 @@ def test_a_known_failure_stands_for_its_level_and_those_below():
     assert not known.failed(other, 0, failures)  # a first-fit search from a ladder is another input
 
 
+def test_a_known_fit_stands_from_its_highest_fitting_level_to_the_level_searched():
+    from megatron_slimpack.planner.slimpack.search import KnownSearches
+
+    known = KnownSearches()
+    key = known.key([Sample(0, 9000)], ParallelConfig(dp=4, pp=2, vpp=2), 8192, [1], None)
+    result = (ReplicaPlan([], [], [], [[], []], [1]), ReplicaOutcome((1,), 1.0, 8192, 4))
+    known.record_fit(key, 2, {0, 1}, result)  # searched at level 2; a level-1 schedule fit
+    assert [known.result(key, level) is result for level in (0, 1, 2)] == [False, True, True]
+    assert [known.fits(key, level) for level in (0, 1, 2)] == [False, True, True]
+    known.record_fit(key, 0, {0})  # only its first fit known at level 0
+    assert known.fits(key, 0) and known.result(key, 0) is None
+    known.forget_fits()
+    assert not known.fits(key, 1) and known.result(key, 1) is None
+
+
 def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeypatch):
     """llama-7b 128K, long-tailed lengths, tp1 pp4 vpp4 dp8: the plannings of an interleaved layout
     retry with grown groups and lower leaner levels. The search with its shortcuts (failures known
-    from a deeper level not searched again, merge groups only checked to fit while the planning
-    may still fail) gives the same plan, metadata included, as without them, and took both."""
+    from a deeper level not searched again, fits known from a deeper level used without a search,
+    merge groups only checked to fit while the planning may still fail) gives the same plan,
+    metadata included, as without them, and took each."""
     from megatron_slimpack.planner.slimpack import search as search_module
     from megatron_slimpack.planner.slimpack.replica import ReplicaSearch
     from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
@@ -399,12 +466,18 @@ def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeyp
                                  long_documents="split").next_batch().lengths
     parallel = ParallelConfig(dp=8, pp=4, vpp=4, tp=1)
     config = ms.SlimPackConfig(context_length=context, solver_deterministic_limit=0.2)
-    known_hits, sizes_left_after_a_fit = [], []
-    failed, fits, finish = search_module.KnownFailures.failed, ReplicaSearch.fits, ReplicaSearch.finish
+    known_hits, fit_hits, sizes_left_after_a_fit = [], [], []
+    known = search_module.KnownSearches
+    failed, known_result = known.failed, known.result
+    fits, finish = ReplicaSearch.fits, ReplicaSearch.finish
 
     def counted_failed(self, key, leaner_level, failures):
         known_hits.append(failed(self, key, leaner_level, failures))
         return known_hits[-1]
+
+    def counted_result(self, key, leaner_level):
+        fit_hits.append(known_result(self, key, leaner_level) is not None)
+        return known_result(self, key, leaner_level)
 
     def marked_fits(self):
         self.paused = fits(self)
@@ -415,18 +488,21 @@ def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeyp
             sizes_left_after_a_fit.append(sum(1 for _ in self._walk))
         return finish(self, samples)
 
-    monkeypatch.setattr(search_module.KnownFailures, "failed", counted_failed)
+    monkeypatch.setattr(known, "failed", counted_failed)
+    monkeypatch.setattr(known, "result", counted_result)
     monkeypatch.setattr(ReplicaSearch, "fits", marked_fits)
     monkeypatch.setattr(ReplicaSearch, "finish", counted_finish)
     shortcut = SlimPackSearch(lengths, parallel, COST, config).plan()
-    assert any(known_hits) and any(sizes_left_after_a_fit)
+    assert any(known_hits) and any(fit_hits) and any(sizes_left_after_a_fit)
 
     def full_search(self):  # the walk to its end, as plan_replica, before the own replicas are planned
         for _ in self._walk:
             pass
         return self.best is not None
 
-    monkeypatch.setattr(search_module.KnownFailures, "failed", lambda self, key, level, failures: False)
+    monkeypatch.setattr(known, "failed", lambda self, key, level, failures: False)
+    monkeypatch.setattr(known, "fits", lambda self, key, level: False)
+    monkeypatch.setattr(known, "result", lambda self, key, level: None)
     monkeypatch.setattr(ReplicaSearch, "fits", full_search)
     full = SlimPackSearch(lengths, parallel, COST, config).plan()
 

@@ -62,13 +62,41 @@ def replica_search(
     samples: list[Sample], cost: CostModel, parallel: ParallelConfig, config: SlimPackConfig,
     rates: WorkRates, token_cap: int, dp_ranks: list[int], symmetric: bool, ladder: SizeLadder | None = None,
     budget: float | None = None, first_fit: bool = False, leaner_level: int = len(LEANER_SCHEDULES),
+    sizes_without_fit: "SizesWithoutFit | None" = None,
 ) -> "ReplicaSearch":
     """`plan_replica`'s search of non-empty `samples`, not yet run: `ReplicaSearch.fits` runs it
-    until a schedule fits, `ReplicaSearch.finish` to its end."""
+    until a schedule fits, `ReplicaSearch.finish` to its end. `sizes_without_fit`: what earlier
+    searches of the same replica found of single sizes (read and added to)."""
     search = ReplicaSearch(SortedSamples(samples, rates), rates, cost, parallel, symmetric, dp_ranks,
                            activation_budget(cost, parallel) if budget is None else budget, config.tunables,
-                           leaner_level)
+                           leaner_level, sizes_without_fit)
     return search.follow(ladder or SizeLadder.below_cap(token_cap, config), first_fit)
+
+
+Leanest = tuple[float, int]  # (peak bytes, MicroPack tokens) of the leanest schedule seen
+
+
+class SizesWithoutFit:
+    """MicroPack sizes at which one replica's search found no schedule, by size: the leaner
+    level it tried (nothing fits at the levels below either) and the leanest need it saw.
+    Until a schedule fits, a size's try depends on the size alone (nothing prunes), so a later
+    search of the same replica (another first-fit ladder, a lower leaner level) skips it and
+    only takes its leanest need (at llama-7b 256K tp1 pp2 vpp4 dp64 the first planning at level
+    1 re-walks 59 failing replicas from another ladder)."""
+
+    def __init__(self):
+        self._by_size: dict[int, tuple[int, Leanest | None]] = {}
+
+    def known(self, micropack_tokens: int, leaner_level: int) -> tuple[bool, Leanest | None]:
+        """Whether nothing fits at this size and level, and the leanest need seen there."""
+        entry = self._by_size.get(micropack_tokens)
+        if entry is None or entry[0] < leaner_level:
+            return False, None
+        return True, entry[1]
+
+    def record(self, micropack_tokens: int, leaner_level: int, leanest: Leanest | None) -> None:
+        if micropack_tokens not in self._by_size or self._by_size[micropack_tokens][0] < leaner_level:
+            self._by_size[micropack_tokens] = (leaner_level, leanest)
 
 
 class ReplicaSearch:
@@ -77,14 +105,16 @@ class ReplicaSearch:
 
     def __init__(self, ordered: SortedSamples, rates: WorkRates, cost: CostModel, parallel: ParallelConfig,
                  symmetric: bool, dp_ranks: list[int], budget: float, tunables: PlannerTunables = PlannerTunables(),
-                 leaner_level: int = len(LEANER_SCHEDULES)):
+                 leaner_level: int = len(LEANER_SCHEDULES), sizes_without_fit: SizesWithoutFit | None = None):
         self.ordered, self.rates, self.tunables = ordered, rates, tunables
         self.leaner_level = leaner_level
+        self.sizes_without_fit = sizes_without_fit or SizesWithoutFit()
         self.fitting_levels: set[int] = set()  # the leaner levels (0: Megatron's) of schedules that fit
         self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
         self.dp_ranks, self.budget = dp_ranks, budget
         self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
-        self.leanest: tuple[float, int] | None = None  # (peak bytes, MicroPack tokens) of the smallest need seen
+        self.leanest: Leanest | None = None  # the smallest need seen
+        self._leanest_of_size: Leanest | None = None  # the smallest need seen at the size being tried
         self._walk: Iterator[int] = iter(())  # the sizes left to try (`follow`)
 
     def follow(self, ladder: SizeLadder, first_fit: bool = False) -> "ReplicaSearch":
@@ -130,6 +160,21 @@ class ReplicaSearch:
         if self.best is not None and packing_bound_s(self.ordered, micropack_tokens, self.cost,
                                                      self.parallel) >= self.best[1].makespan_s:
             return True
+        if self.best is not None:
+            return self._try_packings(micropack_tokens)
+        known, leanest = self.sizes_without_fit.known(micropack_tokens, self.leaner_level)
+        # Its replays may all have been skipped for a need seen at an earlier size (leanest None):
+        # tried again where this search has seen none yet, so that a failure names one.
+        if known and (leanest is not None or self.leanest is not None):
+            self._note_leanest(leanest)
+            return False
+        self._leanest_of_size = None
+        fits = self._try_packings(micropack_tokens)
+        if self.best is None:
+            self.sizes_without_fit.record(micropack_tokens, self.leaner_level, self._leanest_of_size)
+        return fits
+
+    def _try_packings(self, micropack_tokens: int) -> bool:
         even = self.parallel.pp > 1
         micropacks = self._pack(micropack_tokens, even_costs=even)
         if self.consider(micropacks, micropack_tokens):
@@ -217,8 +262,7 @@ class ReplicaSearch:
         except PlanError:  # interleaved: no order of these units runs without a circular wait
             return False
         peak = result.peak_activation_bytes + costs.largest_recompute_bytes
-        if self.leanest is None or peak < self.leanest[0]:
-            self.leanest = (peak, micropack_tokens)
+        self._note_leanest((peak, micropack_tokens))
         if peak > self.budget:
             return False
         self.fitting_levels.add(leaner_level)
@@ -226,6 +270,14 @@ class ReplicaSearch:
             outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
             self.best = (result.replica, outcome)
         return True
+
+    def _note_leanest(self, need: Leanest | None) -> None:
+        if need is None:
+            return
+        if self.leanest is None or need[0] < self.leanest[0]:
+            self.leanest = need
+        if self._leanest_of_size is None or need[0] < self._leanest_of_size[0]:
+            self._leanest_of_size = need
 
     def does_not_fit(self, samples: list[Sample]) -> DoesNotFit:
         """The failure of a search that found no schedule within the budget, with its leanest one."""
@@ -243,4 +295,5 @@ class ReplicaSearch:
             bytes_needed=static + peak, bytes_available=static + self.budget)
 
 
-__all__ = ["unit_candidates", "packing_bound_s", "plan_replica", "ReplicaSearch"]
+__all__ = ["unit_candidates", "packing_bound_s", "plan_replica", "replica_search", "SizesWithoutFit",
+           "ReplicaSearch"]

@@ -8,10 +8,11 @@ planning an attempt runs phase 1 (`assign_to_replicas`) and every replica's sear
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterator, cast
+from typing import Callable, Iterator, cast
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ..work import WorkRates
 from .dp_phase import Assignment, MergeGroup, assign_to_replicas
 from .ladder import SizeLadder
 from .memory import activation_budget, auto_token_cap, largest_merged_micropack, merge_group_sizes
-from .replica import ReplicaSearch, plan_replica, replica_search
+from .replica import ReplicaSearch, SizesWithoutFit, plan_replica, replica_search
 
 
 class Sizing(Enum):
@@ -67,7 +68,7 @@ class SlimPackSearch:
         self.lengths, self.parallel, self.cost, self.config = lengths, parallel, cost, config
         self.symmetric = symmetric
         self.samples = samples_of(lengths)  # shared by every planning (~10^5 documents at 256K)
-        self.known_failures = KnownFailures()
+        self.known = KnownSearches()
         self.use_merge = config.dp_merge if dp_merge is None else dp_merge
         base = config.base_merge
         if base > 1 and (not self.use_merge or parallel.dp % base):
@@ -137,6 +138,7 @@ class SlimPackSearch:
             if any(groups.same_as(other) for other in seen):
                 continue
             seen.append(groups)
+            self.known.forget_fits()  # another sizing's replicas rarely recur; its fits would only hold memory
             level = len(LEANER_SCHEDULES)
             while level >= 0:
                 try:
@@ -221,11 +223,11 @@ class _BatchPlanning:
         # own: where any of them does not fit, this planning is discarded (its groups grow) and
         # the rest of the fitting groups' searches would be wasted (at 256K most plannings of an
         # interleaved layout are such retries). Otherwise the paused searches go on to their end.
-        searches = [self._merge_group(group) for group in assignment.merge_groups]
+        pending = [self._merge_group(group) for group in assignment.merge_groups]
         own = self._own_replicas(assignment)
         if self.failures:
             raise ReplicasDoNotFit(self.failures)
-        merged = [search.finish(members) for search, members in filter(None, searches)]  # none failed
+        merged = [group.finish() for group in filter(None, pending)]  # none failed
         replicas = [replica for replica, _ in merged] + [own[rank][0] for rank in range(self.view.dp)]
         outcomes = sorted([outcome for _, outcome in merged] + [outcome for _, outcome in own.values()],
                           key=lambda outcome: outcome.sort_key)
@@ -253,9 +255,11 @@ class _BatchPlanning:
             tunables=config.tunables,
         )
 
-    def _merge_group(self, group: MergeGroup) -> tuple[ReplicaSearch, list[Sample]] | None:
+    def _merge_group(self, group: MergeGroup) -> "_PendingGroup | None":
         """A merge group's search (as one replica with its ranks' worth of context parallelism),
-        run until a schedule fits, and its documents; None (and a failure kept) where none fits."""
+        run until a schedule fits, to be finished once every replica fits (`_PendingGroup`); None
+        (and a failure kept) where none fits. A group known to fit at this level is not searched
+        before then."""
         group_ranks = len(group.dp_ranks)
         # k-fold context parallelism over dp/k replicas: the same ranks per stage (p2p strides)
         merged = self.view.with_(cp=self.view.cp * group_ranks, dp=max(1, self.view.dp // group_ranks))
@@ -263,16 +267,22 @@ class _BatchPlanning:
         token_cap = self.token_cap * group_ranks  # each member holds 1/group_ranks of a merged MicroPack
         rates = WorkRates.from_cost(self.cost, merged, token_cap)
         budget = activation_budget(self.cost, self.view)  # a member's static memory is its own, not the merged view's
-        known = self.search.known_failures
+        known = self.search.known
         key = known.key(members, merged, token_cap, group.dp_ranks, budget)
         if known.failed(key, self.leaner_level, self.failures):
             return None
-        search = replica_search(members, self.cost, merged, self.config, rates, token_cap, group.dp_ranks,
-                                self.search.symmetric, budget=budget, leaner_level=self.leaner_level)
-        if not search.fits():  # its walk is over
-            known.record(key, self.leaner_level, search.does_not_fit(members), self.failures)
+        new_search = functools.partial(replica_search, members, self.cost, merged, self.config, rates, token_cap,
+                                       group.dp_ranks, self.search.symmetric, budget=budget,
+                                       leaner_level=self.leaner_level, sizes_without_fit=known.sizes(key))
+        pending = _PendingGroup(known, key, self.leaner_level, members, new_search)
+        if known.fits(key, self.leaner_level):
+            return pending
+        pending.search = new_search()
+        if not pending.search.fits():  # its walk is over
+            known.record(key, self.leaner_level, pending.search.does_not_fit(members), self.failures)
             return None
-        return search, members
+        known.record_fit(key, self.leaner_level, pending.search.fitting_levels)
+        return pending
 
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
         """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
@@ -285,19 +295,28 @@ class _BatchPlanning:
         order = [heaviest] + [rank for rank in range(self.view.dp) if rank != heaviest]
         own: dict[int, tuple[ReplicaPlan, ReplicaOutcome]] = {}
         ladder: SizeLadder | None = None  # set by the first replica with documents
-        known = self.search.known_failures
+        known = self.search.known
         for rank in order:
             members = [self.samples[i] for i in assignment.replica_samples[rank]]
+            if not members:  # a rank whose only work is its share of a merge group
+                own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
+                                         [rank], self.search.symmetric)
+                continue
             key = known.key(members, self.view, self.token_cap, [rank], None, ladder)
             if known.failed(key, self.leaner_level, self.failures):
                 continue
-            try:
-                own[rank] = plan_replica(members, self.cost, self.view, self.config, self.rates, self.token_cap,
-                                         [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
-                                         leaner_level=self.leaner_level)
-            except DoesNotFit as failure:
-                known.record(key, self.leaner_level, failure, self.failures)
-                continue
+            found = known.result(key, self.leaner_level)
+            if found is None:
+                search = replica_search(members, self.cost, self.view, self.config, self.rates, self.token_cap,
+                                        [rank], self.search.symmetric, ladder=ladder, first_fit=ladder is not None,
+                                        leaner_level=self.leaner_level, sizes_without_fit=known.sizes(key))
+                try:
+                    found = search.finish(members)
+                except DoesNotFit as failure:
+                    known.record(key, self.leaner_level, failure, self.failures)
+                    continue
+                known.record_fit(key, self.leaner_level, search.fitting_levels, found)
+            own[rank] = found
             if members and ladder is None:
                 # May lie between two rungs (bisected); never None, since the rank has documents.
                 chosen = cast(int, own[rank][1].micropack_tokens)
@@ -305,18 +324,66 @@ class _BatchPlanning:
         return own
 
 
-class KnownFailures:
-    """Replica searches that found no schedule, by their input, with the leaner level they ran at.
-    A sizing is planned again at lower leaner levels from the same groups (the same phase 1, so the
-    same replicas), and a search that fails at a level fails at every level below: it replays a
-    subset of the same schedules, and with none fitting it prunes nothing. Such a search is not
-    run again (at llama-7b 256K tp1 pp2 vpp4 dp64 the first planning at level 0 then takes 0.8 s,
-    13.5 s when searched). The failure kept names the leanest schedule of the deeper search;
-    a lower level's failure is never reported, as a lower level is planned only where the sizing
-    fit at a higher one."""
+class _PendingGroup:
+    """A merge group that fits, whose search is finished only where the whole planning fits: a
+    paused `search` (run until its first fit), or none where the group was known to fit at this
+    level (`KnownSearches.fits`), made with `new_search` if its result is not known either."""
+
+    def __init__(self, known: "KnownSearches", key: tuple, leaner_level: int, members: list[Sample],
+                 new_search: Callable[[], ReplicaSearch]):
+        self.known, self.key, self.leaner_level, self.members = known, key, leaner_level, members
+        self.new_search = new_search
+        self.search: ReplicaSearch | None = None
+
+    def finish(self) -> tuple[ReplicaPlan, ReplicaOutcome]:
+        found = self.known.result(self.key, self.leaner_level)
+        if found is not None:
+            return found
+        search = self.search or self.new_search()
+        found = search.finish(self.members)  # fits: its first steps found a schedule at this level before
+        self.known.record_fit(self.key, self.leaner_level, search.fitting_levels, found)
+        return found
+
+
+@dataclass(frozen=True)
+class _KnownFit:
+    """A replica search that found a schedule at leaner level `searched_at`; `result` is what it
+    planned, or None where only its first fit is known (a merge group's walk, paused)."""
+
+    searched_at: int
+    highest_fitting: int  # the highest leaner level at which one of its schedules fit
+    result: tuple[ReplicaPlan, ReplicaOutcome] | None
+
+    def holds_at(self, leaner_level: int) -> bool:
+        """Whether a search at `leaner_level` runs the same steps: the levels it leaves out
+        (above `leaner_level`, up to `searched_at`) had no schedule that fit, so their replays
+        changed only the leanest need kept for a failure's message."""
+        return self.highest_fitting <= leaner_level <= self.searched_at
+
+
+class KnownSearches:
+    """Replica searches of one batch already run, by their input, with the leaner level they ran
+    at. A sizing is planned again at lower leaner levels from the same groups (the same phase 1,
+    so the same replicas), and growth can repeat a replica's documents.
+
+    A search that fails at a level fails at every level below: it replays a subset of the same
+    schedules, and with none fitting it prunes nothing. Such a search is not run again (at
+    llama-7b 256K tp1 pp2 vpp4 dp64 the first planning at level 0 then takes 0.8 s, 13.5 s when
+    searched). The failure kept names the leanest schedule of the deeper search; a lower level's
+    failure is never reported, as a lower level is planned only where the sizing fit at a higher
+    one.
+
+    A search that fits at a level, where none of the schedules that fit needed a level above L,
+    takes the same steps at every level from L up: its result (or, for a paused merge group, that
+    it fits) is used there without searching (`_KnownFit.holds_at`).
+
+    The sizes at which a replica found nothing are kept apart from its ladder (`sizes`): a
+    replica planned first fit from another replica's size, or from none, tries some of the same."""
 
     def __init__(self):
-        self._by_input: dict[tuple, tuple[int, DoesNotFit]] = {}
+        self._failures: dict[tuple, tuple[int, DoesNotFit]] = {}
+        self._fits: dict[tuple, list[_KnownFit]] = {}
+        self._sizes: dict[tuple, SizesWithoutFit] = {}
 
     @staticmethod
     def key(samples: list[Sample], parallel: ParallelConfig, token_cap: int, dp_ranks: list[int],
@@ -326,10 +393,14 @@ class KnownFailures:
         return (tuple(sample.sample_id for sample in samples), parallel, token_cap, tuple(dp_ranks), budget,
                 None if ladder is None else ladder.micropack_tokens)
 
+    def sizes(self, key: tuple) -> SizesWithoutFit:
+        """The sizes without a fit of the replica of `key`, whatever its ladder."""
+        return self._sizes.setdefault(key[:-1], SizesWithoutFit())
+
     def failed(self, key: tuple, leaner_level: int, failures: list[DoesNotFit]) -> bool:
         """Whether the search of `key` is known to fail at `leaner_level`; if so its failure (a
         copy) joins `failures`."""
-        entry = self._by_input.get(key)
+        entry = self._failures.get(key)
         if entry is None or entry[0] < leaner_level:
             return False
         failures.append(copy.copy(entry[1]))
@@ -339,8 +410,27 @@ class KnownFailures:
         """The search of `key` failed at `leaner_level`: kept for the levels below, and joins
         `failures`."""
         failures.append(kept(failure))
-        if key not in self._by_input or self._by_input[key][0] < leaner_level:
-            self._by_input[key] = (leaner_level, copy.copy(failure))
+        if key not in self._failures or self._failures[key][0] < leaner_level:
+            self._failures[key] = (leaner_level, copy.copy(failure))
+
+    def fits(self, key: tuple, leaner_level: int) -> bool:
+        """Whether the search of `key` is known to find a schedule at `leaner_level`."""
+        return any(fit.holds_at(leaner_level) for fit in self._fits.get(key, ()))
+
+    def result(self, key: tuple, leaner_level: int) -> tuple[ReplicaPlan, ReplicaOutcome] | None:
+        """What the search of `key` plans at `leaner_level`, where known."""
+        return next((fit.result for fit in self._fits.get(key, ())
+                     if fit.result is not None and fit.holds_at(leaner_level)), None)
+
+    def record_fit(self, key: tuple, leaner_level: int, fitting_levels: set[int],
+                   result: tuple[ReplicaPlan, ReplicaOutcome] | None = None) -> None:
+        """The search of `key` at `leaner_level` found schedules at `fitting_levels`, and planned
+        `result` (None: it was only run until its first fit)."""
+        self._fits.setdefault(key, []).append(_KnownFit(leaner_level, max(fitting_levels), result))
+
+    def forget_fits(self) -> None:
+        """Drop the known fits (and the plans they hold); failures are kept."""
+        self._fits.clear()
 
 
 def merged_cost_function(lengths: list[int], cost: CostModel, parallel: ParallelConfig, token_cap: int):
