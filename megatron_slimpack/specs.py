@@ -6,6 +6,7 @@ only ever a comparison of schedules, never of assumptions.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -124,7 +125,7 @@ class ParallelConfig:
     # Virtual pipeline stages (model chunks) per pipeline rank: Megatron's interleaved 1F1B
     # (--num-virtual-stages-per-pipeline-rank). Chunk c of rank s is virtual stage c * pp + s.
     vpp: int = 1
-    recompute: str = "none"  # RECOMPUTE_MODES: none | selective | selective-mlp | full
+    recompute: str = "none"  # RECOMPUTE_MODES (none | selective | selective-mlp | full) or block-N
     # with tp > 1, as Megatron recommends for long context; the runtime runs it (runtime/attention/batch.py)
     sequence_parallel: bool = True
     zero1: bool = True  # distributed optimizer (optimizer state sharded over dp*cp)
@@ -137,10 +138,14 @@ class ParallelConfig:
         if self.vpp > 1 and self.pp == 1:
             raise SpecError(f"ParallelConfig.vpp={self.vpp} needs pipeline parallelism (pp > 1): virtual "
                             "stages interleave model chunks over the pipeline ranks")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise SpecError(
-                f"ParallelConfig.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
-            )
+        check_recompute_mode(self.recompute)
+
+    def layers_recomputed_whole(self, chunk_layers: int) -> int:
+        """Of a model chunk's `chunk_layers` layers, how many recompute their whole forward in
+        backward: all with full recompute, the first N with block-N, none otherwise."""
+        if self.recompute == "full":
+            return chunk_layers
+        return min(block_recompute_layers(self.recompute), chunk_layers)
 
     @property
     def world_size(self) -> int:
@@ -162,6 +167,12 @@ class ParallelConfig:
             raise SpecError(
                 f"{model.name} has {model.num_layers} layers, not divisible by pp x vpp = {self.virtual_stages}; "
                 f"choose vpp among {divisors(model.num_layers // self.pp)}"
+            )
+        chunk = model.num_layers // self.virtual_stages
+        if block_recompute_layers(self.recompute) >= chunk:
+            raise SpecError(
+                f"recompute {self.recompute} recomputes every one of the {chunk} layers of a model chunk "
+                f"({model.name} on pp x vpp = {self.virtual_stages}); use recompute 'full', or block-N with N < {chunk}"
             )
         if model.num_attention_heads % self.tp or model.kv_heads % self.tp:
             raise SpecError(
@@ -204,12 +215,43 @@ class ParallelConfig:
 RECOMPUTE_MODES = ("none", "selective", "selective-mlp", "full")
 # The `--recompute-modules` of each selective mode.
 SELECTIVE_MODULES = {"selective": ("core_attn",), "selective-mlp": ("core_attn", "mlp")}
+# Full recompute of some layers: block-N recomputes the first N layers of every model chunk whole
+# and keeps the others' activations (`--recompute-granularity full --recompute-method block
+# --recompute-num-layers N`); fewer layers re-run than with full, for more memory held.
+BLOCK_RECOMPUTE = re.compile(r"block-[1-9][0-9]*")
+
+
+def block_recompute_layers(mode: str) -> int:
+    """N of a block-N recompute mode; 0 for the others."""
+    if not mode.startswith("block-"):  # the cost model asks on every layer figure
+        return 0
+    return int(mode[len("block-"):]) if BLOCK_RECOMPUTE.fullmatch(mode) else 0
+
+
+def check_recompute_mode(mode: str) -> str:
+    """`mode` if it is one of RECOMPUTE_MODES or block-N (N >= 1); SpecError naming them otherwise."""
+    if mode in RECOMPUTE_MODES or block_recompute_layers(mode):
+        return mode
+    raise SpecError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)} or block-N (the first N layers of "
+                    f"every model chunk recomputed whole, N >= 1), got {mode!r}")
+
+
+def recompute_order(mode: str) -> tuple[int, int]:
+    """Lightest first: none, selective, selective-mlp, block-1, block-2, ..., full."""
+    full = RECOMPUTE_MODES.index("full")
+    if block_recompute_layers(mode):
+        return full, block_recompute_layers(mode)  # between selective-mlp and full
+    rank = RECOMPUTE_MODES.index(mode)
+    return (full + 1, 0) if rank == full else (rank, 0)
 
 
 def recompute_flags(mode: str) -> list[str]:
-    """Megatron-LM's flags that train with recompute `mode` (RECOMPUTE_MODES)."""
+    """Megatron-LM's flags that train with recompute `mode` (RECOMPUTE_MODES or block-N)."""
     if mode == "none":
         return []
+    if block_recompute_layers(mode):
+        return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                str(block_recompute_layers(mode))]
     if mode == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if mode == "selective":  # Megatron's default modules
@@ -289,6 +331,6 @@ def hardware_from_dict(data: dict) -> HardwareSpec:
 
 __all__ = [
     "GIB", "SpecError", "ModelSpec", "HardwareSpec", "ParallelConfig", "RECOMPUTE_MODES", "SELECTIVE_MODULES",
-    "recompute_flags", "MODELS",
+    "BLOCK_RECOMPUTE", "block_recompute_layers", "check_recompute_mode", "recompute_order", "recompute_flags", "MODELS",
     "HARDWARE", "get_model", "get_hardware", "divisors", "model_from_dict", "hardware_from_dict",
 ]

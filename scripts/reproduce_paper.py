@@ -18,8 +18,9 @@ Shared by every run: the model's sizes (megatron_slimpack.specs.MODELS; GQA as -
 --num-query-groups), --seq-length / --max-position-embeddings = the context, --global-batch-size = the
 grid's sequences per global batch (paper.yaml `global_batch_size`, as benchmarks/paper_table.py sizes
 its batches), --bf16, --use-distributed-optimizer, --sequence-parallel whenever tp > 1, recompute
-selective, selective-mlp (--recompute-modules core_attn mlp) or full (--recompute-method uniform
---recompute-num-layers 1) as the layout says (megatron_slimpack.specs.recompute_flags); the data
+selective, selective-mlp (--recompute-modules core_attn mlp), full (--recompute-method uniform
+--recompute-num-layers 1) or block-N (--recompute-method block --recompute-num-layers N) as the
+layout says (megatron_slimpack.specs.recompute_flags); the data
 parallel size follows from the cell's GPU count.
 
 What Megatron-LM (core_v0.16.1) cannot express, said next to each affected run in --dry-run:
@@ -66,11 +67,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_slimpack.planner.strategies import strategy_specs  # noqa: E402
-from megatron_slimpack.specs import MODELS, RECOMPUTE_MODES, SELECTIVE_MODULES  # noqa: E402
+from megatron_slimpack.specs import BLOCK_RECOMPUTE, MODELS, RECOMPUTE_MODES, recompute_flags  # noqa: E402
 
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 REFERENCE = "megatron-fixed"
-LAYOUT_TOKEN = re.compile(r"(tp|pp|vpp|cp|dp)([0-9]+)|rc-(" + "|".join(RECOMPUTE_MODES) + ")")
+LAYOUT_TOKEN = re.compile(r"(tp|pp|vpp|cp|dp)([0-9]+)|rc-(" + "|".join(RECOMPUTE_MODES) + "|"
+                          + BLOCK_RECOMPUTE.pattern + ")")
 
 # Strategies that stock pretrain_gpt.py runs without --slimpack, and what such a run measures.
 STOCK = {
@@ -187,12 +189,20 @@ def layout_options(layout: Layout, *, base_merge: bool) -> dict:
         "num-virtual-stages-per-pipeline-rank": layout.vpp if layout.vpp > 1 else None,
         "context-parallel-size": 1 if base_merge else layout.cp,
         "slimpack-base-merge": layout.cp if base_merge and layout.cp > 1 else None,
-        "recompute-granularity": {"none": None, "full": "full"}.get(layout.recompute, "selective"),
-        # selective alone is Megatron's default --recompute-modules (core_attn)
-        "recompute-modules": SELECTIVE_MODULES[layout.recompute] if layout.recompute == "selective-mlp" else None,
-        "recompute-method": "uniform" if layout.recompute == "full" else None,
-        "recompute-num-layers": 1 if layout.recompute == "full" else None,
+        **options_of(recompute_flags(layout.recompute)),
     }
+
+
+def options_of(argv: list[str]) -> dict:
+    """Flags as `flags` takes them: "--name", then its values (one: the value; several: a list)."""
+    options: dict = {}
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:]
+            options[name] = []
+        else:
+            options[name].append(int(token) if token.isdigit() else token)
+    return {name: values[0] if len(values) == 1 else values for name, values in options.items()}
 
 
 def cluster_of(gpus: int, clusters: dict) -> str:

@@ -130,6 +130,36 @@ def test_mlp_recompute_of_one_layer_by_hand():
     assert times == sorted(times) and memory == sorted(memory, reverse=True)
 
 
+def test_block_recompute_of_a_chunk_by_hand():
+    """block-3 on llama-7b pp 2 (16 layers a stage), tp 2: the first 3 layers of the chunk re-run
+    their forward and keep only their inputs (h per token, bf16, the SP shard), the other 13 keep
+    everything and re-run nothing; the chunk's stage time and activations are those 16 layers'
+    sums, its TP collectives 3 layers' recomputed forward ones more, and a recomputed layer's
+    backward holds one layer's activations again, as with full recompute."""
+    h, tokens, pairs, prefix = 4096, 8192.0, causal(8192), 2048.0
+    plain = ParallelConfig(tp=2, pp=2)
+    block, full = plain.with_(recompute="block-3"), plain.with_(recompute="full")
+    layers = LLAMA.layers_per_stage(plain)
+    assert layers == 16
+    forward = LLAMA.layer_time(tokens, pairs, plain, backward=False)
+    backward = LLAMA.layer_time(tokens, pairs, plain, backward=True)
+    assert layers * LLAMA.layer_time(tokens, pairs, block, backward=True) == pytest.approx(
+        3 * (backward + forward) + 13 * backward)
+    assert LLAMA.layer_time(tokens, pairs, block, backward=False) == pytest.approx(forward)
+    forward_collectives = LLAMA.tp_comm_time(tokens, plain, backward=False)
+    assert layers * LLAMA.tp_comm_time(tokens, block, backward=True) == pytest.approx(
+        layers * LLAMA.tp_comm_time(tokens, plain, backward=True) + 3 * forward_collectives)
+    kept = LLAMA.activation_bytes(tokens, pairs, plain, prefix_tokens=prefix) / layers
+    assert LLAMA.activation_bytes(tokens, pairs, block, prefix_tokens=prefix) == pytest.approx(
+        3 * tokens * h * 2 / 2 + 13 * kept)
+    assert LLAMA.recompute_peak_bytes(tokens, pairs, block) == LLAMA.recompute_peak_bytes(tokens, pairs, full)
+    stage = [LLAMA.backward_time(tokens, pairs, plain.with_(recompute=mode))
+             for mode in ("none", "block-1", "block-8", "block-15", "full")]
+    memory = [LLAMA.activation_bytes(tokens, pairs, plain.with_(recompute=mode))
+              for mode in ("none", "block-1", "block-8", "block-15", "full")]
+    assert stage == sorted(stage) and memory == sorted(memory, reverse=True)
+
+
 def test_activation_terms_of_one_layer_by_hand():
     """llama-7b (h 4096, kv 4096, f 11008), bf16, fused attention: per token, the norm inputs and
     rstd (2h + 2), QKV output (h + 2kv), rotated q and k (h + kv), attention output (h), MLP input

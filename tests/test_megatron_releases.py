@@ -13,7 +13,8 @@ properties at once (CI time: a launch costs 10-60 s on 2 cores):
            last backward unit 3, 5, then 2 MicroPacks wide (Megatron's DDP counts gradient hooks
            per backward call and launches a bucket's reduce at the count it learned in step 1);
   tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP),
-           full recompute of every layer;
+           full recompute of the first of the stage's four layers (--recompute-method block
+           --recompute-num-layers 1: the planner's block-1, a recomputed layer next to plain ones);
   vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B), --recompute-modules core_attn mlp
            (the planner's selective-mlp mode: the MLP block re-run in backward as well);
   resume:  a run saved at iteration 2 and resumed gives the unbroken run's iteration 3;
@@ -52,12 +53,15 @@ LAYOUTS = {
                                     "--overlap-grad-reduce", "--recompute-granularity", "selective"],
                     env={"SLIMPACK_TEST_LAST_BACKWARD_UNITS": ",".join(map(str, LAST_UNITS))}),
     "tp2-sp": dict(nproc=2, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                   "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-granularity", "full", "--recompute-method", "block",
                                    "--recompute-num-layers", "1"]),
     "vpp2": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                                  "2", "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
                                  "mlp"]),
 }
+
+# The planner's recompute mode for each layout's Megatron flags: what its plans are priced with.
+PLANNED_RECOMPUTE = {"dp2-pp2": "selective", "tp2-sp": "block-1", "vpp2": "selective-mlp"}
 
 
 class ReleaseWorkspace:
@@ -118,6 +122,7 @@ def test_layout_trains_like_one_rank(workspace, layout):
     assert_same_training(run, workspace.reference())
     plans = plans_of(run)
     assert any(has_sliced_document(plan) for plan in plans)  # later slices read earlier ones' K/V
+    assert {plan["parallel"].get("recompute", "none") for plan in plans} == {PLANNED_RECOMPUTE[layout]}
     if layout == "dp2-pp2":  # the last backward unit grows, then shrinks: overlapped grad reduce survives it
         assert [[len(replica["backward_units"][-1]) for replica in plan["replicas"]] for plan in plans] == [
             [count] * 2 for count in LAST_UNITS]

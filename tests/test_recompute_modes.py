@@ -1,9 +1,10 @@
 """Megatron's recompute as the planner prices it: none, selective (`--recompute-modules core_attn`,
-Megatron's default), selective-mlp (`core_attn mlp`) and full recompute of every layer. A Megatron
-run with other settings is refused with the flags to use (it would be priced as something else);
-the cluster scripts give each layout the flags of its mode. The cost model's terms are checked by
-hand in tests/test_cost_model.py; training with MLP recompute through the real trainer in
-tests/test_megatron_releases.py (vpp2)."""
+Megatron's default), selective-mlp (`core_attn mlp`), full recompute of every layer, and block-N
+(the first N layers of each model chunk recomputed whole). A Megatron run with other settings is
+refused with the flags to use (it would be priced as something else); the cluster scripts give
+each layout the flags of its mode. The cost model's terms are checked by hand in
+tests/test_cost_model.py; training with MLP recompute (vpp2) and block recompute (tp2-sp) through
+the real trainer in tests/test_megatron_releases.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import pytest
 
 from megatron_slimpack.megatron import add_slimpack_args
 from megatron_slimpack.megatron.args import SlimPackArgumentError, recompute_mode_of_args, validate_slimpack_args
-from megatron_slimpack.specs import RECOMPUTE_MODES, ParallelConfig, recompute_flags
+from megatron_slimpack.specs import MODELS, RECOMPUTE_MODES, ParallelConfig, SpecError, recompute_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def megatron_args(*argv: str):
     return add_slimpack_args(parser).parse_args(["--slimpack", "--calculate-per-token-loss", *argv])
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("mode", [*RECOMPUTE_MODES, "block-1", "block-3"])
 def test_each_mode_trains_with_the_flags_it_is_priced_as(mode):
     args = megatron_args(*recompute_flags(mode))
     validate_slimpack_args(args)
@@ -50,9 +51,9 @@ def test_the_modules_may_come_in_any_order():
      "'layernorm' is not priced by its planner"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], "'mlp' is not priced"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-     "recomputes groups of layers"),
-    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
-     "recomputes only some of each chunk's layers"),
+     "recomputes groups of layers together"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+      "--num-layers", "0"], "needs --num-layers"),
 ])
 def test_recompute_the_planner_does_not_price_is_refused_with_the_fix(argv, problem):
     with pytest.raises(SlimPackArgumentError, match=problem) as caught:
@@ -68,7 +69,30 @@ def test_block_recompute_of_a_whole_chunk_is_every_layer():
     assert recompute_mode_of_args(args) == "full"
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_block_recompute_counts_layers_per_model_chunk():
+    # 8 layers, pp 2 x vpp 2 (as Megatron's validation sets it): 2 layers per chunk, so block 1
+    # recomputes half of them and block 2 all
+    block = ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers")
+    modes = []
+    for layers in ("1", "2"):
+        args = megatron_args(*block, layers)
+        args.virtual_pipeline_model_parallel_size = 2
+        validate_slimpack_args(args)
+        modes.append(recompute_mode_of_args(args))
+    assert modes == ["block-1", "full"]
+
+
+def test_a_block_mode_names_what_it_recomputes():
+    assert ParallelConfig(pp=2, recompute="block-3").describe() == "tp1 pp2 cp1 dp1 rc-block-3"
+    for wrong in ("block-0", "block", "block-x", "full-2"):
+        with pytest.raises(SpecError, match="block-N"):
+            ParallelConfig(recompute=wrong)
+    with pytest.raises(SpecError, match="use recompute 'full', or block-N with N < 16"):
+        ParallelConfig(pp=2, recompute="block-16").check_model(MODELS["llama-7b"])
+    ParallelConfig(pp=2, recompute="block-15").check_model(MODELS["llama-7b"])
+
+
+@pytest.mark.parametrize("mode", [*RECOMPUTE_MODES, "block-2"])
 def test_the_cluster_script_gives_a_layout_its_modes_flags(mode):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

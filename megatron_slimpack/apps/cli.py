@@ -25,7 +25,7 @@ from ..simulator.report import (
     summary,
     write_chrome_trace,
 )
-from ..specs import HARDWARE, RECOMPUTE_MODES, ParallelConfig, SpecError
+from ..specs import HARDWARE, ParallelConfig, SpecError
 from ..workload import (
     LONG_DOCUMENT_MODES,
     LongDocumentsError,
@@ -35,12 +35,14 @@ from ..workload import (
 )
 from . import comparison, library_noise
 from .cli_options import (
+    RECOMPUTE_HELP,
     add_megatron_spellings,
     add_model_option,
     contradictions,
     non_negative_int,
     positive_float,
     positive_int,
+    recompute_mode,
     restrict_choices,
 )
 from .comparison import SearchCache, write_outputs
@@ -471,8 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="context parallel size; SlimPack plans cp K as DP-Merge groups of K replicas, like a "
                            "`compare` row 'slimpack ... cpK dpD' (the same plan as --cp 1 --dp K*D --base-merge K, "
                            "the form Megatron runs)")
-    plan.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES),
-                      help="activation recomputation (default: none)")
+    plan.add_argument("--recompute", default="none", type=recompute_mode, metavar="MODE",
+                      help=RECOMPUTE_HELP + " (default: none)")
     plan.add_argument("--out", help="write the plan JSON here (one file per step with --steps)")
     add_megatron_spellings(plan)  # --tensor-model-parallel-size, --seq-length, ... as in Megatron-LM
     plan.set_defaults(run=cmd_plan)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..specs import MODELS
+from ..specs import MODELS, RECOMPUTE_MODES, SpecError, check_recompute_mode
 
 
 def _number_type(convert, accepts, wanted: str):
@@ -25,6 +25,20 @@ def _number_type(convert, accepts, wanted: str):
 positive_int = _number_type(int, lambda value: value >= 1, "a positive integer")
 non_negative_int = _number_type(int, lambda value: value >= 0, "an integer >= 0")
 positive_float = _number_type(float, lambda value: 0 < value < float("inf"), "a positive number")  # finite
+
+
+def recompute_mode(text: str) -> str:
+    """An argparse type: one of `specs.RECOMPUTE_MODES` or block-N."""
+    try:
+        return check_recompute_mode(text)
+    except SpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+RECOMPUTE_HELP = (f"Megatron's activation recompute, one of {', '.join(RECOMPUTE_MODES)} or block-N: selective "
+                  "re-runs core attention, selective-mlp the MLP too (--recompute-modules core_attn mlp), full "
+                  "every layer whole, block-N the first N layers of each model chunk whole "
+                  "(--recompute-method block --recompute-num-layers N)")
 
 
 def restrict_choices(parser: argparse.ArgumentParser, flag: str, choices) -> None:

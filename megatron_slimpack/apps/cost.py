@@ -14,8 +14,8 @@ import json
 
 from ..costmodel import CostModel, read_kernel_profile
 from ..planner.strategies import strategy_spec
-from ..specs import HARDWARE, RECOMPUTE_MODES, ParallelConfig
-from .cli_options import add_model_option, positive_int
+from ..specs import HARDWARE, ParallelConfig
+from .cli_options import RECOMPUTE_HELP, add_model_option, positive_int, recompute_mode
 
 BACKENDS = ("te", "flash", "flash3", "torch")
 
@@ -35,9 +35,7 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens in the pack (default: one document)")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size")
     parser.add_argument("--cp", type=positive_int, default=1, help="context parallel size")
-    parser.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES),
-                        help="Megatron's recompute: selective re-runs core attention, selective-mlp the MLP too "
-                             "(--recompute-modules core_attn mlp), full the whole layer")
+    parser.add_argument("--recompute", default="none", type=recompute_mode, metavar="MODE", help=RECOMPUTE_HELP)
     parser.add_argument("--strategy", default="slimpack",
                         help="whose overlaps price the communication (default slimpack: serial TP, blocking CP)")
     parser.add_argument("--json", action="store_true", help="the figures as one JSON document")

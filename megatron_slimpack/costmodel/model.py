@@ -442,14 +442,23 @@ class CostModel:
         """What Megatron re-runs in a layer's backward: with `--recompute-granularity selective`
         (its default `--recompute-modules core_attn`) the core attention forward, with
         `--recompute-modules core_attn mlp` the MLP's forward too; with full recompute the whole
-        layer forward."""
+        layer forward; with block-N that of N of the chunk's layers (per layer: its share)."""
         if parallel.recompute == "none":
             return 0.0
         if parallel.recompute in ("selective", "selective-mlp"):
             attention = self.attention_time(tokens, pairs, parallel, backward=False)
             return attention + (self.mlp_forward_time(tokens, parallel) if parallel.recompute == "selective-mlp"
                                 else 0.0)
-        return self.layer_time(tokens, pairs, parallel.with_(recompute="none"), backward=False)
+        return self.whole_layer_share(parallel) * self.layer_time(tokens, pairs, parallel.with_(recompute="none"),
+                                                                  backward=False)
+
+    def whole_layer_share(self, parallel: ParallelConfig) -> float:
+        """The share of a chunk's layers whose whole forward is recomputed in backward (1 with full
+        recompute, N / layers with block-N, 0 otherwise). Figures here are per layer and a chunk's
+        are `layers_per_stage` times them, so block-N's layer is priced as this mix of a
+        recomputed and a plain one: the chunk's totals are exact."""
+        layers = self.layers_per_stage(parallel)
+        return parallel.layers_recomputed_whole(layers) / layers
 
     def head_time(self, tokens: float, parallel: ParallelConfig, backward: bool) -> float:
         """Output layer + loss on the last stage."""
@@ -474,9 +483,9 @@ class CostModel:
             return 0.0
         t = parallel.tp
         volume = tokens / parallel.cp * self.model.hidden_size * self.dtype_bytes * (t - 1) / t
-        collectives = TP_COLLECTIVES_BACKWARD if backward else TP_COLLECTIVES_FORWARD
-        if backward and parallel.recompute == "full":
-            collectives += TP_COLLECTIVES_FORWARD
+        collectives = float(TP_COLLECTIVES_BACKWARD if backward else TP_COLLECTIVES_FORWARD)
+        if backward and self.whole_layer_share(parallel):
+            collectives += self.whole_layer_share(parallel) * TP_COLLECTIVES_FORWARD
         elif backward and parallel.recompute == "selective-mlp":
             collectives += TP_COLLECTIVES_MLP_FORWARD
         bandwidth = self.collective_bandwidth(t, stride=1)
@@ -628,8 +637,14 @@ class CostModel:
         its slices that read a prefix (both matter only where the kernel copies keys or keeps a mask)."""
         layers = self.layers_per_stage(parallel)
         shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
-        if parallel.recompute == "full":
+        whole = self.whole_layer_share(parallel)
+        if whole == 1.0:
             per_layer = tokens * self.model.hidden_size * self.dtype_bytes / shards  # layer inputs only
+        elif whole:  # block-N: N layers keep their inputs, the others all they save
+            per_layer = (whole * self.activation_bytes(tokens, pairs, parallel.with_(recompute="full"))
+                         + (1 - whole) * self.activation_bytes(tokens, pairs, parallel.with_(recompute="none"),
+                                                               prefix_tokens=prefix_tokens,
+                                                               masked_entries=masked_entries)) / layers
         else:
             # Selective recompute (core_attn) checkpoints the core attention: its inputs stay (q, k,
             # v are saved by the checkpoint, its output by the out-projection), what the kernel
@@ -659,7 +674,7 @@ class CostModel:
         if parallel.recompute == "selective-mlp":
             shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
             return self.mlp_saved_bytes_per_token * tokens / shards + 0.0 * pairs
-        if parallel.recompute != "full":
+        if not self.whole_layer_share(parallel):
             return 0.0
         return self.activation_bytes(tokens, pairs, parallel.with_(recompute="none")) / self.layers_per_stage(parallel)
 

@@ -205,18 +205,29 @@ def recompute_mode_of_args(args) -> str:
     `_recompute_problems` accepts them."""
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full":
-        return "full"
+        layers, chunk = getattr(args, "recompute_num_layers", None) or 1, _chunk_layers(args)
+        partial = getattr(args, "recompute_method", None) == "block" and chunk is not None and layers < chunk
+        return f"block-{layers}" if partial else "full"
     if granularity != "selective":
         return "none"
     modules = sorted(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
     return next((mode for mode, wanted in SELECTIVE_MODULES.items() if sorted(wanted) == modules), "selective")
 
 
+def _chunk_layers(args) -> int | None:
+    """Layers of one model chunk (a pipeline stage's, or one of its virtual stages')."""
+    num_layers = getattr(args, "num_layers", None)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    return num_layers // (pp * virtual_stages_of_args(args)) if num_layers else None
+
+
 def _recompute_problems(args) -> list[str]:
     """Recompute the planner prices exactly: selective with `--recompute-modules` core_attn (the
-    default) or core_attn mlp, and full recompute of every layer on its own. Other module sets or a
-    full recompute of some layers (or of groups of layers) would be priced as something else: the
-    plans could hold more memory than the device has, or run slower than planned."""
+    default) or core_attn mlp, full recompute of every layer on its own, and full recompute of the
+    first N layers of every chunk (`--recompute-method block`: block-N). Other module sets or
+    groups of layers recomputed together (`--recompute-method uniform --recompute-num-layers` > 1)
+    would be priced as something else: the plans could hold more memory than the device has, or
+    run slower than planned."""
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "selective":
         modules = list(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
@@ -226,16 +237,14 @@ def _recompute_problems(args) -> list[str]:
                     f"'{' '.join(modules)}' is not priced by its planner: use one of those"]
     if granularity == "full":
         method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None) or 1
-        num_layers = getattr(args, "num_layers", None)
-        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        chunk = num_layers // (pp * virtual_stages_of_args(args)) if num_layers else None
-        every_layer = (method == "uniform" and layers == 1) or (method == "block" and chunk is not None
-                                                               and layers >= chunk)
-        if not every_layer:
-            return [f"--slimpack plans full recompute of every layer on its own; --recompute-method {method} "
-                    f"--recompute-num-layers {layers} recomputes "
-                    + ("groups of layers" if method == "uniform" else "only some of each chunk's layers")
-                    + ": use --recompute-method uniform --recompute-num-layers 1"]
+        if method == "block" and _chunk_layers(args) is None:
+            return ["--slimpack prices --recompute-method block per model chunk and needs --num-layers to know "
+                    "a chunk's layers: use --num-layers with the model's layer count"]
+        if method != "block" and not (method == "uniform" and layers == 1):
+            return [f"--slimpack plans full recompute of every layer on its own (--recompute-method uniform "
+                    f"--recompute-num-layers 1) or of the first N layers of every chunk (--recompute-method block "
+                    f"--recompute-num-layers N); --recompute-method {method} --recompute-num-layers {layers} "
+                    "recomputes groups of layers together: use one of those"]
     return []
 
 

@@ -62,7 +62,7 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
-from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors
+from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors, recompute_order
 from .outcomes import DoesNotFit
 from .registry import LayoutConstraints, StepPlanner, StrategySpec
 from .slimpack.memory import auto_token_cap, document_memory_bytes
@@ -848,7 +848,6 @@ def _in_shape_order(runs: list[_Run], bounds: dict[int, float]) -> list[_Run]:
     away), and an interleaved layout right after its plain twin, which the interleave cascade
     needs evaluated first, although its bound is lower (a chunk's activations leave room for
     larger packs). `bounds`: id(run) -> its lower bound."""
-    mode_rank = {mode: index for index, mode in enumerate(RECOMPUTE_MODES)}
 
     def plain_shape(parallel: ParallelConfig) -> tuple[int, ...]:
         return _shape(parallel.with_(vpp=1))
@@ -860,7 +859,7 @@ def _in_shape_order(runs: list[_Run], bounds: dict[int, float]) -> list[_Run]:
 
     def order(run: _Run) -> tuple:
         key = plain_shape(run.parallel)
-        return shape_bound[key], key, mode_rank[run.parallel.recompute], run.parallel.vpp
+        return shape_bound[key], key, recompute_order(run.parallel.recompute), run.parallel.vpp
 
     return sorted(runs, key=order)
 
