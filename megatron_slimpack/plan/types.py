@@ -110,9 +110,20 @@ class Slice(NamedTuple):
 
 
 def samples_of(lengths: Iterable[int]) -> list[Sample]:
-    """Sample(i, length) for the i-th length (tuple.__new__, as in `whole_slices`)."""
+    """Sample(i, length) for the i-th length (tuple.__new__, as in `whole_slices`). A list equal to
+    the last one given gets a copy of the last result: a layout search plans one batch on hundreds
+    of layouts (~10^5 documents at 256K: 50 ms to make, 1 ms to compare and copy)."""
+    if isinstance(lengths, list) and lengths == _last_samples[0]:
+        return list(_last_samples[1])
     new = tuple.__new__
-    return [new(Sample, pair) for pair in enumerate(lengths)]
+    samples = [new(Sample, pair) for pair in enumerate(lengths)]
+    if isinstance(lengths, list):
+        _last_samples[:] = [list(lengths), samples]
+        return list(samples)
+    return samples
+
+
+_last_samples: list = [None, []]  # (the lengths, their samples) of `samples_of`'s last list
 
 
 def whole_slices(samples: Iterable[Sample]) -> list[Slice]:
