@@ -57,15 +57,15 @@ class RecordedSearch(SlimPackSearch):
         self.records: list[SizingRecord] = []
         self._sizing: GroupSizing | None = None
 
-    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing,
-                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
+    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing, leaner_level: int = len(LEANER_SCHEDULES),
+                    cut_short: bool = False) -> PlannedBatch:
         if sizing is not self._sizing:
             self._sizing = sizing
             self.records.append(SizingRecord(int((sizing.group_ranks > 1).sum())))
         record = self.records[-1]
         started = time.perf_counter()
         try:
-            batch = super().plan_sizing(view, sizing, leaner_level)
+            batch = super().plan_sizing(view, sizing, leaner_level, cut_short)
             record.predictions.append(batch.predicted_iteration_s)
             record.replicas = len(batch.outcomes)
             return batch
@@ -73,11 +73,11 @@ class RecordedSearch(SlimPackSearch):
             record.seconds += time.perf_counter() - started
 
     def plan_groups(self, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
-                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
+                    leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False) -> PlannedBatch:
         record = self.records[-1]
         record.plannings += 1
         try:
-            return super().plan_groups(view, token_cap, group_ranks, leaner_level)
+            return super().plan_groups(view, token_cap, group_ranks, leaner_level, cut_short)
         except ReplicasDoNotFit as error:
             if record.plannings == 1:
                 record.first_failures = len(error.failures)

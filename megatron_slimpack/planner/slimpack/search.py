@@ -142,7 +142,7 @@ class SlimPackSearch:
             level = len(LEANER_SCHEDULES)
             while level >= 0:
                 try:
-                    batch = self.plan_sizing(view, groups, level)
+                    batch = self.plan_sizing(view, groups, level, cut_short=sizing is Sizing.SMALLEST_GROUPS)
                 except PlanError as error:  # a replica that fails at a level fails at the ones below
                     first_error = first_error or kept(error)
                     break
@@ -160,31 +160,54 @@ class SlimPackSearch:
             return GroupSizing(token_cap, groups)
         return GroupSizing(*largest_merged_micropack(self.lengths, self.cost, view, ladder, self.use_merge))
 
-    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing,
-                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
+    def plan_sizing(self, view: ParallelConfig, sizing: GroupSizing, leaner_level: int = len(LEANER_SCHEDULES),
+                    cut_short: bool = False) -> PlannedBatch:
         """Plan with the sizing's groups. They come from a per-document estimate; where replicas'
         real schedules still do not fit, their sliced documents get twice the group and the batch
         is planned again (all the replicas that failed at once: replicas are alike, so one at a
-        time took a planning each: 8 plannings instead of 10)."""
+        time took a planning each: 8 plannings instead of 10).
+
+        `cut_short`: the first planning stops at its heaviest replica where that does not fit, and
+        every sliced document gets twice its group, as if every replica had failed. The smallest
+        groups' estimate leaves out what a pipeline holds besides a document's chain: on every
+        pipelined layout of llama-7b and llama-13b at 256K measured, the first planning found no
+        schedule for 60-100% of its replicas and merge groups, at 73-93% of the layout's planning
+        time, and the plan each kept is the same from here (benchmarks/results/sizings.md)."""
         group_ranks = sizing.group_ranks
         smallest = SizeLadder.below_cap(sizing.token_cap, self.config).smallest
         largest_group = view.dp if self.use_merge else 1
         while True:
             try:
-                return self.plan_groups(view, sizing.token_cap, group_ranks, leaner_level)
+                return self.plan_groups(view, sizing.token_cap, group_ranks, leaner_level, cut_short)
+            except PlanningCutShort:
+                group_ranks = sliced_grown(group_ranks, self.lengths, smallest, largest_group)
             except ReplicasDoNotFit as error:
                 for failure in error.failures:
                     grown = grown_groups(failure, group_ranks, self.lengths, smallest, largest_group)
                     if grown is None:
                         raise failure from None
                     group_ranks = grown
+            cut_short = False
 
     def plan_groups(self, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
-                    leaner_level: int = len(LEANER_SCHEDULES)) -> PlannedBatch:
+                    leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False) -> PlannedBatch:
         """One planning of the batch: phase 1, then every merge group and replica, with leaner
         interleaved schedules up to `leaner_level`. Raises ReplicasDoNotFit with every replica that
-        did not fit."""
-        return _BatchPlanning(self, view, token_cap, group_ranks, leaner_level).run()
+        did not fit; with `cut_short`, PlanningCutShort where the heaviest replica does not."""
+        return _BatchPlanning(self, view, token_cap, group_ranks, leaner_level, cut_short).run()
+
+
+class PlanningCutShort(ReplicasDoNotFit):
+    """A planning stopped at its heaviest replica, which did not fit (`SlimPackSearch.plan_sizing`)."""
+
+
+def sliced_grown(group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
+                 largest_group: int) -> np.ndarray:
+    """Twice the group of every document sliced at the smallest MicroPack of its group, where the
+    group stays a divisor of `largest_group`: `grown_groups` applied as if every replica failed."""
+    doubled = 2 * group_ranks
+    sliced = np.asarray(lengths) > smallest_micropack * group_ranks
+    return np.where(sliced & (doubled <= largest_group) & (largest_group % doubled == 0), doubled, group_ranks)
 
 
 def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
@@ -209,9 +232,9 @@ class _BatchPlanning:
     replica is planned even after one fails, so all failures are grown at once."""
 
     def __init__(self, search: SlimPackSearch, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
-                 leaner_level: int = len(LEANER_SCHEDULES)):
+                 leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False):
         self.search, self.view, self.token_cap, self.group_ranks = search, view, token_cap, group_ranks
-        self.leaner_level = leaner_level
+        self.leaner_level, self.cut_short = leaner_level, cut_short
         self.config, self.cost = search.config, search.cost
         self.samples = search.samples
         self.rates = WorkRates.from_cost(self.cost, view, token_cap)
@@ -223,8 +246,12 @@ class _BatchPlanning:
         # own: where any of them does not fit, this planning is discarded (its groups grow) and
         # the rest of the fitting groups' searches would be wasted (at 256K most plannings of an
         # interleaved layout are such retries). Otherwise the paused searches go on to their end.
-        pending = [self._merge_group(group) for group in assignment.merge_groups]
-        own = self._own_replicas(assignment)
+        if self.cut_short:  # the heaviest replica first: where it fails, nothing else is searched
+            own = self._own_replicas(assignment)
+            pending = [self._merge_group(group) for group in assignment.merge_groups]
+        else:
+            pending = [self._merge_group(group) for group in assignment.merge_groups]
+            own = self._own_replicas(assignment)
         if self.failures:
             raise ReplicasDoNotFit(self.failures)
         merged = [group.finish() for group in filter(None, pending)]  # none failed
@@ -284,6 +311,11 @@ class _BatchPlanning:
         known.record_fit(key, self.leaner_level, pending.search.fitting_levels)
         return pending
 
+    def _stop_if_cut_short(self, ladder: SizeLadder | None) -> None:
+        """With `cut_short`, a failure before any replica fit (the heaviest's) ends the planning."""
+        if self.cut_short and ladder is None:
+            raise PlanningCutShort(self.failures)
+
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
         """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
         searched on the heaviest one (every rung, bisected) and the others start from it, first
@@ -304,6 +336,7 @@ class _BatchPlanning:
                 continue
             key = known.key(members, self.view, self.token_cap, [rank], None, ladder)
             if known.failed(key, self.leaner_level, self.failures):
+                self._stop_if_cut_short(ladder)
                 continue
             found = known.result(key, self.leaner_level)
             if found is None:
@@ -314,6 +347,7 @@ class _BatchPlanning:
                     found = search.finish(members)
                 except DoesNotFit as failure:
                     known.record(key, self.leaner_level, failure, self.failures)
+                    self._stop_if_cut_short(ladder)
                     continue
                 known.record_fit(key, self.leaner_level, search.fitting_levels, found)
             own[rank] = found
@@ -461,5 +495,5 @@ def shared_by_groups(plan: Plan, parallel: ParallelConfig, base_merge: int) -> P
                 metadata, plan.sample_sources)
 
 
-__all__ = ["Sizing", "Attempt", "GroupSizing", "SlimPackSearch", "grown_groups", "merged_cost_function",
-           "shared_by_groups"]
+__all__ = ["Sizing", "Attempt", "GroupSizing", "SlimPackSearch", "PlanningCutShort", "grown_groups", "sliced_grown",
+           "merged_cost_function", "shared_by_groups"]
