@@ -269,9 +269,9 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     plannings = []
     plan_sizing = SlimPackSearch.plan_sizing
 
-    def recorded(self, view, sizing, leaner_level=2):
+    def recorded(self, view, sizing, leaner_level=2, cut_short=False):
         plannings.append((view.dp, leaner_level))
-        return plan_sizing(self, view, sizing, leaner_level)
+        return plan_sizing(self, view, sizing, leaner_level, cut_short)
 
     monkeypatch.setattr(SlimPackSearch, "plan_sizing", recorded)
 

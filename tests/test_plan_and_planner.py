@@ -904,8 +904,8 @@ def test_where_no_group_holds_a_document_next_to_cap_sized_micropacks_the_larges
     planned = []
     plan_sizing = SlimPackSearch.plan_sizing
     monkeypatch.setattr(SlimPackSearch, "plan_sizing",
-                        lambda self, view, sizing, *rest: planned.append(sizing) or plan_sizing(self, view, sizing,
-                                                                                                 *rest))
+                        lambda self, view, sizing, *rest, **options: planned.append(sizing)
+                        or plan_sizing(self, view, sizing, *rest, **options))
     best_without_base_merge(lengths, parallel, cost, config).plan.validate()
     for_smallest = merge_group_sizes(lengths, cost, parallel, list(ladder.micropack_tokens), True)
     assert [sizing.token_cap for sizing in planned] == [20480, largest]

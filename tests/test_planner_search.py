@@ -290,6 +290,60 @@ def test_a_failed_replica_grows_the_groups_of_its_sliced_documents_only():
     assert grown_groups(failure, groups, lengths, smallest_micropack=8192, largest_group=1) is None
 
 
+def test_sliced_grown_doubles_every_sliced_document_within_the_largest_group():
+    """`grown_groups` as if every replica and merge group had failed: a document longer than the
+    smallest MicroPack times its group gets twice the group, where that still divides the largest."""
+    from megatron_slimpack.planner.slimpack.search import sliced_grown
+
+    lengths = [100, 5000, 9000, 20000, 3000]
+    groups = np.array([1, 1, 2, 4, 2])
+    grown = sliced_grown(groups, lengths, smallest_micropack=4096, largest_group=4)
+    assert grown.tolist() == [1, 2, 4, 4, 2] and groups.tolist() == [1, 1, 2, 4, 2]
+
+
+def test_the_smallest_groups_first_planning_stops_at_a_heaviest_replica_that_does_not_fit(monkeypatch):
+    """llama-7b 128K, long-tailed lengths, tp1 pp4 vpp4 dp8: the smallest groups' first planning
+    searches the heaviest replica first; it does not fit, so no other replica or merge group is
+    searched and the next planning starts with every sliced document in twice its group. The
+    largest-micropacks sizing plans without cutting short."""
+    from megatron_slimpack.planner.slimpack import search as search_module
+    from megatron_slimpack.planner.slimpack.memory import auto_token_cap
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    context = 128 * K
+    lengths = GlobalBatchSampler(load_lengths("longtail", seed=1), context, 64, seed=1,
+                                 long_documents="split").next_batch().lengths
+    parallel = ParallelConfig(dp=8, pp=4, vpp=4, tp=1)
+    config = ms.SlimPackConfig(context_length=context, solver_deterministic_limit=0.2)
+    plannings, searched = [], []
+    plan_groups, finish = SlimPackSearch.plan_groups, ReplicaSearch.finish
+
+    def recorded(self, view, token_cap, group_ranks, leaner_level=2, cut_short=False):
+        plannings.append([group_ranks.copy(), cut_short, "planned"])
+        searched.clear()
+        try:
+            return plan_groups(self, view, token_cap, group_ranks, leaner_level, cut_short)
+        except search_module.PlanningCutShort:
+            plannings[-1][2] = f"cut short after {len(searched)} search"
+            raise
+
+    def counted(self, samples):
+        searched.append(len(samples))
+        return finish(self, samples)
+
+    monkeypatch.setattr(SlimPackSearch, "plan_groups", recorded)
+    monkeypatch.setattr(ReplicaSearch, "finish", counted)
+    search = SlimPackSearch(lengths, parallel, COST, config)
+    search.plan()
+    (first, cut, outcome), (second, cut_again, _) = plannings[:2]
+    assert cut and outcome == "cut short after 1 search" and not cut_again
+    smallest = SizeLadder.below_cap(auto_token_cap(COST, parallel, config), config).smallest
+    assert second.tolist() == search_module.sliced_grown(first, lengths, smallest, parallel.dp).tolist()
+    assert (second > first).sum() > 100
+    assert any(not cut_short for _, cut_short, _ in plannings[2:])  # the largest micropacks'
+
+
 def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_planning(monkeypatch):
     """Documents kept whole (`slice_tokens` = the context) in a layout whose MicroPacks do not fit:
     growing the failed replica's longest document planned the batch again and again (600+
@@ -302,7 +356,7 @@ def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_
                             ms.CostModel.analytic("llama-13b", "h100-sxm"), config)
     plannings = []
 
-    def failing(view, token_cap, group_ranks, leaner_level=2):
+    def failing(view, token_cap, group_ranks, leaner_level=2, cut_short=False):
         plannings.append(1)
         raise ReplicasDoNotFit([DoesNotFit("replica [3] does not fit", sample_ids=[5, 6, 7],
                                            group_ranks=int(group_ranks[[5, 6, 7]].max()))])
@@ -488,6 +542,11 @@ def test_skipping_known_failures_and_pausing_merge_groups_plans_the_same(monkeyp
             sizes_left_after_a_fit.append(sum(1 for _ in self._walk))
         return finish(self, samples)
 
+    plan_sizing = SlimPackSearch.plan_sizing
+    # every planning searched whole, so that the shortcuts above have failures and fits to reuse
+    monkeypatch.setattr(SlimPackSearch, "plan_sizing",
+                        lambda self, view, sizing, leaner_level=2, cut_short=False: plan_sizing(
+                            self, view, sizing, leaner_level))
     monkeypatch.setattr(known, "failed", counted_failed)
     monkeypatch.setattr(known, "result", counted_result)
     monkeypatch.setattr(ReplicaSearch, "fits", marked_fits)

@@ -142,7 +142,8 @@ class SlimPackSearch:
             level = len(LEANER_SCHEDULES)
             while level >= 0:
                 try:
-                    batch = self.plan_sizing(view, groups, level, cut_short=sizing is Sizing.SMALLEST_GROUPS)
+                    batch = self.plan_sizing(view, groups, level, cut_short=sizing is Sizing.SMALLEST_GROUPS
+                                             and view.pp > 1)
                 except PlanError as error:  # a replica that fails at a level fails at the ones below
                     first_error = first_error or kept(error)
                     break
@@ -167,12 +168,13 @@ class SlimPackSearch:
         is planned again (all the replicas that failed at once: replicas are alike, so one at a
         time took a planning each: 8 plannings instead of 10).
 
-        `cut_short`: the first planning stops at its heaviest replica where that does not fit, and
-        every sliced document gets twice its group, as if every replica had failed. The smallest
-        groups' estimate leaves out what a pipeline holds besides a document's chain: on every
-        pipelined layout of llama-7b and llama-13b at 256K measured, the first planning found no
-        schedule for 60-100% of its replicas and merge groups, at 73-93% of the layout's planning
-        time, and the plan each kept is the same from here (benchmarks/results/sizings.md)."""
+        `cut_short` (the smallest groups, with a pipeline): the first planning stops at its
+        heaviest replica where that does not fit, and every sliced document gets twice its group,
+        as if every replica had failed. The smallest groups' estimate leaves out what a pipeline
+        holds besides a document's chain: on every pipelined layout of llama-7b and llama-13b at
+        256K measured, the first planning found no schedule for 60-100% of its replicas and merge
+        groups, at 73-93% of the layout's planning time, and each layout keeps the same plan
+        from here (benchmarks/results/sizings.md)."""
         group_ranks = sizing.group_ranks
         smallest = SizeLadder.below_cap(sizing.token_cap, self.config).smallest
         largest_group = view.dp if self.use_merge else 1
