@@ -387,21 +387,28 @@ def test_a_walk_is_try_all_or_first_fit_one_call_at_a_time():
     assert list(ladder.walk(lambda tokens: tokens < 5000, first_fit=True)) == [8192, 6144, 4096]
 
 
-def test_a_replica_search_checked_to_fit_then_finished_is_the_full_search():
-    """`fits` runs the search until a schedule fits and `finish` goes on: the same plan as
-    `plan_replica`; where nothing fits, `fits` is False and `finish` raises the same failure."""
+def _one_interleaved_replica():
+    """llama-13b, tp2 pp2 vpp2 dp4 at 64K, twelve documents of 500 tokens to the cap: (cost,
+    parallel, config, cap, rates, samples) of one replica's search."""
     from megatron_slimpack.plan import samples_of
     from megatron_slimpack.planner.slimpack.memory import auto_token_cap
-    from megatron_slimpack.planner.slimpack.replica import plan_replica, replica_search
     from megatron_slimpack.planner.work import WorkRates
 
-    context = 64 * K
     parallel = ParallelConfig(dp=4, pp=2, vpp=2, tp=2)
-    config = ms.SlimPackConfig(context_length=context)
+    config = ms.SlimPackConfig(context_length=64 * K)
     cost = ms.CostModel.analytic("llama-13b", "h100-sxm")
     cap = auto_token_cap(cost, parallel, config)
     rates = WorkRates.from_cost(cost, parallel, cap)
     samples = samples_of([int(x) for x in np.random.default_rng(2).integers(500, cap, size=12)])
+    return cost, parallel, config, cap, rates, samples
+
+
+def test_a_replica_search_checked_to_fit_then_finished_is_the_full_search():
+    """`fits` runs the search until a schedule fits and `finish` goes on: the same plan as
+    `plan_replica`; where nothing fits, `fits` is False and `finish` raises the same failure."""
+    from megatron_slimpack.planner.slimpack.replica import plan_replica, replica_search
+
+    cost, parallel, config, cap, rates, samples = _one_interleaved_replica()
     replica, outcome = plan_replica(samples, cost, parallel, config, rates, cap, [3], False)
     search = replica_search(samples, cost, parallel, config, rates, cap, [3], False)
     assert search.fits() and search.best is not None
@@ -425,18 +432,9 @@ def test_sizes_a_failing_replica_tried_are_not_tried_again_by_another_walk(monke
     """A replica that fits nowhere records each size it tried (`SizesWithoutFit`); a later search
     of it at the same or a lower leaner level, from another ladder, skips those sizes and fails
     with the same leanest need; at a higher level it tries them again (a leaner schedule may fit)."""
-    from megatron_slimpack.plan import samples_of
-    from megatron_slimpack.planner.slimpack.memory import auto_token_cap
     from megatron_slimpack.planner.slimpack.replica import ReplicaSearch, SizesWithoutFit, replica_search
-    from megatron_slimpack.planner.work import WorkRates
 
-    context = 64 * K
-    parallel = ParallelConfig(dp=4, pp=2, vpp=2, tp=2)
-    config = ms.SlimPackConfig(context_length=context)
-    cost = ms.CostModel.analytic("llama-13b", "h100-sxm")
-    cap = auto_token_cap(cost, parallel, config)
-    rates = WorkRates.from_cost(cost, parallel, cap)
-    samples = samples_of([int(x) for x in np.random.default_rng(2).integers(500, cap, size=12)])
+    cost, parallel, config, cap, rates, samples = _one_interleaved_replica()
     tried: list[int] = []
     try_packings = ReplicaSearch._try_packings
 
