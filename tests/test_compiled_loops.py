@@ -5,6 +5,7 @@ plans would catch it too, on fewer inputs)."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 import random
@@ -12,6 +13,8 @@ import random
 import numpy as np
 
 from megatron_slimpack.planner import compiled
+from megatron_slimpack.planner.baselines import pack_in_order
+from megatron_slimpack.planner.baselines.wlb_llm import MicroBatch, PendingDocument, pack_by_cost
 from megatron_slimpack.planner.orders import (
     BRACKET_TOLERANCE,
     SEARCH_WAYS,
@@ -19,6 +22,7 @@ from megatron_slimpack.planner.orders import (
     interleaved_schedules,
     segment_bounds,
 )
+from megatron_slimpack.planner.work import WorkRates
 from test_simulator import build_replica, random_micropacks
 
 # ---- plain-Python transcriptions ---------------------------------------------------------------
@@ -138,6 +142,45 @@ def python_walk(schedule, work: StageWork) -> float | None:
 # ---- the checks --------------------------------------------------------------------------------
 
 
+def python_next_fit(order: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
+    sequences: list[list[int]] = []
+    filled = capacity
+    for index in order:
+        if filled + lengths[index] > capacity:
+            sequences.append([])
+            filled = 0
+        sequences[-1].append(index)
+        filled += lengths[index]
+    return sequences
+
+
+def python_pack_by_cost(documents, micro_batches, rates, capacity):
+    """`wlb_llm.pack_by_cost` as heapq loops over the micro-batch objects."""
+    lengths = np.array([d.length for d in documents], dtype=float)
+    costs = rates.total(lengths, lengths * (lengths + 1) / 2).tolist() if len(documents) else []
+    by_cost = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
+    heapq.heapify(by_cost)
+    parked: list[tuple[int, int]] = []  # (-room, position)
+    left: list[int] = []
+    for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
+        document = documents[index]
+        while parked and -parked[0][0] >= document.length:
+            position = heapq.heappop(parked)[1]
+            heapq.heappush(by_cost, (micro_batches[position].cost, position))
+        while by_cost:
+            position = by_cost[0][1]
+            micro_batch = micro_batches[position]
+            if micro_batch.tokens + document.length <= capacity:
+                micro_batch.add(document, costs[index])
+                heapq.heapreplace(by_cost, (micro_batch.cost, position))
+                break
+            heapq.heappop(by_cost)
+            heapq.heappush(parked, (micro_batch.tokens - capacity, position))
+        else:
+            left.append(index)
+    return [documents[i] for i in sorted(left)]
+
+
 def random_costs(rng: np.random.Generator) -> np.ndarray:
     count = int(rng.integers(2, 160))
     costs = rng.lognormal(0.0, rng.uniform(0.05, 2.0), count)
@@ -183,3 +226,30 @@ def test_interleaved_walks_time_and_stall_as_the_python_walk():
             walked += expected is not None
             circular += expected is None
     assert walked and circular  # the cases run through, and some wait in a circle
+
+
+def test_next_fit_packs_as_the_python_loop():
+    rng = random.Random(5)
+    for _ in range(500):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(0, 60))]
+        order = rng.sample(range(len(lengths)), len(lengths))
+        capacity = rng.randint(1, 120)  # also below the longest: it gets a sequence of its own
+        assert pack_in_order(order, lengths, capacity) == python_next_fit(order, lengths, capacity)
+
+
+def test_cost_packing_fills_as_the_heapq_loop():
+    """Same micro-batches (documents in order, tokens, cost to the last bit) and the same documents
+    left, from empty and part-filled micro-batches, with equal costs (ties) and too little room."""
+    rng = random.Random(11)
+    rates = WorkRates(1.0, 0.01, 2.0, 0.02)
+    for _ in range(300):
+        lengths = [rng.choice([rng.randint(1, 50), 8]) for _ in range(rng.randint(0, 80))]  # 8: equal costs
+        documents = [PendingDocument(0, i, length, i, 0) for i, length in enumerate(lengths)]
+        capacity = rng.randint(20, 150)
+        starts = [(rng.randint(0, capacity), rng.choice([0.0, rng.random() * 50])) for _ in range(rng.randint(1, 12))]
+        sides = []
+        for pack in (python_pack_by_cost, pack_by_cost):
+            micro_batches = [MicroBatch([], tokens, load) for tokens, load in starts]
+            left = pack(documents, micro_batches, rates, capacity)
+            sides.append((left, [(mb.documents, mb.tokens, mb.cost) for mb in micro_batches]))
+        assert sides[0] == sides[1]

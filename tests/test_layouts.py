@@ -172,9 +172,9 @@ def test_the_search_pauses_the_cyclic_collector_and_turns_it_back_on(monkeypatch
     seen = []
     planning = layouts._plan_and_simulate
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         seen.append(gc.isenabled())
-        return planning(*args)
+        return planning(*args, **kwargs)
 
     monkeypatch.setattr(layouts, "_plan_and_simulate", recording)
     context = 262144
@@ -299,7 +299,8 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     shelve, plan_and_simulate = layouts._Run.shelve, layouts._plan_and_simulate
     monkeypatch.setattr(layouts._Run, "shelve", lambda run: shelved.append(run.parallel) or shelve(run))
     monkeypatch.setattr(layouts, "_plan_and_simulate",
-                        lambda run, *args: planned.append((run.parallel, args[-1])) or plan_and_simulate(run, *args))
+                        lambda run, lengths, cost, step, **kwargs: planned.append((run.parallel, step))
+                        or plan_and_simulate(run, lengths, cost, step, **kwargs))
     result = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=2, layouts=candidates)
     assert len(result.screened) > 2 and len(shelved) == len(result.screened) - 2
     assert len(planned) == len(set(planned))  # no batch of a layout planned twice
@@ -334,6 +335,36 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     assert fallback.parallel == fastest.with_(recompute="selective")
     assert fallback.parallel not in {r.parallel for r in fallback.rejected}
     assert fallback.mean_iteration_time_s == min(e.mean_iteration_time_s for e in fallback.finalists)
+
+
+def test_screened_plans_are_validated_once_among_the_fastest(monkeypatch):
+    """Screening plans the first batch without `Plan.validate`; a layout's plans are validated when
+    it is finished, so every plan a result reports is. A fastest layout whose plan breaks a rule is
+    rejected there as invalid, and the search then picks what it picks without that layout."""
+    from megatron_slimpack.plan import Plan
+
+    context = 32768
+    batches = [batch(seed, 120, context) for seed in (5, 6)]
+    candidates = [p for p in enumerate_layouts(COST_7B, 8, "megatron-fixed") if p.tp == 4]
+    validate, validated = Plan.validate, []
+    monkeypatch.setattr(Plan, "validate", lambda plan: validated.append(plan.parallel) or validate(plan))
+    result = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1, layouts=candidates)
+    assert len(result.screened) > 1 and validated == [result.parallel] * len(batches)
+
+    def breaking(plan):
+        if plan.parallel == result.parallel:
+            raise PlanError("coverage: made to break")
+        return validate(plan)
+
+    monkeypatch.setattr(Plan, "validate", breaking)
+    broken = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1, layouts=candidates)
+    assert [(r.kind, r.reason) for r in broken.rejected if r.parallel == result.parallel] == [
+        ("invalid", "batch 0: coverage: made to break")]
+    monkeypatch.setattr(Plan, "validate", validate)
+    without = best_layout("megatron-fixed", batches, COST_7B, 8, context, FAST, finalists=1,
+                          layouts=[p for p in candidates if p != result.parallel])
+    assert broken.parallel == without.parallel != result.parallel
+    assert broken.mean_iteration_time_s == without.mean_iteration_time_s
 
 
 def _mean_over_every_batch(strategy: str, batches: list[list[int]], parallel: ParallelConfig, cost, context: int,

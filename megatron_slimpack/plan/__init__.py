@@ -30,6 +30,7 @@ from .types import (
     task_chunk,
     tasks_of_chunk,
     whole_slices,
+    whole_slices_of,
 )
 from .validate import SliceTable, check_plan, check_slices
 
@@ -42,4 +43,5 @@ __all__ = [
     "SliceTable", "Slice", "Task", "backward_sequence", "chain_heads", "check_plan", "check_slices", "check_sources",
     "default_sources", "last_forward_needed", "micropack_figures", "overlapping_documents", "overlaps", "pack_figures",
     "samples_of", "sequence_sharded_pairs", "slice_table", "sources_of", "task_chunk", "tasks_of_chunk", "whole_slices",
+    "whole_slices_of",
 ]

@@ -38,8 +38,15 @@ class SampleSource(NamedTuple):
 
 
 def default_sources(count: int) -> list[SampleSource]:
-    """(i, 0) for the i-th input length: each length is a whole document of its own."""
-    return sources_of(range(count), repeat(0))
+    """(i, 0) for the i-th input length: each length is a whole document of its own. A count
+    equal to the last one gets a copy of the last result (a layout search plans one batch on
+    hundreds of layouts; the tuples are immutable, the list is the caller's own)."""
+    if _last_default_sources[0] != count:
+        _last_default_sources[:] = [count, sources_of(range(count), repeat(0))]
+    return list(_last_default_sources[1])
+
+
+_last_default_sources: list = [-1, []]  # (the count, its sources) of `default_sources`' last call
 
 
 def sources_of(documents: Iterable[int], offsets: Iterable[int]) -> list[SampleSource]:
@@ -113,17 +120,38 @@ def samples_of(lengths: Iterable[int]) -> list[Sample]:
     """Sample(i, length) for the i-th length (tuple.__new__, as in `whole_slices`). A list equal to
     the last one given gets a copy of the last result: a layout search plans one batch on hundreds
     of layouts (~10^5 documents at 256K: 50 ms to make, 1 ms to compare and copy)."""
-    if isinstance(lengths, list) and lengths == _last_samples[0]:
-        return list(_last_samples[1])
+    if isinstance(lengths, list) and lengths == _last_batch.lengths:
+        return list(_last_batch.samples)
     new = tuple.__new__
     samples = [new(Sample, pair) for pair in enumerate(lengths)]
     if isinstance(lengths, list):
-        _last_samples[:] = [list(lengths), samples]
+        _last_batch.__init__(list(lengths), samples)  # type: ignore[misc]
         return list(samples)
     return samples
 
 
-_last_samples: list = [None, []]  # (the lengths, their samples) of `samples_of`'s last list
+def whole_slices_of(lengths: list[int]) -> list[Slice]:
+    """Slice(i, 0, length) of the i-th length: each document whole, indexed by sample id. Kept for
+    the last batch `samples_of` was given (read only: the tuples are immutable; copy the list
+    before changing it), so a search's plannings of one batch pick their MicroPacks' slices from
+    it instead of making ~10^5 tuples each."""
+    if not isinstance(lengths, list) or lengths != _last_batch.lengths:
+        samples_of(list(lengths))
+    if _last_batch.whole is None:
+        _last_batch.whole = whole_slices(_last_batch.samples)
+    return _last_batch.whole
+
+
+class _LastBatch:
+    """The lengths `samples_of` was last given as a list, their samples and (once asked for)
+    their whole slices."""
+
+    def __init__(self, lengths: list[int] | None = None, samples: list[Sample] | None = None):
+        self.lengths, self.samples = lengths, samples or []
+        self.whole: list[Slice] | None = None
+
+
+_last_batch = _LastBatch()
 
 
 def whole_slices(samples: Iterable[Sample]) -> list[Slice]:

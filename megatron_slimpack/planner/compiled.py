@@ -192,3 +192,108 @@ def interleaved_walk(targets: np.ndarray, forward_units: np.ndarray, forward_chu
 
 
 __all__ = ["greedy_fits", "greedy_bounds", "optimal_bounds", "bounds_at_work", "interleaved_walk"]
+
+
+# ---- next-fit packing (`baselines.packing.pack_in_order`) --------------------------------------
+
+
+@_jit
+def next_fit_starts(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Where each sequence of the next-fit packing of `lengths` (in order) starts: a document
+    opens a new sequence when it would take the current one past `capacity` tokens (the first
+    always does). Integer arithmetic only."""
+    starts = np.empty(len(lengths), dtype=np.int64)
+    count = 0
+    filled = capacity
+    for index in range(len(lengths)):
+        if filled + lengths[index] > capacity:
+            starts[count] = index
+            count += 1
+            filled = 0
+        filled += lengths[index]
+    return starts[:count]
+
+
+# ---- cost-ordered packing (`baselines.wlb_llm.pack_by_cost`) -----------------------------------
+# Two binary min-heaps of (key, position) pairs, as arrays: positions are unique, so every key pair
+# is, and the top of a heap is the same pair whatever the heap's inner arrangement (heapq's or this).
+
+
+@_jit
+def _before(keys: np.ndarray, items: np.ndarray, a: int, b: int) -> bool:
+    return keys[a] < keys[b] or (keys[a] == keys[b] and items[a] < items[b])
+
+
+@_jit
+def _sift_up(keys: np.ndarray, items: np.ndarray, index: int) -> None:
+    while index > 0:
+        parent = (index - 1) // 2
+        if not _before(keys, items, index, parent):
+            return
+        keys[index], keys[parent] = keys[parent], keys[index]
+        items[index], items[parent] = items[parent], items[index]
+        index = parent
+
+
+@_jit
+def _sift_down(keys: np.ndarray, items: np.ndarray, size: int, index: int) -> None:
+    while True:
+        smallest, left = index, 2 * index + 1
+        if left < size and _before(keys, items, left, smallest):
+            smallest = left
+        if left + 1 < size and _before(keys, items, left + 1, smallest):
+            smallest = left + 1
+        if smallest == index:
+            return
+        keys[index], keys[smallest] = keys[smallest], keys[index]
+        items[index], items[smallest] = items[smallest], items[index]
+        index = smallest
+
+
+@_jit
+def _push(keys: np.ndarray, items: np.ndarray, size: int, key: float, item: int) -> int:
+    keys[size], items[size] = key, item
+    _sift_up(keys, items, size)
+    return size + 1
+
+
+@_jit
+def _pop(keys: np.ndarray, items: np.ndarray, size: int) -> int:
+    size -= 1
+    keys[0], items[0] = keys[size], items[size]
+    _sift_down(keys, items, size, 0)
+    return size
+
+
+@_jit
+def pack_by_cost_targets(order: np.ndarray, lengths: np.ndarray, costs: np.ndarray, tokens: np.ndarray,
+                         loads: np.ndarray, capacity: int) -> np.ndarray:
+    """Each document, in `order`, into the micro-batch of least load (`loads`, ties: lowest
+    position) whose `tokens` leave room for it within `capacity`; a micro-batch found too full
+    waits, roomiest first, until a document short enough comes. `tokens` and `loads` are updated
+    in place; returns each document's micro-batch, -1 where none had room."""
+    count = len(tokens)
+    cheap_keys, cheap = loads.copy(), np.arange(count)
+    for start in range(count // 2 - 1, -1, -1):
+        _sift_down(cheap_keys, cheap, count, start)
+    full_keys, full = np.empty(count, dtype=np.float64), np.empty(count, dtype=np.int64)  # key: -room
+    cheap_size, full_size = count, 0
+    targets = np.full(len(lengths), -1, dtype=np.int64)
+    for index in order:
+        length = lengths[index]
+        while full_size and -full_keys[0] >= length:
+            position = full[0]
+            full_size = _pop(full_keys, full, full_size)
+            cheap_size = _push(cheap_keys, cheap, cheap_size, loads[position], position)
+        while cheap_size:
+            position = cheap[0]
+            if tokens[position] + length <= capacity:
+                tokens[position] += length
+                loads[position] += costs[index]
+                targets[index] = position
+                cheap_keys[0] = loads[position]  # heapreplace: the top's key grew
+                _sift_down(cheap_keys, cheap, cheap_size, 0)
+                break
+            cheap_size = _pop(cheap_keys, cheap, cheap_size)
+            full_size = _push(full_keys, full, full_size, float(tokens[position] - capacity), position)
+    return targets

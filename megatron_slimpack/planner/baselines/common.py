@@ -4,6 +4,7 @@ replicas, and assembling the plan."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from ...config import SlimPackConfig
@@ -17,8 +18,10 @@ from ...plan import (
     SampleSource,
     backward_sequence,
     check_sources,
+    default_sources,
     overlapping_documents,
     whole_slices,
+    whole_slices_of,
 )
 from ...specs import ParallelConfig
 from ..orders import interleaved_microbatch_error, interleaved_orders, stage_orders
@@ -114,6 +117,14 @@ def whole_documents(samples: list[Sample]) -> MicroPack:
     return MicroPack(whole_slices(samples))
 
 
+def whole_micropacks(lengths: list[int], groups: Iterable[Sequence[int]]) -> list[MicroPack]:
+    """A micro-batch per group of documents (indices into `lengths`, each its sample id), each
+    document whole: `whole_documents` of the groups' samples, their slices taken from the batch's
+    (`whole_slices_of`, made once for the many layouts a search plans the batch on)."""
+    slices = whole_slices_of(lengths)
+    return [MicroPack([slices[index] for index in members]) for members in groups]
+
+
 def deal_contiguous(items: list[T], dp: int) -> list[list[T]]:
     """Rank r gets a contiguous block; with a remainder the first ranks get one more."""
     base, extra = divmod(len(items), dp)
@@ -148,5 +159,7 @@ def assemble_plan(
 def input_sources(lengths: list[int], sources) -> tuple[list[SampleSource], list[int]]:
     """(each input length's source, default (i, 0); the documents of which the input holds
     overlapping pieces)."""
+    if sources is None:  # each length a document of its own: no two overlap
+        return default_sources(len(lengths)), []
     sources = check_sources(sources, len(lengths))
     return sources, overlapping_documents(sources, lengths)

@@ -22,7 +22,7 @@ from ...plan import Plan, PlanError, samples_of
 from ...specs import ParallelConfig
 from ..outcomes import DoesNotFit
 from ..registry import register
-from .common import INTERLEAVED, assemble_plan, deal_round_robin, input_sources, whole_documents
+from .common import INTERLEAVED, assemble_plan, deal_round_robin, input_sources, whole_micropacks
 from .hybrid_cp import max_tokens_per_rank
 from .packing import pack_in_order
 
@@ -92,7 +92,7 @@ def plan_megatron_dp_balanced(lengths: list[int], parallel: ParallelConfig, cost
     group = parallel.pp if parallel.vpp > 1 else 1  # Megatron's microbatch_group_size_per_vp_stage default
     packed = pack_dp_balanced(lengths, capacity, parallel.dp * group)
     samples = samples_of(lengths)
-    micropacks = [whole_documents([samples[i] for i in members]) for members in packed]
+    micropacks = whole_micropacks(lengths, packed)
     per_rank = deal_round_robin(micropacks, parallel.dp)
     metadata = {
         "max_seqlen_per_dp_cp_rank": cap, "packed_sequence_tokens": capacity, "packed_sequences": len(packed),

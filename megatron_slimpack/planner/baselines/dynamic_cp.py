@@ -40,7 +40,7 @@ from ...plan import MicroPack, Plan, PlanError, ReplicaPlan, samples_of
 from ...specs import ParallelConfig
 from ..outcomes import DoesNotFit
 from ..registry import LayoutConstraints, register, with_input_sources
-from .common import schedule_1f1b, whole_documents
+from .common import schedule_1f1b, whole_micropacks
 from .dp_balanced import WHOLE_DOCUMENTS, per_rank_token_cap
 
 # The scheduler lets a micro-batch's busiest GPU reach this much over the tallest sample's own work.
@@ -219,10 +219,10 @@ def plan_megatron_dynamic_cp(lengths: list[int], parallel: ParallelConfig, cost:
     samples = samples_of(lengths)
     by_ranks: dict[tuple[int, ...], list[MicroPack]] = {}
     cp_sizes: dict[int, int] = {}
-    for groups in micro_batches:
-        for group in groups:
-            by_ranks.setdefault(group.ranks, []).append(whole_documents([samples[i] for i in group.samples]))
-            cp_sizes.update(dict.fromkeys(group.samples, group.size))
+    groups = [group for in_micro_batch in micro_batches for group in in_micro_batch]
+    for group, micropack in zip(groups, whole_micropacks(lengths, (group.samples for group in groups))):
+        by_ranks.setdefault(group.ranks, []).append(micropack)
+        cp_sizes.update(dict.fromkeys(group.samples, group.size))
     if sorted(cp_sizes) != list(range(len(lengths))):
         raise PlanError("megatron-dynamic-cp: the schedule did not place every document exactly once")
     merges: list[ReplicaPlan] = []

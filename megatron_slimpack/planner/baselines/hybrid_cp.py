@@ -15,7 +15,7 @@ from ...plan import (
 from ...specs import ParallelConfig
 from ..outcomes import DoesNotFit
 from ..registry import LayoutConstraints, register, with_input_sources
-from .common import schedule_1f1b, whole_documents
+from .common import schedule_1f1b, whole_micropacks
 
 
 class _PoolSize:
@@ -143,6 +143,7 @@ def plan_megatron_hybrid_cp(lengths: list[int], parallel: ParallelConfig, cost: 
 
 def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tokens) -> Plan:
     samples = samples_of(lengths)
+    each_whole = whole_micropacks(lengths, ([i] for i in range(len(lengths))))
     merges: list[ReplicaPlan] = []
     own: list[list[MicroPack]] = [[] for _ in range(parallel.dp)]
     scheduled: list[int] = []
@@ -151,7 +152,7 @@ def _hybrid_plan(lengths, sample_id_groups, parallel, cost, config, per_rank_tok
         for ranks, sample_ids in by_ranks.items():
             scheduled += sample_ids
             cp_sizes.update({sample_id: len(ranks) for sample_id in sample_ids})
-            micropacks = [whole_documents([samples[i]]) for i in sample_ids]
+            micropacks = [each_whole[i] for i in sample_ids]
             if len(ranks) == 1:
                 own[ranks[0]] += micropacks
             else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import bisect
 import random
 
+import numpy as np
+
 from ...config import SlimPackConfig
 from ...costmodel import CostModel
 from ...plan import (
@@ -12,8 +14,16 @@ from ...plan import (
     samples_of,
 )
 from ...specs import ParallelConfig
+from ..compiled import next_fit_starts
 from ..registry import register
-from .common import INTERLEAVED, assemble_plan, deal_round_robin, input_sources, meet_interleaved_count, whole_documents
+from .common import (
+    INTERLEAVED,
+    assemble_plan,
+    deal_round_robin,
+    input_sources,
+    meet_interleaved_count,
+    whole_micropacks,
+)
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -50,7 +60,7 @@ def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, conf
     samples = samples_of(lengths)
     bins = best_fit_decreasing(lengths, config.context_length)
     bins.sort(key=lambda members: -sum(lengths[i] for i in members))
-    micropacks = [whole_documents([samples[i] for i in members]) for members in bins]
+    micropacks = whole_micropacks(lengths, bins)
     per_rank = meet_interleaved_count(deal_round_robin(micropacks, parallel.dp), parallel,
                                       config.context_length, "bfd")
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length, {"num_bins": len(bins)},
@@ -61,16 +71,13 @@ def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, conf
 
 
 def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
-    """Next-fit: documents in `order` fill a sequence until the next one does not fit."""
-    sequences: list[list[int]] = []
-    filled = capacity
-    for index in order:
-        if filled + lengths[index] > capacity:
-            sequences.append([])
-            filled = 0
-        sequences[-1].append(index)
-        filled += lengths[index]
-    return sequences
+    """Next-fit: documents in `order` fill a sequence until the next one does not fit (the loop
+    compiled: `compiled.next_fit_starts`; a search packs one ~10^5-document batch per layout)."""
+    if not order:
+        return []
+    ordered = np.asarray(lengths, dtype=np.int64)[np.asarray(order, dtype=np.int64)]
+    bounds = np.append(next_fit_starts(ordered, capacity), len(order)).tolist()
+    return [order[start:end] for start, end in zip(bounds, bounds[1:])]
 
 
 @register("sorted", role="baseline", trainable=True, description="LongAlign sorted batching",
@@ -94,9 +101,10 @@ def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, c
     groups = [sequences[start:start + parallel.dp] for start in range(0, len(sequences), parallel.dp)]
     random.Random(config.seed).shuffle(groups)
     per_rank: list[list[MicroPack]] = [[] for _ in range(parallel.dp)]
+    micropacks = iter(whole_micropacks(lengths, (members for group in groups for members in group)))
     for group in groups:
-        for rank, members in enumerate(group):
-            per_rank[rank].append(whole_documents([samples[i] for i in members]))
+        for rank in range(len(group)):
+            per_rank[rank].append(next(micropacks))
     per_rank = meet_interleaved_count(per_rank, parallel, config.context_length, "sorted")
     return assemble_plan(per_rank, samples, parallel, cost, config, config.context_length,
                          {"num_sequences": len(sequences), "group_order_seed": config.seed},

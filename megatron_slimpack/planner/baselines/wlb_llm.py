@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,10 +21,11 @@ from ...plan import (
     samples_of,
 )
 from ...specs import ParallelConfig
+from ..compiled import pack_by_cost_targets
 from ..registry import StepPlanner, register_stateful
 from ..slimpack.memory import activation_budget, fullest_stage_bytes
 from ..work import WorkRates
-from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, whole_documents
+from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, whole_micropacks
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class MicroBatch:
         self.tokens += document.length
         self.cost += cost
 
+
+# A pending document's length and (document, offset), read in C over ~10^5 documents per plan.
+_LENGTH, _SOURCE = operator.attrgetter("length"), operator.attrgetter("document", "offset")
 
 # The delay thresholds a comparison tries for WLB-LLM beside the configured ones (its paper tunes
 # them to the corpus; `planner.tuning`): two queues at other depths, one queue, and none.
@@ -152,8 +157,11 @@ class WlbLlmPlanner(StepPlanner):
 
     def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
         """Each length's delay queue (None: packed at once), the thresholds computed once."""
-        thresholds = [(level, context_length * fraction) for level, fraction in enumerate(self.fractions or ())]
-        return [next((level for level, threshold in thresholds if length > threshold), None) for length in lengths]
+        queue = np.full(len(lengths), -1, dtype=np.int64)
+        as_array = np.asarray(lengths, dtype=np.int64)
+        for level, fraction in enumerate(self.fractions or ()):  # the first level whose threshold it passes
+            queue[(queue < 0) & (as_array > context_length * fraction)] = level
+        return [None if level < 0 else level for level in queue.tolist()]
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
@@ -251,10 +259,11 @@ class WlbLlmPlanner(StepPlanner):
         used = [mb for mb in micro_batches if mb.documents]
         per_rank = _deal_by_cost(used, parallel.dp, per_replica)
         documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
-        samples = samples_of(d.length for d in documents)  # sample i: documents[i], in micro-batch order
-        in_order = iter(samples)
-        micropacks = [[whole_documents(list(itertools.islice(in_order, len(mb.documents)))) for mb in mbs]
-                      for mbs in per_rank]
+        lengths = list(map(_LENGTH, documents))
+        samples = samples_of(lengths)  # sample i: documents[i], in micro-batch order
+        bounds = list(itertools.accumulate((len(mb.documents) for mbs in per_rank for mb in mbs), initial=0))
+        in_order = iter(whole_micropacks(lengths, map(range, bounds, bounds[1:])))
+        micropacks = [list(itertools.islice(in_order, len(mbs))) for mbs in per_rank]
         # A replica left short (empty micro-batches: documents delayed).
         capacity = longest_micro_batch(cost, parallel, config.context_length)
         micropacks = meet_interleaved_count(micropacks, parallel, capacity, "wlb-llm")
@@ -266,11 +275,10 @@ class WlbLlmPlanner(StepPlanner):
             "delay_fractions": list(self.fractions or ()),
         }
         self.step += 1
-        new = tuple.__new__
-        sources = [new(SampleSource, (d.document, d.offset)) for d in documents]
+        sources = list(map(tuple.__new__, itertools.repeat(SampleSource), map(_SOURCE, documents)))
         # Its samples are whole input documents, some from earlier batches: any two that overlap are
         # one document drawn twice (an epoch boundary of a small corpus).
-        repeated = overlapping_documents(sources, [d.length for d in documents])
+        repeated = overlapping_documents(sources, lengths)
         return assemble_plan(micropacks, samples, parallel, cost, config, capacity, metadata, (sources, repeated))
 
 
@@ -296,34 +304,25 @@ def _micro_batches_per_replica(tokens: int, context_length: int, parallel: Paral
 
 
 def pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatch], rates: WorkRates,
-                  capacity: int) -> list[PendingDocument]:
+                 capacity: int) -> list[PendingDocument]:
     """Heaviest document first into the cheapest micro-batch with token room; returns the
-    documents that fit nowhere (in their given order)."""
-    lengths = np.array([d.length for d in documents], dtype=float)
-    costs = rates.total(lengths, lengths * (lengths + 1) / 2).tolist() if len(documents) else []
-    by_cost = [(mb.cost, position) for position, mb in enumerate(micro_batches)]
-    heapq.heapify(by_cost)
-    # Micro-batches found too full for a document wait here, roomiest first, until a document
-    # short enough for them comes (documents come longest first, so each waits about once).
-    parked: list[tuple[int, int]] = []  # (-room, position)
-    left: list[int] = []
-    for index in sorted(range(len(documents)), key=lambda i: -costs[i]):
-        document = documents[index]
-        while parked and -parked[0][0] >= document.length:
-            position = heapq.heappop(parked)[1]
-            heapq.heappush(by_cost, (micro_batches[position].cost, position))
-        while by_cost:  # the cheapest micro-batch with room
-            position = by_cost[0][1]
-            micro_batch = micro_batches[position]
-            if micro_batch.tokens + document.length <= capacity:
-                micro_batch.add(document, costs[index])
-                heapq.heapreplace(by_cost, (micro_batch.cost, position))
-                break
-            heapq.heappop(by_cost)
-            heapq.heappush(parked, (micro_batch.tokens - capacity, position))
-        else:
-            left.append(index)  # no micro-batch has room
-    return [documents[i] for i in sorted(left)]
+    documents that fit nowhere (in their given order). The loop is compiled
+    (`compiled.pack_by_cost_targets`: a search packs a ~10^5-document batch per layout)."""
+    if not documents:
+        return []
+    lengths = np.fromiter((d.length for d in documents), dtype=np.int64, count=len(documents))
+    as_float = lengths.astype(float)
+    costs = rates.total(as_float, as_float * (as_float + 1) / 2)
+    tokens = np.fromiter((mb.tokens for mb in micro_batches), dtype=np.int64, count=len(micro_batches))
+    loads = np.fromiter((mb.cost for mb in micro_batches), dtype=float, count=len(micro_batches))
+    order = np.argsort(-costs, kind="stable")  # heaviest first, ties in the given order
+    targets = pack_by_cost_targets(order, lengths, costs, tokens, loads, capacity)
+    for index, target in zip(order.tolist(), targets[order].tolist()):
+        if target >= 0:
+            micro_batches[target].documents.append(documents[index])
+    for micro_batch, filled, load in zip(micro_batches, tokens.tolist(), loads.tolist()):
+        micro_batch.tokens, micro_batch.cost = filled, load
+    return [documents[i] for i in np.flatnonzero(targets < 0).tolist()]
 
 
 def _deal_by_cost(micro_batches: list[MicroBatch], dp: int, per_replica: int) -> list[list[MicroBatch]]:
