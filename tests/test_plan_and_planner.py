@@ -1083,3 +1083,21 @@ def test_cli_plan_passes_the_deterministic_budget_to_cp_sat(tmp_path, capsys):
     phase1 = json.loads(capsys.readouterr().out)[0]["metadata"]["phase1"]
     assert phase1["status"] == "UNKNOWN" and "(1e-06 deterministic)" in phase1["fallback"]
     Plan.from_json(tmp_path / "plan.json").validate()
+
+
+def test_a_batch_keeps_its_samples_and_whole_slices_until_another_comes():
+    """`samples_of` and `whole_slices_of` of one batch, asked for again (a search plans it on many
+    layouts), give the same tuples; the samples list is the caller's own; another batch replaces them."""
+    from megatron_slimpack.plan import default_sources, whole_slices_of
+
+    lengths = [5, 3, 8]
+    samples = samples_of(lengths)
+    samples.append(Sample(3, 1))  # the caller's own list
+    assert samples_of(list(lengths)) == [Sample(0, 5), Sample(1, 3), Sample(2, 8)]
+    whole = whole_slices_of(lengths)
+    assert whole == [Slice(0, 0, 5), Slice(1, 0, 3), Slice(2, 0, 8)] and whole_slices_of([5, 3, 8]) is whole
+    assert whole_slices_of([4, 4]) == [Slice(0, 0, 4), Slice(1, 0, 4)]
+    assert samples_of([4, 4]) == [Sample(0, 4), Sample(1, 4)]
+    sources = default_sources(2)
+    sources.clear()
+    assert default_sources(2) == [(0, 0), (1, 0)] and default_sources(3)[2] == (2, 0)

@@ -125,7 +125,7 @@ def samples_of(lengths: Iterable[int]) -> list[Sample]:
     new = tuple.__new__
     samples = [new(Sample, pair) for pair in enumerate(lengths)]
     if isinstance(lengths, list):
-        _last_batch.__init__(list(lengths), samples)  # type: ignore[misc]
+        _last_batch.keep(list(lengths), samples)
         return list(samples)
     return samples
 
@@ -146,8 +146,11 @@ class _LastBatch:
     """The lengths `samples_of` was last given as a list, their samples and (once asked for)
     their whole slices."""
 
-    def __init__(self, lengths: list[int] | None = None, samples: list[Sample] | None = None):
-        self.lengths, self.samples = lengths, samples or []
+    def __init__(self):
+        self.keep(None, [])
+
+    def keep(self, lengths: list[int] | None, samples: list[Sample]) -> None:
+        self.lengths, self.samples = lengths, samples
         self.whole: list[Slice] | None = None
 
 
