@@ -30,12 +30,14 @@ Search, cheapest checks first:
    below the best screened time, since interleaving removes only pipeline idle time (and adds p2p
    and in-flight memory). So a shape's layouts are screened together, lightest recompute mode and
    plain 1F1B first, in the order of the lowest bound among them.
-5. The best `finalists` screened layouts run every batch; the lowest mean iteration time wins.
+5. The best `finalists` screened layouts run every batch (their first-batch plans validated
+   first: screening leaves validation to the layouts finished, a fifth to a third of a baseline's
+   screening time); the lowest mean iteration time wins.
    Mean iteration time is the simulated time of all plans divided by the number of batches, so
    it is per global batch trained (a stateful planner's final flush of what it still delays is
    one more plan).
-   A finalist that fits the first batch but fails a later one (a later batch's longest document)
-   is replaced by the next, and the layouts it left unevaluated (the bound, the cascades) are
+   A finalist that fits the first batch but fails a later one (a later batch's longest document),
+   or whose first plan is invalid (a planner's bug), is replaced by the next, and the layouts it left unevaluated (the bound, the cascades) are
    screened again without it.
 Stateful strategies (`StrategySpec.stateful`) skip steps 4 and 5: their first batch is a poor guide
 to their mean (WLB-LLM's queue fills over the steps; at llama-70b 128K GitHub on 256 H100s its
