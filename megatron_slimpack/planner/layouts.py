@@ -37,8 +37,8 @@ Search, cheapest checks first:
    it is per global batch trained (a stateful planner's final flush of what it still delays is
    one more plan).
    A finalist that fits the first batch but fails a later one (a later batch's longest document),
-   or whose first plan is invalid (a planner's bug), is replaced by the next, and the layouts it left unevaluated (the bound, the cascades) are
-   screened again without it.
+   or whose first plan is invalid (a planner's bug), is replaced by the next, and the layouts it
+   left unevaluated (the bound, the cascades) are screened again without it.
 Stateful strategies (`StrategySpec.stateful`) skip steps 4 and 5: their first batch is a poor guide
 to their mean (WLB-LLM's queue fills over the steps; at llama-70b 128K GitHub on 256 H100s its
 fastest layout over 10 batches is the 18th fastest on the first). Each layout instead runs every
