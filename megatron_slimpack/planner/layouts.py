@@ -584,10 +584,9 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining:
     work, a run whose mean can no longer be below `beat_s` stops (a "finish-bound" rejection). A
     first-batch plan screened without validation is validated first: an invalid one (a planner's
     bug) rejects the run as a later batch's failure does."""
-    if run.unvalidated:
+    if run.unvalidated:  # only screening skips validation: the first batch's plan
         try:
-            for plan in run.plans:
-                plan.validate()
+            run.plans[0].validate()
         except PlanError as error:
             return Rejection(run.parallel, "invalid", f"batch 0: {error}")
         run.unvalidated = False
