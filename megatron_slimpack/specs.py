@@ -245,6 +245,26 @@ def recompute_order(mode: str) -> tuple[int, int]:
     return (full + 1, 0) if rank == full else (rank, 0)
 
 
+def recompute_includes(mode: str, lighter: str) -> bool:
+    """Whether recompute `mode` re-runs everything `lighter` re-runs, so that on the same plans it
+    takes at least `lighter`'s time (and holds at most its activations). A partial order: selective
+    and block-N re-run different work, so neither includes the other; full includes every mode,
+    block-N every block-M with M <= N, selective-mlp selective, and every mode none."""
+    if lighter == "none" or mode == lighter or mode == "full":
+        return True
+    if mode == "none" or lighter == "full":
+        return False
+    layers, lighter_layers = block_recompute_layers(mode), block_recompute_layers(lighter)
+    if layers or lighter_layers:
+        return 0 < lighter_layers <= layers
+    return RECOMPUTE_MODES.index(lighter) <= RECOMPUTE_MODES.index(mode)
+
+
+def block_recompute_modes(chunk_layers: int) -> list[str]:
+    """block-1 .. block-(chunk_layers - 1): every block mode of a model chunk that is not full."""
+    return [f"block-{layers}" for layers in range(1, chunk_layers)]
+
+
 def recompute_flags(mode: str) -> list[str]:
     """Megatron-LM's flags that train with recompute `mode` (RECOMPUTE_MODES or block-N)."""
     if mode == "none":
@@ -331,6 +351,7 @@ def hardware_from_dict(data: dict) -> HardwareSpec:
 
 __all__ = [
     "GIB", "SpecError", "ModelSpec", "HardwareSpec", "ParallelConfig", "RECOMPUTE_MODES", "SELECTIVE_MODULES",
-    "BLOCK_RECOMPUTE", "block_recompute_layers", "check_recompute_mode", "recompute_order", "recompute_flags", "MODELS",
+    "BLOCK_RECOMPUTE", "block_recompute_layers", "check_recompute_mode", "recompute_order", "recompute_includes",
+    "block_recompute_modes", "recompute_flags", "MODELS",
     "HARDWARE", "get_model", "get_hardware", "divisors", "model_from_dict", "hardware_from_dict",
 ]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import megatron_slimpack as ms
+from megatron_slimpack import specs
 from megatron_slimpack.plan import PlanError
 from megatron_slimpack.planner.layouts import (
     NoFeasibleLayout,
@@ -34,7 +35,15 @@ def test_enumeration_respects_hardware_model_and_strategy():
     for p in layouts:
         assert p.world_size == 256 and p.tp <= 8 and 64 % p.tp == 0 and 8 % p.tp == 0
         assert 80 % p.pp == 0 and p.cp & (p.cp - 1) == 0
-    assert {p.recompute for p in layouts} == {"none", "selective", "selective-mlp", "full"}
+    # every block-N below a chunk's layers, for a strategy whose plans do not depend on memory
+    modes_by_shape: dict[tuple[int, ...], set[str]] = {}
+    for p in layouts:
+        modes_by_shape.setdefault((p.tp, p.pp, p.vpp, p.cp), set()).add(p.recompute)
+    for (_, pp, vpp, _), modes in modes_by_shape.items():
+        chunk = 80 // (pp * vpp)
+        assert modes == {"none", "selective", "selective-mlp", "full", *(f"block-{n}" for n in range(1, chunk))}
+    assert {p.recompute for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {
+        "none", "selective", "selective-mlp", "full"}
     assert all(p.pp == 1 and p.cp == 1 for p in enumerate_layouts(COST_70B, 256, "megatron-hybrid-cp"))
     # base merge
     assert {p.cp for p in enumerate_layouts(COST_70B, 256, "slimpack")} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
@@ -283,13 +292,51 @@ def test_a_lighter_recompute_mode_is_screened_before_a_heavier_one_with_a_lower_
     assert [r.kind for r in result.rejected] == ["recompute-cascade"]
 
 
+def test_block_recompute_is_searched_by_bisection_for_the_smallest_n_that_fits(monkeypatch):
+    """On a shape where no recompute, selective and block-N up to some N do not fit (bfd, tp4 pp2:
+    16 layers a stage), the search visits its block-1 .. block-15 by bisection (fitting is monotone
+    in N, time rises with N) and picks the smallest block-N that fits, as trying every mode of the
+    shape does, in at most ceil(log2(16)) = 4 plannings of the 15; the block modes below it are
+    ruled out by a block above them that did not fit ("recompute-memory") or the cheap memory
+    check, those above by the one that fits; full, which re-runs all any block re-runs, is not
+    planned."""
+    from dataclasses import replace
+
+    from megatron_slimpack.planner import layouts
+
+    context = 32768
+    lengths = batch(5, 120, context)
+    cost = ms.CostModel.analytic("llama-7b", replace(COST_7B.hardware, memory_bytes=36 * 10**9))
+    shape = [p for p in enumerate_layouts(cost, 8, "bfd") if (p.tp, p.pp, p.vpp, p.cp) == (4, 2, 1, 1)]
+    planned = []
+    plan_and_simulate = layouts._plan_and_simulate
+    monkeypatch.setattr(layouts, "_plan_and_simulate",
+                        lambda run, *args, **kwargs: planned.append(run.parallel.recompute)
+                        or plan_and_simulate(run, *args, **kwargs))
+    result = best_layout("bfd", [lengths], cost, 8, context, FAST, layouts=shape, finalists=1)
+    blocks = [mode for mode in planned if specs.block_recompute_layers(mode)]
+    assert len(blocks) <= 4 and "full" not in planned
+    every = best_layout("bfd", [lengths], cost, 8, context, FAST, layouts=shape, finalists=1, recompute_cascade=False)
+    assert result.parallel == every.parallel and result.mean_iteration_time_s == every.mean_iteration_time_s
+    chosen = specs.block_recompute_layers(result.parallel.recompute)
+    assert 1 < chosen < 15  # the premise: neither end of the bisection
+    fits = {p.recompute for p, _ in every.screened}
+    assert {"none", "selective", f"block-{chosen - 1}"}.isdisjoint(fits) and f"block-{chosen}" in fits
+    kinds = {r.parallel.recompute: r.kind for r in result.rejected}
+    below = {kinds[f"block-{n}"] for n in range(1, chosen) if f"block-{n}" not in blocks}
+    assert "recompute-memory" in below and below <= {"recompute-memory", "minimum-memory"}
+    assert {kinds[f"block-{n}"] for n in range(chosen + 1, 16) if f"block-{n}" not in blocks} == {
+        "recompute-cascade"}
+
+
 def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):
     """The screened layouts' plans, but the `finalists` fastest so far, are kept pickled; the search
     picks the same, and a shelved layout that becomes a finalist (the fastest failed a later batch)
     gets its first batch's plan back instead of planning that batch again. The layouts are the tp4
     ones: there the fastest (cp2, no recompute) is ahead of the other shapes by more than selective
-    recompute costs, so when it fails the winner is its own selective twin, which the recompute
-    cascade had left unevaluated."""
+    recompute costs, so when it fails the winner is its own twin with the least recompute, block-1
+    (one layer of 32 re-run: less than selective's core attention in every layer at 32K), which
+    the recompute cascade had left unevaluated."""
     from megatron_slimpack.planner import layouts
 
     context = 32768
@@ -332,7 +379,7 @@ def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monk
     # Here the winner is one the failed layout had left unevaluated (its heavier recompute mode).
     left_out = {r.parallel: r.kind for r in result.rejected if not r.infeasible}
     assert left_out.get(fallback.parallel) == "recompute-cascade"
-    assert fallback.parallel == fastest.with_(recompute="selective")
+    assert fallback.parallel == fastest.with_(recompute="block-1")
     assert fallback.parallel not in {r.parallel for r in fallback.rejected}
     assert fallback.mean_iteration_time_s == min(e.mean_iteration_time_s for e in fallback.finalists)
 

@@ -105,3 +105,28 @@ def test_the_cluster_script_gives_a_layout_its_modes_flags(mode):
     start = argv.index("--recompute-granularity") if "--recompute-granularity" in argv else len(argv)
     recompute = [flag for flag in argv[start:] if not flag.startswith("--") or flag.startswith("--recompute")]
     assert recompute == recompute_flags(mode)
+
+
+def test_a_mode_that_includes_another_takes_at_least_its_time_and_holds_at_most_its_activations():
+    """The layout search's recompute cascade rests on `recompute_includes`: a mode that re-runs all
+    another re-runs is never faster and never holds more activations in the cost model (llama-7b,
+    pp4: 8 layers a chunk, short and long packs). Selective and block-N re-run different work:
+    neither includes the other."""
+    from megatron_slimpack.costmodel import CostModel
+    from megatron_slimpack.specs import block_recompute_modes, recompute_includes
+
+    cost = CostModel.analytic("llama-7b", "h100-sxm")
+    modes = [*RECOMPUTE_MODES, *block_recompute_modes(8)]
+    assert not recompute_includes("selective", "block-1") and not recompute_includes("block-7", "selective")
+    assert recompute_includes("block-3", "block-2") and not recompute_includes("block-2", "block-3")
+    assert all(recompute_includes("full", mode) and recompute_includes(mode, "none") for mode in modes)
+    for tokens in (2048, 131072):
+        pairs = tokens * (tokens + 1) / 2
+        for mode in modes:
+            parallel = ParallelConfig(pp=4, dp=2, recompute=mode)
+            for lighter in modes:
+                if not recompute_includes(mode, lighter):
+                    continue
+                other = parallel.with_(recompute=lighter)
+                assert cost.backward_time(tokens, pairs, parallel) >= cost.backward_time(tokens, pairs, other)
+                assert cost.activation_bytes(tokens, pairs, parallel) <= cost.activation_bytes(tokens, pairs, other)

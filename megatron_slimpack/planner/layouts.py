@@ -10,8 +10,9 @@ Search, cheapest checks first:
 1. Enumerate: tp within a node and dividing the attention and KV heads, pp dividing the layers,
    virtual stages per rank vpp dividing the layers per stage (pp > 1, up to MAX_VPP; only for
    strategies whose schedule interleaves), cp a power of two, recompute none/selective/
-   selective-mlp/full (`specs.RECOMPUTE_MODES`, Megatron's flags in `specs.recompute_flags`),
-   minus the strategy's own constraints
+   selective-mlp/full (`specs.RECOMPUTE_MODES`, Megatron's flags in `specs.recompute_flags`) and,
+   but for strategies that size their work to memory, block-N for every N below a chunk's layers
+   (`_recompute_modes`), minus the strategy's own constraints
    (`StrategySpec.constraints`; every per-strategy fact below is its `StrategySpec`'s, registry.py).
 2. Static memory: weights, gradients and optimizer state must fit (`cost.static_memory_bytes`).
 3. The strategy's minimum need: static memory plus the activations it must hold at once
@@ -21,10 +22,12 @@ Search, cheapest checks first:
    of the batch on the layout, packed perfectly, spread over dp ranks): plan and simulate; a
    PlanError or a simulated peak above `cost.memory_budget_bytes()` rejects the layout. A
    layout whose bound is already above the best screened time is not planned (branch and
-   bound). Recompute modes cascade: selective is tried
-   only where none does not fit, selective-mlp only where selective does not, full only where
-   selective-mlp does not, since recompute only adds
-   time (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
+   bound). Recompute modes cascade (`_RecomputeCascade`): a mode that re-runs all another re-runs
+   (`specs.recompute_includes`: selective within selective-mlp, block-M within block-N for M <= N,
+   everything within full) is tried only where that one does not fit, since recompute only adds
+   time; block-N of a shape is visited by bisection on N for the smallest that fits
+   (`_CascadeOrder`: fitting is monotone in N), and where block-M does not fit no block-N < M is
+   tried (not for strategies that size their work to memory, `StrategySpec.sizes_to_memory`:
    more memory can buy larger MicroPacks). Virtual stages cascade too: vpp > 1 is tried only where
    the same layout with vpp = 1 fits and its simulated busy time per device (`work_bound_s`) is
    below the best screened time, since interleaving removes only pipeline idle time (and adds p2p
@@ -64,7 +67,16 @@ from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
 from ..simulator.dag import SimulationError, SimulationReport, simulate
-from ..specs import RECOMPUTE_MODES, ParallelConfig, SpecError, divisors, recompute_order
+from ..specs import (
+    RECOMPUTE_MODES,
+    ParallelConfig,
+    SpecError,
+    block_recompute_layers,
+    block_recompute_modes,
+    divisors,
+    recompute_includes,
+    recompute_order,
+)
 from .outcomes import DoesNotFit
 from .registry import LayoutConstraints, StepPlanner, StrategySpec
 from .slimpack.memory import auto_token_cap, document_memory_bytes
@@ -77,7 +89,8 @@ from .work import causal_pairs
 @dataclass
 class Rejection:
     """A layout that was not chosen. `kind`: static-memory, minimum-memory, planner (the
-    strategy raised DoesNotFit), simulated-memory, simulation, invalid (infeasible) or bound,
+    strategy raised DoesNotFit), simulated-memory, recompute-memory (a block-M of its shape with
+    more layers recomputed did not fit), simulation, invalid (infeasible) or bound,
     recompute-cascade, interleave-cascade (not evaluated, because they could not win),
     finish-bound (a stateful strategy's layout not run on every batch: it could not win)."""
 
@@ -250,9 +263,9 @@ class NoFeasibleLayout(PlanError):
 
 
 def enumerate_layouts(cost: CostModel, gpus: int, strategy: StrategySpec | str,
-                      recompute_modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[ParallelConfig]:
+                      recompute_modes: tuple[str, ...] | None = None) -> list[ParallelConfig]:
     """Every ParallelConfig with tp * pp * cp * dp == gpus that the model, the node size and the
-    strategy's constraints allow."""
+    strategy's constraints allow. `recompute_modes`: those of `_recompute_modes` unless given."""
     spec = as_spec(strategy)
     model, hardware = cost.model, cost.hardware
     constraints = spec.constraints
@@ -266,11 +279,25 @@ def enumerate_layouts(cost: CostModel, gpus: int, strategy: StrategySpec | str,
             rest = gpus // (tp * pp)
             for vpp in _virtual_stage_counts(model.num_layers, pp):
                 for cp in (c for c in divisors(rest) if c & (c - 1) == 0):
-                    for recompute in recompute_modes:
+                    chunk_layers = model.num_layers // (pp * vpp)
+                    for recompute in recompute_modes or _recompute_modes(spec, chunk_layers):
                         parallel = ParallelConfig(dp=rest // cp, pp=pp, vpp=vpp, tp=tp, cp=cp, recompute=recompute)
                         if constraints.allows(parallel):
                             layouts.append(parallel)
     return layouts
+
+
+def _recompute_modes(spec: StrategySpec, chunk_layers: int) -> tuple[str, ...]:
+    """The recompute modes searched on a layout whose model chunks hold `chunk_layers` layers:
+    Megatron's none, selective, selective-mlp and full, and for a strategy whose plans do not depend
+    on memory every block-N in between (the recompute cascade visits them by bisection on N, about
+    log2(chunk_layers) plannings a shape). A strategy that sizes its work to memory
+    (`StrategySpec.sizes_to_memory`: SlimPack's MicroPacks shrink to fit any mode) has no cascade, so
+    every block-N would be a planning of its own, a layer count times its screening; it is priced and
+    run with any block-N it is given (`layouts=`, `slimpack plan --recompute block-N`)."""
+    if spec.sizes_to_memory:
+        return RECOMPUTE_MODES
+    return (*RECOMPUTE_MODES[:-1], *block_recompute_modes(chunk_layers), RECOMPUTE_MODES[-1])
 
 
 # Interleaving deeper than this multiplies p2p and warm-up memory for a bubble already small;
@@ -829,8 +856,11 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     so its bound holds."""
     pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
     bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config) for run in runs}
-    ordered = _in_shape_order(runs, bounds)
-    fitted = {_shape(run.parallel) for run in screened}  # shapes where a lighter recompute mode fits
+    order = _CascadeOrder(_in_shape_order(runs, bounds))
+    cascade = _RecomputeCascade() if recompute_cascade and not spec.sizes_to_memory else None
+    for run in screened:
+        if cascade:
+            cascade.fits(run.parallel)
     # vpp = 1 layouts that fit -> their simulated busy time
     plain = {run.parallel: run.reports[0].work_bound_s for run in screened if run.parallel.vpp == 1}
     best = min((run.reports[0].iteration_time_s for run in screened), default=math.inf)
@@ -838,22 +868,26 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     feasible: list[_Run] = []
     fastest: list[tuple[float, int]] = []  # (first-batch time, index in feasible) of the `keep` fastest
     # The ticker reads `best` as each layout's turn ends: late binding is what it needs.
-    for run in ticker.each(ordered, lambda: best) if ticker else ordered:  # noqa: B023
-        shape = _shape(run.parallel)
-        cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
+    for run in ticker.each(order, lambda: best) if ticker else order:  # noqa: B023
         not_worth = _not_worth_evaluating(run.parallel, cascade, plain, best, bounds[id(run)])
         if not_worth:
-            deferred.append((run, not_worth))
+            order.went_lower(_more_recompute_cannot_win(not_worth, plain))
             rejected.append(not_worth)
+            if not not_worth.infeasible:
+                deferred.append((run, not_worth))
             continue
         run.planner = spec.new_planner()
         # Not validated here: every layout that fits is, once among the fastest (`_finish_run`);
         # validation is a fifth to a third of a baseline's screening of a ~10^5-document batch.
         rejection = _plan_and_simulate(run, lengths, cost, 0, validate=False)
+        order.went_lower(rejection is None)
         if rejection:
+            if cascade and rejection.kind in MEMORY_FAILURES:
+                cascade.does_not_fit(run.parallel)
             rejected.append(rejection)
             continue
-        fitted.add(shape)
+        if cascade:
+            cascade.fits(run.parallel)
         feasible.append(run)
         best = min(best, run.reports[0].iteration_time_s)
         bisect.insort(fastest, (run.reports[0].iteration_time_s, len(feasible) - 1))
@@ -883,9 +917,92 @@ def _in_shape_order(runs: list[_Run], bounds: dict[int, float]) -> list[_Run]:
 
     def order(run: _Run) -> tuple:
         key = plain_shape(run.parallel)
-        return shape_bound[key], key, recompute_order(run.parallel.recompute), run.parallel.vpp
+        mode, layers = recompute_order(run.parallel.recompute)
+        # a vpp's block-N layouts together, N rising (`_CascadeOrder` visits them by bisection)
+        return shape_bound[key], key, mode, run.parallel.vpp, layers
 
     return sorted(runs, key=order)
+
+
+class _CascadeOrder:
+    """The layouts in the order given, except that each run of block-N layouts of one shape
+    (consecutive, N rising: `_in_shape_order`) is visited by bisection on N for the smallest N that
+    fits and could win, then the rest of them in N order. More layers recomputed hold less and take
+    longer on the same plans, so fitting is monotone in N and the smallest fitting N is the fastest
+    of them; the loop tells, after each layout it decides, whether it went lower (`went_lower`: it
+    fit, or neither it nor a larger N could win) or not (it did not fit). The layouts left after the
+    bisection are then ruled out by the cascade (`_RecomputeCascade`) or the bound, as the loop decides
+    them: about log2(N) plannings instead of N."""
+
+    def __init__(self, runs: list[_Run]):
+        self.runs = runs
+        self.lower = False
+
+    def went_lower(self, lower: bool) -> None:
+        self.lower = lower
+
+    def __iter__(self) -> Iterator[_Run]:
+        start = 0
+        while start < len(self.runs):
+            end = start + 1
+            if block_recompute_layers(self.runs[start].parallel.recompute):
+                shape = _shape(self.runs[start].parallel)
+                while (end < len(self.runs) and _shape(self.runs[end].parallel) == shape
+                       and block_recompute_layers(self.runs[end].parallel.recompute)):
+                    end += 1
+                yield from self._bisection(self.runs[start:end])
+            else:
+                yield self.runs[start]
+            start = end
+
+    def _bisection(self, family: list[_Run]) -> Iterator[_Run]:
+        low, high, visited = 0, len(family), set()
+        while low < high:
+            middle = (low + high) // 2
+            self.lower = False
+            yield family[middle]
+            visited.add(middle)
+            low, high = (low, middle) if self.lower else (middle + 1, high)
+        yield from (run for index, run in enumerate(family) if index not in visited)
+
+
+# Rejections that say a layout needs more memory than it has: more recompute could make it fit.
+MEMORY_FAILURES = ("planner", "simulated-memory")
+
+
+class _RecomputeCascade:
+    """What the layouts of each shape (tp, pp, vpp, cp, dp) evaluated so far say of its other
+    recompute modes. On the same plans more recompute only adds time (`specs.recompute_includes`),
+    so a mode that includes one that fits, or one that could not win, is not evaluated; and block-N
+    holds more than block-M for N < M, so where block-M did not fit, no block-N fits either. For
+    strategies whose plans do not depend on the memory left (not `StrategySpec.sizes_to_memory`)."""
+
+    def __init__(self) -> None:
+        self.fitting: dict[tuple[int, ...], list[str]] = {}
+        self.largest_not_fitting: dict[tuple[int, ...], int] = {}  # block layers
+
+    def fits(self, parallel: ParallelConfig) -> None:
+        """The layout fit (or, for a stateful strategy, stopped because it could not win)."""
+        self.fitting.setdefault(_shape(parallel), []).append(parallel.recompute)
+
+    def does_not_fit(self, parallel: ParallelConfig) -> None:
+        layers = block_recompute_layers(parallel.recompute)
+        shape = _shape(parallel)
+        self.largest_not_fitting[shape] = max(self.largest_not_fitting.get(shape, 0), layers)
+
+    def rejection(self, parallel: ParallelConfig) -> Rejection | None:
+        shape, mode = _shape(parallel), parallel.recompute
+        lighter = next((m for m in self.fitting.get(shape, ()) if m != mode and recompute_includes(mode, m)), None)
+        if lighter is not None:
+            return Rejection(parallel, "recompute-cascade",
+                             f"not evaluated: recompute {lighter} fits this layout (or could not win), and "
+                             f"{mode} re-runs all it re-runs: recompute only adds time")
+        layers, more = block_recompute_layers(mode), self.largest_not_fitting.get(shape, 0)
+        if 0 < layers < more:
+            return Rejection(parallel, "recompute-memory",
+                             f"memory: not evaluated, recompute block-{more} does not fit this layout, and "
+                             f"block-{layers} recomputes fewer layers, so holds more")
+        return None
 
 
 def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list[int]], cost: CostModel,
@@ -911,7 +1028,8 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     remaining = _RemainingWork.of(spec, batches, cost) if _flushes(spec.new_planner()) else None
     bounds = {id(run): remaining.at_start(run.parallel, run.config) if remaining else 0.0 for run in runs}
     evaluations: dict[int, LayoutEvaluation] = {}
-    fitted: set[tuple[int, ...]] = set()  # shapes where a recompute mode ran every batch (or could not win)
+    # modes that ran every batch (or stopped: they could not win), and those that did not fit
+    cascade = _RecomputeCascade() if recompute_cascade and not spec.sizes_to_memory else None
     busy: dict[ParallelConfig, float] = {}  # plain 1F1B layouts that ran every batch -> busy seconds per batch
     started: list[_Run] = []
 
@@ -922,11 +1040,11 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     def best_mean_s() -> float:
         return min((evaluation.mean_iteration_time_s for evaluation in evaluations.values()), default=math.inf)
 
-    for run in ticker.each(_in_shape_order(runs, bounds), best_mean_s):
-        shape = _shape(run.parallel)
-        cascade = recompute_cascade and not spec.sizes_to_memory and shape in fitted
+    order = _CascadeOrder(_in_shape_order(runs, bounds))
+    for run in ticker.each(order, best_mean_s):
         not_worth = _not_worth_evaluating(run.parallel, cascade, busy, beat_s(), bounds[id(run)], "mean")
         if not_worth:
+            order.went_lower(_more_recompute_cannot_win(not_worth, busy))
             rejected.append(not_worth)
             continue
         run.planner = spec.new_planner()
@@ -934,30 +1052,33 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
         if run.reports:
             started.append(run)
         stopped = rejection is not None and rejection.kind == "finish-bound"
+        order.went_lower(stopped or not rejection)
         if run.parallel.vpp == 1 and (stopped or not rejection):
             # busy per device per batch: of the batches run, and at least the bound of the rest
             rest = remaining.rest_at_least(run) if stopped and remaining else 0.0
             busy[run.parallel] = (sum(report.work_bound_s for report in run.reports) + rest) / len(batches)
+        if cascade and (stopped or not rejection):
+            cascade.fits(run.parallel)
+        elif cascade and rejection and rejection.kind in MEMORY_FAILURES:
+            cascade.does_not_fit(run.parallel)
         if rejection:
             rejected.append(rejection)
             run.plans.clear()
-            if stopped:
-                fitted.add(shape)
             continue
-        fitted.add(shape)
         evaluations[id(run)] = run.evaluation(len(batches))
         _drop_plans_of_slower(evaluations, finalists)
     return started, evaluations
 
 
-def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool, plain: dict[ParallelConfig, float],
-                          best: float, bound: float, compared: str = "first-batch") -> Rejection | None:
-    """Why a layout cannot beat the best screened one (None: evaluate it): a lighter recompute mode
-    fits its shape, the interleave cascade, or its lower bound.
+def _not_worth_evaluating(parallel: ParallelConfig, cascade: _RecomputeCascade | None,
+                          plain: dict[ParallelConfig, float], best: float, bound: float,
+                          compared: str = "first-batch") -> Rejection | None:
+    """Why a layout cannot beat the best screened one, or cannot fit (None: evaluate it): the
+    recompute cascade (None: none), the interleave cascade, or its lower bound.
     `compared`: what `best` and the bound are, "first-batch" time or "mean" over every batch."""
-    if lighter_recompute_fits:
-        return Rejection(parallel, "recompute-cascade",
-                         "not evaluated: a lighter recompute mode fits this layout, and recompute only adds time")
+    recompute = cascade.rejection(parallel) if cascade else None
+    if recompute:
+        return recompute
     why_not = _interleave_cascade(parallel, plain, best, compared)
     if why_not:
         return Rejection(parallel, "interleave-cascade", why_not)
@@ -967,13 +1088,31 @@ def _not_worth_evaluating(parallel: ParallelConfig, lighter_recompute_fits: bool
     return None
 
 
+def _more_recompute_cannot_win(rejection: Rejection, plain: dict[ParallelConfig, float]) -> bool:
+    """Whether a layout turned away before it was evaluated says that the same shape with more
+    layers recomputed cannot win either (its bound, a lighter mode that fits, a plain twin too busy),
+    rather than that it may not fit (a block-M that does not fit, a plain twin that does not)."""
+    if rejection.kind == "interleave-cascade":
+        return _plain_twin(rejection.parallel) in plain
+    return rejection.kind in ("bound", "recompute-cascade")
+
+
+def _plain_twin(parallel: ParallelConfig) -> ParallelConfig:
+    """The plain 1F1B layout holding the same layers per rank, recomputing the same ones: block-N of
+    each of vpp chunks is block-(vpp N) of one."""
+    layers = block_recompute_layers(parallel.recompute)
+    recompute = f"block-{parallel.vpp * layers}" if layers else parallel.recompute
+    return parallel.with_(vpp=1, recompute=recompute)
+
+
 def _interleave_cascade(parallel: ParallelConfig, plain: dict[ParallelConfig, float], best: float,
                         compared: str = "first-batch") -> str | None:
     """Why an interleaved layout is not worth evaluating (None: evaluate it): its plain 1F1B twin
-    did not fit, or already spends more time busy than the best screened layout takes in all."""
+    (`_plain_twin`) did not fit, or already spends more time busy than the best screened layout
+    takes in all."""
     if parallel.vpp == 1:
         return None
-    twin = parallel.with_(vpp=1)
+    twin = _plain_twin(parallel)
     if twin not in plain:
         return f"not evaluated: {twin.describe()} does not fit (or was not evaluated), and interleaving holds more"
     if plain[twin] >= best:
