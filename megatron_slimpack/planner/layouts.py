@@ -934,7 +934,7 @@ class _CascadeOrder:
     bisection are then ruled out by the cascade (`_RecomputeCascade`) or the bound, as the loop decides
     them: about log2(N) plannings instead of N."""
 
-    def __init__(self, runs: list[_Run]):
+    def __init__(self, runs: list[_Run]) -> None:
         self.runs = runs
         self.lower = False
 
