@@ -9,6 +9,7 @@ from megatron_slimpack import specs
 from megatron_slimpack.plan import PlanError
 from megatron_slimpack.planner.layouts import (
     NoFeasibleLayout,
+    attention_pairs_bound,
     best_layout,
     cheap_rejection,
     enumerate_layouts,
@@ -136,6 +137,39 @@ def test_a_memory_starved_layout_gets_a_higher_bound_that_still_holds():
         report = simulate(get_strategy(strategy)(lengths, parallel, starved, config), starved, detail=False)
         assert max(report.peak_memory_bytes) <= starved.memory_budget_bytes()
         assert bound <= report.iteration_time_s, strategy
+
+
+def test_slimpacks_bound_prices_the_merges_memory_forces():
+    """At 128K on 16 GPUs the longest documents do not fit one replica of tp1/tp2 layouts: DP-Merge
+    groups must run them with context parallelism across replicas. The bound that prices those
+    documents on the merged view rises above the plain one (which priced every document on one
+    replica) and stays under the simulated time of SlimPack's plan; with enough memory for every
+    document (tp4) it is the plain one."""
+    from megatron_slimpack.planner.layouts import SortedBatch, merged_work_bound, work_lower_bound
+
+    context = 131072
+    lengths = batch(1, 100, context)
+    config = FAST.with_(strategy="slimpack", context_length=context)
+    plain_bound = {}
+    for parallel in (ParallelConfig(dp=16), ParallelConfig(cp=2, dp=8), ParallelConfig(pp=2, dp=8),
+                     ParallelConfig(tp=2, dp=8), ParallelConfig(tp=4, dp=4)):
+        plain_bound[parallel] = work_lower_bound("slimpack", float(sum(lengths)),
+                                                 attention_pairs_bound("slimpack", lengths), COST_7B, parallel, config)
+        bound = iteration_lower_bound("slimpack", lengths, COST_7B, parallel, config=config)
+        assert bound == max(plain_bound[parallel], merged_work_bound("slimpack", SortedBatch.of(lengths), COST_7B,
+                                                                     parallel, config))
+        if parallel.tp == 4:
+            assert bound == plain_bound[parallel]
+            continue
+        assert bound > 1.01 * plain_bound[parallel], parallel
+        plan = get_strategy("slimpack")(lengths, parallel, COST_7B, config)
+        report = simulate(plan, COST_7B, detail=False)
+        assert max(report.peak_memory_bytes) <= COST_7B.memory_budget_bytes()
+        assert bound <= report.iteration_time_s, parallel
+    # the documents merged: sums of a length range
+    ordered = SortedBatch.of(lengths)
+    assert ordered.totals(0, len(lengths)) == (sum(lengths), sum(n * (n + 1) / 2 for n in lengths))
+    assert ordered.totals(3, 7) == (sum(sorted(lengths)[3:7]), sum(n * (n + 1) / 2 for n in sorted(lengths)[3:7]))
 
 
 def test_slimpack_bound_knows_its_micropack_cap():

@@ -397,7 +397,8 @@ def _largest_micropack(cost: CostModel, parallel: ParallelConfig, config: SlimPa
 
 
 def iteration_lower_bound(strategy: StrategySpec | str, lengths: list[int], cost: CostModel, parallel: ParallelConfig,
-                          pairs: float | None = None, config: SlimPackConfig | None = None) -> float:
+                          pairs: float | None = None, config: SlimPackConfig | None = None,
+                          sorted_batch: "SortedBatch | None" = None) -> float:
     """Seconds no plan of this batch can beat on this layout: the last stage's forward and
     backward compute of all tokens in the largest packs memory allows (`largest_pack_tokens`;
     efficiency grows with pack size and communication is linear in tokens, so any real split
@@ -405,11 +406,85 @@ def iteration_lower_bound(strategy: StrategySpec | str, lengths: list[int], cost
     left out. Where memory allows only small packs the bound rises with their lower efficiency,
     which tells the layout search early that a memory-starved layout cannot win. `pairs`:
     `attention_pairs_bound(spec, lengths)`, when the caller has it already; `config`: the
-    planner's (its MicroPack cap)."""
+    planner's (its MicroPack cap). A DP-Merge strategy's bound also prices the merges memory
+    forces (`merged_work_bound`; `sorted_batch`: `SortedBatch.of(lengths)`, when the caller has it)."""
     spec = as_spec(strategy)
     if pairs is None:
         pairs = attention_pairs_bound(spec, lengths)
-    return work_lower_bound(spec, float(sum(lengths)), pairs, cost, parallel, config)
+    bound = work_lower_bound(spec, float(sum(lengths)), pairs, cost, parallel, config)
+    if spec.minimum_in_flight == "merged-document":
+        bound = max(bound, merged_work_bound(spec, sorted_batch or SortedBatch.of(lengths), cost, parallel, config))
+    return bound
+
+
+@dataclass(frozen=True)
+class SortedBatch:
+    """A batch's document lengths, shortest first, with running totals of their tokens and causal
+    attention pairs: the documents of a length range summed in O(log n) (a search bounds hundreds
+    of layouts on one ~10^5-document batch)."""
+
+    lengths: np.ndarray
+    tokens_before: np.ndarray  # [i]: tokens of the i shortest documents
+    pairs_before: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: list[int] | np.ndarray) -> "SortedBatch":
+        ordered = np.sort(np.asarray(lengths, dtype=np.int64))
+        as_float = ordered.astype(np.float64)
+        return cls(ordered, np.concatenate(([0.0], np.cumsum(as_float))),
+                   np.concatenate(([0.0], np.cumsum(as_float * (as_float + 1) / 2))))
+
+    def totals(self, start: int, end: int) -> tuple[float, float]:
+        """Tokens and pairs of the documents start .. end - 1 (shortest first)."""
+        return (float(self.tokens_before[end] - self.tokens_before[start]),
+                float(self.pairs_before[end] - self.pairs_before[start]))
+
+
+def merged_work_bound(strategy: StrategySpec | str, batch: SortedBatch, cost: CostModel, parallel: ParallelConfig,
+                      config: SlimPackConfig | None = None) -> float:
+    """A lower bound for a DP-Merge strategy that prices the merges memory forces. A document
+    whose slices cannot all be in flight on one replica (`document_memory_bytes` without a cap:
+    the document alone, less than any plan holds) is run by a DP-Merge group of at least g
+    replicas, the smallest power of two where it fits: k-fold context parallelism over dp / k
+    replicas (k = g x the layout's cp), whose exchange and smaller per-device share cost at least
+    what the plain layout costs. So the documents needing g are priced on that view, the others
+    on the layout, each at the rate of full packs (the cheapest per token, so a document's share
+    of any pack it is in costs at least that) and summed: every device runs its share of both."""
+    spec = as_spec(strategy)
+    budget = cost.memory_budget_bytes()
+    total, start, group = 0.0, 0, 1
+    while start < len(batch.lengths):
+        view = parallel.with_(cp=parallel.cp * group, dp=parallel.dp // group)
+        last_group = parallel.dp % (2 * group) != 0
+        end = len(batch.lengths) if last_group else int(np.searchsorted(
+            batch.lengths, _longest_fitting(int(batch.lengths[-1]), cost, view, budget), side="right"))
+        tokens, pairs = batch.totals(start, end)
+        total += _full_pack_work_bound(spec, tokens, pairs, cost, view, config)
+        start, group = end, 2 * group
+    return total
+
+
+def _longest_fitting(longest: int, cost: CostModel, parallel: ParallelConfig, budget: float) -> int:
+    """The longest document length up to `longest` whose slices all fit on one replica of the
+    layout at once (`document_memory_bytes` rises with the length): 0 if none does."""
+    if document_memory_bytes(longest, cost, parallel) <= budget:
+        return longest
+    low, high = 0, longest  # fits(low) or low == 0; not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if document_memory_bytes(middle, cost, parallel) <= budget else (low, middle)
+    return low
+
+
+def _full_pack_work_bound(spec: StrategySpec, tokens: float, pairs: float, cost: CostModel,
+                          parallel: ParallelConfig, config: SlimPackConfig | None) -> float:
+    """`work_lower_bound` at the rate of full packs, so linear in tokens and pairs (fewer tokens
+    than a full pack are priced as their share of one)."""
+    if tokens <= 0:
+        return 0.0
+    largest = max(largest_pack_tokens(spec, cost, parallel, config), 1.0)
+    share = min(tokens / largest, 1.0)  # scaled up to a full pack, and back
+    return work_lower_bound(spec, tokens / share, pairs / share, cost, parallel, config) * share
 
 
 def work_lower_bound(strategy: StrategySpec | str, tokens: float, pairs: float, cost: CostModel,
@@ -855,7 +930,9 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     layout as it is decided. Only stateless strategies are screened: they plan exactly the batch,
     so its bound holds."""
     pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
-    bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config) for run in runs}
+    ordered = SortedBatch.of(lengths)
+    bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config, ordered)
+              for run in runs}
     order = _CascadeOrder(_in_shape_order(runs, bounds))
     cascade = _RecomputeCascade() if recompute_cascade and not spec.sizes_to_memory else None
     for run in screened:
@@ -1134,5 +1211,5 @@ def _no_layout_message(spec: StrategySpec, gpus: int, rejected: list[Rejection])
 __all__ = [
     "LayoutConstraints", "Rejection", "LayoutEvaluation", "LayoutResult", "SearchProgress", "ProgressCallback",
     "NoFeasibleLayout", "enumerate_layouts", "minimum_memory_bytes", "attention_pairs_bound", "largest_pack_tokens",
-    "iteration_lower_bound", "cheap_rejection", "best_layout",
+    "iteration_lower_bound", "SortedBatch", "merged_work_bound", "cheap_rejection", "best_layout",
 ]
