@@ -363,6 +363,48 @@ def test_block_recompute_is_searched_by_bisection_for_the_smallest_n_that_fits(m
         "recompute-cascade"}
 
 
+def test_slimpack_screens_one_block_mode_a_shape_where_its_bound_says_the_memory_may_pay():
+    """SlimPack sizes its MicroPacks to memory, so its search has no recompute cascade: it adds at
+    most one block-N a shape, the N of the lowest bound, where that is below every other mode's of
+    the shape (llama-7b 32K, 8 GPUs of 50 GB: memory caps the packs and the pipelined and tp2
+    shapes gain from recompute). Checked against every block-N's bound; a shape gets none where no
+    block-N's bound is below its modes'; the search screens what was added."""
+    from dataclasses import replace
+
+    from megatron_slimpack.planner import layouts
+
+    context = 32768
+    lengths = batch(1, 120, context)
+    cost = ms.CostModel.analytic("llama-7b", replace(COST_7B.hardware, memory_bytes=50 * 10**9))
+    config = FAST.with_(strategy="slimpack", context_length=context)
+    as_array = np.asarray(lengths, dtype=np.int64)
+    runs = [layouts._Run(p, config) for p in enumerate_layouts(cost, 8, "slimpack")
+            if not cheap_rejection("slimpack", as_array, cost, p, context)]
+    added = {run.parallel.with_(recompute="none"): run.parallel
+             for run in layouts._block_modes_that_may_pay(strategy_spec("slimpack"), runs, as_array, cost, context)}
+    assert len(added) >= 3
+    shapes: dict[ParallelConfig, list[float]] = {}
+    for run in runs:
+        shapes.setdefault(run.parallel.with_(recompute="none"), []).append(
+            iteration_lower_bound("slimpack", lengths, cost, run.parallel, config=config))
+    for shape, bounds in shapes.items():
+        blocks = {}
+        for mode in specs.block_recompute_modes(cost.model.num_layers // (shape.pp * shape.vpp)):
+            parallel = shape.with_(recompute=mode)
+            if not cheap_rejection("slimpack", as_array, cost, parallel, context):
+                blocks[parallel] = iteration_lower_bound("slimpack", lengths, cost, parallel, config=config)
+        better = {parallel: bound for parallel, bound in blocks.items() if bound < min(bounds)}
+        if not better:
+            assert shape not in added
+            continue
+        lowest = min(better.values())
+        assert added[shape] == min((p for p in better if better[p] == lowest),
+                                   key=lambda p: specs.block_recompute_layers(p.recompute))
+    result = best_layout("slimpack", [lengths], cost, 8, context, FAST, finalists=1)
+    decided = {parallel for parallel, _ in result.screened} | {r.parallel for r in result.rejected}
+    assert set(added.values()) <= decided
+
+
 def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):
     """The screened layouts' plans, but the `finalists` fastest so far, are kept pickled; the search
     picks the same, and a shelved layout that becomes a finalist (the fastest failed a later batch)

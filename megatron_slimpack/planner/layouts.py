@@ -293,8 +293,9 @@ def _recompute_modes(spec: StrategySpec, chunk_layers: int) -> tuple[str, ...]:
     on memory every block-N in between (the recompute cascade visits them by bisection on N, about
     log2(chunk_layers) plannings a shape). A strategy that sizes its work to memory
     (`StrategySpec.sizes_to_memory`: SlimPack's MicroPacks shrink to fit any mode) has no cascade, so
-    every block-N would be a planning of its own, a layer count times its screening; it is priced and
-    run with any block-N it is given (`layouts=`, `slimpack plan --recompute block-N`)."""
+    every block-N would be a planning of its own, a layer count times its screening: its search adds
+    at most one block-N a shape, where the bound says the memory it frees may pay
+    (`_block_modes_that_may_pay`)."""
     if spec.sizes_to_memory:
         return RECOMPUTE_MODES
     return (*RECOMPUTE_MODES[:-1], *block_recompute_modes(chunk_layers), RECOMPUTE_MODES[-1])
@@ -850,6 +851,8 @@ def best_layout(
             rejected.append(rejection)
             continue
         screened.append(_Run(parallel, config, shape_plans=shape_plans))
+    if spec.sizes_to_memory and layouts is None:
+        screened += _block_modes_that_may_pay(spec, screened, first_lengths, cost, context_length)
     ticker = _Ticker(progress, spec.name, started, len(candidates))
     ticker.start("screening", len(screened))
     if spec.stateful:
@@ -873,6 +876,41 @@ def best_layout(
         alive = sum(id(run) not in failed for run in runs)
         ticker.start("finishing", min(finalists, alive) - len(evaluations))
     return _result(spec, gpus, runs, evaluations, finalists, rejected, started, candidates)
+
+
+def _block_modes_that_may_pay(spec: StrategySpec, runs: list[_Run], lengths: np.ndarray, cost: CostModel,
+                              context_length: int) -> list[_Run]:
+    """For a strategy that sizes its work to memory, at most one block-N layout a shape (tp, pp,
+    vpp, cp, dp): the N of the lowest lower bound, where that is below the bound of every recompute
+    mode of the shape that passed the memory checks (`runs`). The memory block-N frees buys larger
+    MicroPacks and fewer DP-Merge groups, which the bound prices, for N layers re-run. Scanning N
+    upward stops once N's bound with unlimited memory (one pack of everything: recompute added,
+    nothing bought) reaches the best, since memory only raises a bound."""
+    batch = lengths.tolist()
+    pairs = attention_pairs_bound(spec, batch)
+    ordered, tokens = SortedBatch.of(lengths), float(lengths.sum())
+    priced = cost.with_overlaps(spec.overlaps)
+    by_shape: dict[tuple[int, ...], list[_Run]] = {}
+    for run in runs:
+        by_shape.setdefault(_shape(run.parallel), []).append(run)
+    added = []
+    for shape_runs in by_shape.values():
+        base = shape_runs[0]
+        best = min(iteration_lower_bound(spec, batch, cost, run.parallel, pairs, run.config, ordered)
+                   for run in shape_runs)
+        chosen = None
+        for layers in range(1, cost.model.num_layers // (base.parallel.pp * base.parallel.vpp)):
+            parallel = base.parallel.with_(recompute=f"block-{layers}")
+            if priced.pass_time_bound(tokens, pairs, parallel, tokens) / parallel.dp >= best:
+                break
+            if cheap_rejection(spec, lengths, cost, parallel, context_length):
+                continue
+            bound = iteration_lower_bound(spec, batch, cost, parallel, pairs, base.config, ordered)
+            if bound < best:
+                best, chosen = bound, parallel
+        if chosen is not None:
+            added.append(_Run(chosen, base.config, shape_plans=base.shape_plans))
+    return added
 
 
 def _result(spec: StrategySpec, gpus: int, runs: list[_Run], evaluations: dict[int, LayoutEvaluation], finalists: int,
