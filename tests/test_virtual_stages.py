@@ -29,7 +29,9 @@ LAYERS = 4  # one per virtual stage
 
 
 RECOMPUTE = {"selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             # block-1: the first layer of every chunk (here each chunk's one layer), Megatron's block method
+             "block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)}
 
 
 def _config(**overrides):
@@ -389,10 +391,12 @@ def test_pp2_vpp2_tensor_and_sequence_parallel(tmp_path, megatron_cpu):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("granularity, case, seed", [("selective", "symmetric", 1), ("full", "asymmetric", 3)])
+@pytest.mark.parametrize("granularity, case, seed", [("selective", "symmetric", 1), ("full", "asymmetric", 3),
+                                                      ("block", "asymmetric", 2)])
 def test_pp2_vpp2_activation_recompute(tmp_path, megatron_cpu, granularity, case, seed):
-    """PP=2 x vpp=2 under activation recompute: selective (core attention) and full (uniform, one
-    layer: each chunk's layer), so every chunk's forward re-runs in backward, the KV store's
+    """PP=2 x vpp=2 under activation recompute: selective (core attention), full (uniform, one
+    layer: each chunk's layer) and block-1 (Megatron's block method: the first layer of every
+    chunk, counted per chunk), so every chunk's forward re-runs in backward, the KV store's
     side effects idempotent across chunks (layers numbered globally). Full recompute with the
     outputs deallocated once sent."""
     _run(tmp_path, case, seed, recompute=granularity, deallocate=granularity == "full")
