@@ -150,18 +150,17 @@ def test_slimpacks_bound_prices_the_merges_memory_forces():
     context = 131072
     lengths = batch(1, 100, context)
     config = FAST.with_(strategy="slimpack", context_length=context)
-    plain_bound = {}
     for parallel in (ParallelConfig(dp=16), ParallelConfig(cp=2, dp=8), ParallelConfig(pp=2, dp=8),
                      ParallelConfig(tp=2, dp=8), ParallelConfig(tp=4, dp=4)):
-        plain_bound[parallel] = work_lower_bound("slimpack", float(sum(lengths)),
-                                                 attention_pairs_bound("slimpack", lengths), COST_7B, parallel, config)
+        plain_bound = work_lower_bound("slimpack", float(sum(lengths)), attention_pairs_bound("slimpack", lengths),
+                                       COST_7B, parallel, config)
         bound = iteration_lower_bound("slimpack", lengths, COST_7B, parallel, config=config)
-        assert bound == max(plain_bound[parallel], merged_work_bound("slimpack", SortedBatch.of(lengths), COST_7B,
-                                                                     parallel, config))
+        assert bound == max(plain_bound, merged_work_bound("slimpack", SortedBatch.of(lengths), COST_7B,
+                                                           parallel, config))
         if parallel.tp == 4:
-            assert bound == plain_bound[parallel]
+            assert bound == plain_bound
             continue
-        assert bound > 1.01 * plain_bound[parallel], parallel
+        assert bound > 1.01 * plain_bound, parallel
         plan = get_strategy("slimpack")(lengths, parallel, COST_7B, config)
         report = simulate(plan, COST_7B, detail=False)
         assert max(report.peak_memory_bytes) <= COST_7B.memory_budget_bytes()

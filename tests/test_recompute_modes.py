@@ -13,9 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.megatron import add_slimpack_args
 from megatron_slimpack.megatron.args import SlimPackArgumentError, recompute_mode_of_args, validate_slimpack_args
-from megatron_slimpack.specs import MODELS, RECOMPUTE_MODES, ParallelConfig, SpecError, recompute_flags
+from megatron_slimpack.specs import (
+    MODELS,
+    RECOMPUTE_MODES,
+    ParallelConfig,
+    SpecError,
+    block_recompute_modes,
+    recompute_flags,
+    recompute_includes,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,9 +121,6 @@ def test_a_mode_that_includes_another_takes_at_least_its_time_and_holds_at_most_
     another re-runs is never faster and never holds more activations in the cost model (llama-7b,
     pp4: 8 layers a chunk, short and long packs). Selective and block-N re-run different work:
     neither includes the other."""
-    from megatron_slimpack.costmodel import CostModel
-    from megatron_slimpack.specs import block_recompute_modes, recompute_includes
-
     cost = CostModel.analytic("llama-7b", "h100-sxm")
     modes = [*RECOMPUTE_MODES, *block_recompute_modes(8)]
     assert not recompute_includes("selective", "block-1") and not recompute_includes("block-7", "selective")

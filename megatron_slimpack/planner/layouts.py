@@ -460,7 +460,7 @@ def merged_work_bound(strategy: StrategySpec | str, batch: SortedBatch, cost: Co
         end = len(batch.lengths) if last_group else int(np.searchsorted(
             batch.lengths, _longest_fitting(int(batch.lengths[-1]), cost, view, budget), side="right"))
         tokens, pairs = batch.totals(start, end)
-        total += _full_pack_work_bound(spec, tokens, pairs, cost, view, config)
+        total += work_lower_bound(spec, tokens, pairs, cost, view, config, full_packs=True)
         start, group = end, 2 * group
     return total
 
@@ -477,29 +477,22 @@ def _longest_fitting(longest: int, cost: CostModel, parallel: ParallelConfig, bu
     return low
 
 
-def _full_pack_work_bound(spec: StrategySpec, tokens: float, pairs: float, cost: CostModel,
-                          parallel: ParallelConfig, config: SlimPackConfig | None) -> float:
-    """`work_lower_bound` at the rate of full packs, so linear in tokens and pairs (fewer tokens
-    than a full pack are priced as their share of one)."""
-    if tokens <= 0:
-        return 0.0
-    largest = max(largest_pack_tokens(spec, cost, parallel, config), 1.0)
-    share = min(tokens / largest, 1.0)  # scaled up to a full pack, and back
-    return work_lower_bound(spec, tokens / share, pairs / share, cost, parallel, config) * share
-
-
 def work_lower_bound(strategy: StrategySpec | str, tokens: float, pairs: float, cost: CostModel,
-                     parallel: ParallelConfig,
-                     config: SlimPackConfig | None = None) -> float:
+                     parallel: ParallelConfig, config: SlimPackConfig | None = None,
+                     full_packs: bool = False) -> float:
     """`iteration_lower_bound` of documents given by their totals (`pairs`: their
     `attention_pairs_bound`). Superadditive: the bounds of any split of the documents sum to at
     least the bound of all of them (once packs are full-size it is linear in tokens and pairs, and
-    fewer tokens than a full pack only cost more per token)."""
+    fewer tokens than a full pack only cost more per token). `full_packs`: fewer tokens than a full
+    pack priced as their share of one, at the full pack's rate, so linear in tokens and pairs
+    throughout (a lower bound on their share of any pack they are in)."""
     spec = as_spec(strategy)
     if tokens <= 0:
         return 0.0
     largest = max(largest_pack_tokens(spec, cost, parallel, config), 1.0)
-    return cost.with_overlaps(spec.overlaps).pass_time_bound(tokens, pairs, parallel, largest) / parallel.dp
+    share = min(tokens / largest, 1.0) if full_packs else 1.0  # scaled up to a full pack, and back
+    priced = cost.with_overlaps(spec.overlaps)
+    return priced.pass_time_bound(tokens / share, pairs / share, parallel, largest) / parallel.dp * share
 
 
 def cheap_rejection(strategy: StrategySpec | str, lengths: list[int] | np.ndarray, cost: CostModel,
@@ -550,6 +543,9 @@ class _Run:
     # The first batch's plan was screened without `Plan.validate` (`_screen`); it is validated
     # when the run is finished (`_finish_run`), before any result can report it.
     unvalidated: bool = False
+    # A lower bound on its first-batch time (`iteration_lower_bound`), once screening computed it:
+    # a re-screen and the block-N choice of a strategy sized to memory need it again.
+    bound: float | None = None
 
     @property
     def active_planner(self) -> StepPlanner:
@@ -887,8 +883,8 @@ def _block_modes_that_may_pay(spec: StrategySpec, runs: list[_Run], lengths: np.
     upward stops once N's bound with unlimited memory (one pack of everything: recompute added,
     nothing bought) reaches the best, since memory only raises a bound."""
     batch = lengths.tolist()
-    pairs = attention_pairs_bound(spec, batch)
-    ordered, tokens = SortedBatch.of(lengths), float(lengths.sum())
+    pairs, ordered = _set_bounds(spec, runs, batch, cost)
+    tokens = float(lengths.sum())
     priced = cost.with_overlaps(spec.overlaps)
     by_shape: dict[tuple[int, ...], list[_Run]] = {}
     for run in runs:
@@ -896,8 +892,7 @@ def _block_modes_that_may_pay(spec: StrategySpec, runs: list[_Run], lengths: np.
     added = []
     for shape_runs in by_shape.values():
         base = shape_runs[0]
-        best = min(iteration_lower_bound(spec, batch, cost, run.parallel, pairs, run.config, ordered)
-                   for run in shape_runs)
+        best = min(cast(float, run.bound) for run in shape_runs)
         chosen = None
         for layers in range(1, cost.model.num_layers // (base.parallel.pp * base.parallel.vpp)):
             parallel = base.parallel.with_(recompute=f"block-{layers}")
@@ -909,8 +904,18 @@ def _block_modes_that_may_pay(spec: StrategySpec, runs: list[_Run], lengths: np.
             if bound < best:
                 best, chosen = bound, parallel
         if chosen is not None:
-            added.append(_Run(chosen, base.config, shape_plans=base.shape_plans))
+            added.append(_Run(chosen, base.config, shape_plans=base.shape_plans, bound=best))
     return added
+
+
+def _set_bounds(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: CostModel) -> tuple[float, SortedBatch]:
+    """Each run's first-batch lower bound (`_Run.bound`) where it has none yet; returns the
+    batch's `attention_pairs_bound` and `SortedBatch`, which every layout's bound reads."""
+    pairs, ordered = attention_pairs_bound(spec, lengths), SortedBatch.of(lengths)  # the same for every layout
+    for run in runs:
+        if run.bound is None:
+            run.bound = iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config, ordered)
+    return pairs, ordered
 
 
 def _result(spec: StrategySpec, gpus: int, runs: list[_Run], evaluations: dict[int, LayoutEvaluation], finalists: int,
@@ -967,14 +972,12 @@ def _screen(spec: StrategySpec, runs: list[_Run], lengths: list[int], cost: Cost
     (run, rejection) of those not evaluated because they could not win. `ticker` counts each
     layout as it is decided. Only stateless strategies are screened: they plan exactly the batch,
     so its bound holds."""
-    pairs = attention_pairs_bound(spec, lengths)  # the same for every layout
-    ordered = SortedBatch.of(lengths)
-    bounds = {id(run): iteration_lower_bound(spec, lengths, cost, run.parallel, pairs, run.config, ordered)
-              for run in runs}
+    _set_bounds(spec, runs, lengths, cost)
+    bounds = {id(run): cast(float, run.bound) for run in runs}
     order = _CascadeOrder(_in_shape_order(runs, bounds))
     cascade = _RecomputeCascade() if recompute_cascade and not spec.sizes_to_memory else None
-    for run in screened:
-        if cascade:
+    if cascade:
+        for run in screened:
             cascade.fits(run.parallel)
     # vpp = 1 layouts that fit -> their simulated busy time
     plain = {run.parallel: run.reports[0].work_bound_s for run in screened if run.parallel.vpp == 1}
