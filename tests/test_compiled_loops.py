@@ -181,6 +181,35 @@ def python_pack_by_cost(documents, micro_batches, rates, capacity):
     return [documents[i] for i in sorted(left)]
 
 
+def python_sand_for_slices(small_first_cost, small_first_tokens, target, piece_costs, penalties, piece_lengths,
+                           token_cap) -> list[int]:
+    takens, taken = [], 0
+    for piece_cost, penalty, length in zip(piece_costs.tolist(), penalties.tolist(), piece_lengths.tolist()):
+        room = target / penalty - piece_cost
+        fits_cost = small_first_cost.searchsorted(small_first_cost[taken] + room, side="right") - 1
+        fits_tokens = small_first_tokens.searchsorted(small_first_tokens[taken] + (token_cap - length),
+                                                      side="right") - 1
+        taken = max(taken, min(int(fits_cost), int(fits_tokens)))
+        takens.append(taken)
+    return takens
+
+
+def python_next_fit_with_sand(cost_prefix, token_prefix, target, token_cap, rest) -> list[list[int]]:
+    rows, start, small_end = [], 0, rest
+    while start < small_end:
+        by_cost = cost_prefix.searchsorted(cost_prefix[start] + target, side="right") - 1
+        by_tokens = token_prefix.searchsorted(token_prefix[start] + token_cap, side="right") - 1
+        end = min(small_end, max(start + 1, min(int(by_cost), int(by_tokens))))
+        room_cost = target - (cost_prefix[end] - cost_prefix[start])
+        room_tokens = token_cap - (token_prefix[end] - token_prefix[start])
+        sand_cost = cost_prefix.searchsorted(cost_prefix[small_end] - room_cost, side="left")
+        sand_tokens = token_prefix.searchsorted(token_prefix[small_end] - room_tokens, side="left")
+        sand = min(small_end, max(end, int(sand_cost), int(sand_tokens)))
+        rows.append([start, end, sand, small_end])
+        start, small_end = end, sand
+    return rows
+
+
 def random_costs(rng: np.random.Generator) -> np.ndarray:
     count = int(rng.integers(2, 160))
     costs = rng.lognormal(0.0, rng.uniform(0.05, 2.0), count)
@@ -253,3 +282,31 @@ def test_cost_packing_fills_as_the_heapq_loop():
             left = pack(documents, micro_batches, rates, capacity)
             sides.append((left, [(mb.documents, mb.tokens, mb.cost) for mb in micro_batches]))
         assert sides[0] == sides[1]
+
+
+def test_micropack_filling_takes_the_documents_the_python_loops_take():
+    """SlimPack's MicroPack filling (`pack_phase.pack_micropacks`): the smallest documents each
+    slice's MicroPack takes as sand, then the next-fit packs of the rest with their sand; costs
+    with ties (equal documents), caps below a document, slices longer than the cap's room."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        count = int(rng.integers(0, 120))
+        drawn = rng.integers(1, 4000, count) if rng.random() < 0.7 else np.full(count, 512)  # ties
+        lengths = np.sort(drawn)[::-1].astype(float)
+        costs = lengths * 1e-6 + lengths * (lengths + 1) / 2 * 1e-12
+        token_cap = int(rng.integers(256, 16384))
+        target = float(rng.uniform(0.2, 2.0)) * token_cap * 2e-6
+        pieces = int(rng.integers(0, 12))
+        piece_lengths = rng.integers(1, 2 * token_cap, pieces)
+        piece_costs, penalties = piece_lengths * 1.5e-6, rng.uniform(1.0, 1.6, pieces)
+        small_first_cost = np.concatenate([[0.0], np.cumsum(costs[::-1])])
+        small_first_tokens = np.concatenate([[0], np.cumsum(lengths[::-1])])
+        takens = compiled.sand_for_slices(small_first_cost, small_first_tokens, target, piece_costs, penalties,
+                                          piece_lengths, token_cap)
+        assert takens.tolist() == python_sand_for_slices(small_first_cost, small_first_tokens, target, piece_costs,
+                                                         penalties, piece_lengths, token_cap)
+        rest = count - (int(takens[-1]) if pieces else 0)
+        cost_prefix = np.concatenate([[0.0], np.cumsum(costs[:rest])])
+        token_prefix = np.concatenate([[0], np.cumsum(lengths[:rest])])
+        rows = compiled.next_fit_with_sand(cost_prefix, token_prefix, target, token_cap, rest)
+        assert rows.tolist() == python_next_fit_with_sand(cost_prefix, token_prefix, target, token_cap, rest)

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_slimpack import CostModel, ParallelConfig
+from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
+from megatron_slimpack import plan as plan_batch
+from megatron_slimpack.costmodel import overlaps_of
 from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice, backward_sequence
-from megatron_slimpack.simulator import SimulationError, SimulationReport, score, simulate
+from megatron_slimpack.simulator import SimulationError, SimulationReport, dag, score, simulate
 from megatron_slimpack.simulator.report import (
     ComparisonRow,
     chrome_trace,
@@ -392,6 +394,74 @@ def test_tables():
     assert csv_text.splitlines()[0].endswith("planning_s,speedup")
     with pytest.raises(ValueError):
         comparison_table(rows, fmt="html")
+
+
+# ---- the compiled list scheduler ---------------------------------------------------------------
+def python_list_schedule(graph):
+    """`dag._run`'s loop in plain Python: the reference `compiled.list_schedule` must match."""
+    n, vstages = graph.num_tasks, graph.vstages
+    missing = [(1 + (s < vstages - 1)) if b else int(s > 0) for s, b in zip(graph.stage_of, graph.is_backward)]
+    program_next = [[] for _ in range(n)]
+    for program in graph.programs:
+        for before, after in zip(program, program[1:]):
+            program_next[before].append(after)
+            missing[after] += 1
+    ready_at, chain_ready = [0.0] * n, [0.0] * n
+    start, end, chain_end = [0.0] * n, [0.0] * n, [0.0] * n
+    link_free = [0.0] * (2 * graph.dp * graph.pp)
+    transfers = []
+    releasable = [t for t in range(n) if not missing[t]]
+    while releasable:
+        task = releasable.pop()
+        start[task] = ready_at[task]
+        finished = end[task] = ready_at[task] + graph.duration[task]
+        chain = chain_end[task] = chain_ready[task] + graph.duration[task]
+        arrivals = [(after, finished, None) for after in program_next[task]]
+        arrivals += [(task + offset, finished, chain) for offset in graph.releases[task]]
+        offset = graph.send_offset[task]
+        if offset:
+            seconds, link = graph.send_seconds[task], offset < 0
+            sent = max([finished] + [link_free[2 * device + link] for device in graph.devices[task]])
+            for device in graph.devices[task]:
+                link_free[2 * device + link] = sent + seconds
+            if seconds > 0:
+                transfers.append((task, sent, sent + seconds))
+            arrivals.append((task + offset, sent + seconds, chain + seconds))
+        for after, arrived, chain_arrived in arrivals:
+            ready_at[after] = max(ready_at[after], arrived)
+            if chain_arrived is not None:
+                chain_ready[after] = max(chain_ready[after], chain_arrived)
+            missing[after] -= 1
+            if not missing[after]:
+                releasable.append(after)
+    return start, end, chain_end, transfers
+
+
+def interleaved_plan() -> tuple[Plan, CostModel]:
+    """A SlimPack plan over pp=2 x vpp=2 with two replicas (sliced documents, p2p each way)."""
+    cost = CostModel.analytic("tiny", "cpu")
+    rng = random.Random(5)
+    lengths = [rng.randint(20, 900) for _ in range(60)]
+    config = SlimPackConfig(context_length=1024, solver_deterministic_limit=0.2)
+    return plan_batch(lengths, parallel=ParallelConfig(dp=2, pp=2, vpp=2), cost=cost, config=config), cost
+
+
+@pytest.mark.parametrize("case", ["merge", "pipeline", "interleaved"])
+def test_compiled_list_schedule_is_the_python_loop(case):
+    """Same start, end and chain end of every task and the same transfers, to the last bit, on
+    plans with a DP-Merge group (a task on two devices), a deep pipeline, virtual stages."""
+    if case == "interleaved":
+        plan, cost = interleaved_plan()
+        assert plan.parallel.vpp == 2
+    else:
+        plan = (random_plan(11, dp=3, pp=2, micropacks_per_replica=9, merge=True) if case == "merge"
+                else random_plan(4, dp=2, pp=4, micropacks_per_replica=40, max_unit=2))
+        cost = LLAMA
+    graph = dag._Graph(plan.validate(), cost.with_overlaps(overlaps_of(plan.strategy)))
+    schedule = dag._run(graph)
+    start, end, chain_end, transfers = python_list_schedule(graph)
+    assert transfers and (schedule.start, schedule.end, schedule.chain_end) == (start, end, chain_end)
+    assert schedule.transfers == transfers
 
 
 # ---- speed -------------------------------------------------------------------------------------

@@ -297,3 +297,48 @@ def pack_by_cost_targets(order: np.ndarray, lengths: np.ndarray, costs: np.ndarr
             cheap_size = _pop(cheap_keys, cheap, cheap_size)
             full_size = _push(full_keys, full, full_size, float(tokens[position] - capacity), position)
     return targets
+
+
+# ---- SlimPack's MicroPack filling (`pack_phase.pack_micropacks`) -------------------------------
+
+
+@_jit
+def sand_for_slices(small_first_cost: np.ndarray, small_first_tokens: np.ndarray, target: float,
+                    piece_costs: np.ndarray, penalties: np.ndarray, piece_lengths: np.ndarray,
+                    token_cap: int) -> np.ndarray:
+    """How many of the smallest documents have been taken after each slice's MicroPack is topped
+    up (`small_first_*`: prefix sums of the documents' costs and tokens from the small end)."""
+    takens = np.empty(len(piece_costs), dtype=np.int64)
+    taken = 0
+    for index in range(len(piece_costs)):
+        room = target / penalties[index] - piece_costs[index]
+        fits_cost = np.searchsorted(small_first_cost, small_first_cost[taken] + room, side="right") - 1
+        fits_tokens = np.searchsorted(small_first_tokens, small_first_tokens[taken]
+                                      + (token_cap - piece_lengths[index]), side="right") - 1
+        taken = max(taken, min(fits_cost, fits_tokens))
+        takens[index] = taken
+    return takens
+
+
+@_jit
+def next_fit_with_sand(cost_prefix: np.ndarray, token_prefix: np.ndarray, target: float, token_cap: int,
+                       rest: int) -> np.ndarray:
+    """Rows (start, end, sand, small_end): each MicroPack of the documents left after the slices'
+    sand holds documents start .. end - 1 (the largest first, next fit) and sand .. small_end - 1
+    (the smallest that fit what it has left)."""
+    rows = np.empty((rest, 4), dtype=np.int64)
+    count = 0
+    start, small_end = 0, rest
+    while start < small_end:
+        by_cost = np.searchsorted(cost_prefix, cost_prefix[start] + target, side="right") - 1
+        by_tokens = np.searchsorted(token_prefix, token_prefix[start] + token_cap, side="right") - 1
+        end = min(small_end, max(start + 1, min(by_cost, by_tokens)))
+        room_cost = target - (cost_prefix[end] - cost_prefix[start])
+        room_tokens = token_cap - (token_prefix[end] - token_prefix[start])
+        sand_cost = np.searchsorted(cost_prefix, cost_prefix[small_end] - room_cost, side="left")
+        sand_tokens = np.searchsorted(token_prefix, token_prefix[small_end] - room_tokens, side="left")
+        sand = min(small_end, max(end, sand_cost, sand_tokens))
+        rows[count, 0], rows[count, 1], rows[count, 2], rows[count, 3] = start, end, sand, small_end
+        count += 1
+        start, small_end = end, sand
+    return rows[:count]

@@ -66,7 +66,7 @@ import numpy as np
 from ..config import SlimPackConfig
 from ..costmodel import CostModel, format_bytes
 from ..plan import Plan, PlanError
-from ..simulator.dag import SimulationError, SimulationReport, simulate
+from ..simulator.dag import SimulationError, SimulationReport, reports_reused, simulate
 from ..specs import (
     RECOMPUTE_MODES,
     ParallelConfig,
@@ -647,18 +647,19 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
     validated unless `validate` is False (then `run.unvalidated` says so)."""
     where = "the final flush" if step is None else f"batch {step}"
     try:
-        shaped = run.shape_plans is not None and step is not None
-        planned = (cast(_ShapePlans, run.shape_plans).plan(run, lengths, cost, cast(int, step), validate) if shaped
-                   else _planned(run, lengths, cost, step, validate))
-        if planned is None:
-            return None
-        plan = planned
-        try:
-            report = simulate(plan, cost, detail=False)
-        except Exception:
-            if not validate:
-                plan.validate()  # a plan the simulator could not read: the rule it breaks, if any
-            raise
+        with reports_reused():  # a planner that simulated its plan (SlimPack's floor): not again
+            shaped = run.shape_plans is not None and step is not None
+            planned = (cast(_ShapePlans, run.shape_plans).plan(run, lengths, cost, cast(int, step), validate)
+                       if shaped else _planned(run, lengths, cost, step, validate))
+            if planned is None:
+                return None
+            plan = planned
+            try:
+                report = simulate(plan, cost, detail=False)
+            except Exception:
+                if not validate:
+                    plan.validate()  # a plan the simulator could not read: the rule it breaks, if any
+                raise
     except PlanError as error:
         kind = "planner" if isinstance(error, DoesNotFit) else "invalid"
         return Rejection(run.parallel, kind, f"{where}: {error}")

@@ -216,15 +216,12 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     # positive, so prefix sums from the small end find the run with one search).
     small_first_cost = np.concatenate([[0.0], np.cumsum(short_cost[::-1])])
     small_first_tokens = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:][::-1])])
+    takens = compiled.sand_for_slices(small_first_cost, small_first_tokens, target, slice_costs, scale,
+                                      np.array([p.length for p in pieces], dtype=np.int64), options.token_cap)
     chain_packs: list[list[Slice]] = []
     taken = 0  # documents taken from the small end
-    for piece, piece_cost, penalty in zip(pieces, slice_costs.tolist(), scale.tolist()):
-        room = target / penalty - piece_cost  # at the slice's own efficiency: the sand only adds tokens
-        fits_cost = small_first_cost.searchsorted(small_first_cost[taken] + room, side="right") - 1
-        fits_tokens = small_first_tokens.searchsorted(small_first_tokens[taken] + (options.token_cap - piece.length),
-                                      side="right") - 1
-        until = max(taken, min(int(fits_cost), int(fits_tokens)))
-        chain_packs.append([piece] + [short[len(short) - 1 - k] for k in range(taken, until)])
+    for piece, until in zip(pieces, takens.tolist()):
+        chain_packs.append([piece] + short[len(short) - until:len(short) - taken][::-1])
         taken = until
     # The rest fill MicroPacks of their own: the largest first (next fit: a pack closes when the
     # next document would pass the target cost or the token cap), each topped up with the longest
@@ -232,19 +229,8 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
     rest = len(short) - taken
     cost_prefix = np.concatenate([[0.0], np.cumsum(short_cost[:rest])])
     token_prefix = np.concatenate([[0], np.cumsum(ordered.lengths[first_short:first_short + rest])])
-    others: list[list[Slice]] = []
-    start, small_end = 0, rest  # short[small_end:rest] already went into earlier packs as sand
-    while start < small_end:
-        by_cost = cost_prefix.searchsorted(cost_prefix[start] + target, side="right") - 1
-        by_tokens = token_prefix.searchsorted(token_prefix[start] + options.token_cap, side="right") - 1
-        end = min(small_end, max(start + 1, min(int(by_cost), int(by_tokens))))
-        room_cost = target - (cost_prefix[end] - cost_prefix[start])
-        room_tokens = options.token_cap - (token_prefix[end] - token_prefix[start])
-        sand_cost = cost_prefix.searchsorted(cost_prefix[small_end] - room_cost, side="left")
-        sand_tokens = token_prefix.searchsorted(token_prefix[small_end] - room_tokens, side="left")
-        sand = min(small_end, max(end, int(sand_cost), int(sand_tokens)))
-        others.append(short[start:end] + short[sand:small_end])
-        start, small_end = end, sand
+    others = [short[start:end] + short[sand:small_end] for start, end, sand, small_end in
+              compiled.next_fit_with_sand(cost_prefix, token_prefix, target, options.token_cap, rest).tolist()]
     return _interleave([MicroPack(p) for p in chain_packs], chains, [MicroPack(p) for p in others])
 
 
