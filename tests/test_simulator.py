@@ -12,7 +12,7 @@ from megatron_slimpack import CostModel, ParallelConfig, SlimPackConfig
 from megatron_slimpack import plan as plan_batch
 from megatron_slimpack.costmodel import overlaps_of
 from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice, backward_sequence
-from megatron_slimpack.simulator import SimulationError, SimulationReport, dag, score, simulate
+from megatron_slimpack.simulator import SimulationError, SimulationReport, busiest_device_s, dag, score, simulate
 from megatron_slimpack.simulator.report import (
     ComparisonRow,
     chrome_trace,
@@ -318,6 +318,8 @@ def test_lower_bound_never_exceeds_simulated_time(seed, dp, pp, count, max_unit,
     plan = random_plan(seed, dp, pp, count, max_unit, merge).validate()
     report = simulate(plan, TINY, detail=False)
     assert 0 < report.lower_bound_s <= report.iteration_time_s * (1 + 1e-9)
+    # the busiest device's compute, without scheduling: what the report's device times say
+    assert busiest_device_s(plan, TINY) == pytest.approx(max(map(max, report.device_busy_s)), rel=1e-12)
     assert 0 <= report.bubble_ratio < 1 and report.dp_imbalance >= 1 and report.pp_imbalance >= 1
     assert score(plan, TINY) == report.iteration_time_s
 

@@ -412,7 +412,9 @@ def iteration_lower_bound(strategy: StrategySpec | str, lengths: list[int], cost
     spec = as_spec(strategy)
     if pairs is None:
         pairs = attention_pairs_bound(spec, lengths)
-    bound = work_lower_bound(spec, float(sum(lengths)), pairs, cost, parallel, config)
+    # The sorted batch's token total is the same integer (float sums of integers below 2^53)
+    tokens = float(sorted_batch.tokens_before[-1]) if sorted_batch is not None else float(sum(lengths))
+    bound = work_lower_bound(spec, tokens, pairs, cost, parallel, config)
     if spec.minimum_in_flight == "merged-document":
         bound = max(bound, merged_work_bound(spec, sorted_batch or SortedBatch.of(lengths), cost, parallel, config))
     return bound
