@@ -367,6 +367,41 @@ def test_a_sizing_whose_replicas_fail_with_nothing_sliced_is_given_up_after_one_
     assert len(plannings) == 1
 
 
+def test_a_planning_without_dp_merge_ends_at_its_first_failure_with_the_same_error(monkeypatch):
+    """Without DP-Merge no failed replica's group can grow, so the sizing fails with the first
+    failure whatever the other replicas do: the planning stops there (llama-7b 128K, long-tailed
+    lengths, tp2 pp16 dp4: two replica searches instead of eight), with the error of planning
+    every replica."""
+    from megatron_slimpack.planner.slimpack import search as search_module
+    from megatron_slimpack.planner.slimpack.replica import ReplicaSearch
+    from megatron_slimpack.planner.strategies import get_strategy
+    from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
+
+    context = 128 * K
+    lengths = GlobalBatchSampler(load_lengths("longtail", seed=0), context, 128, seed=0,
+                                 long_documents="split").next_batch().lengths
+    config = ms.SlimPackConfig(strategy="slimpack-nomerge", context_length=context, solver_deterministic_limit=0.2)
+    parallel = ParallelConfig(tp=2, pp=16, dp=4)
+    searches, finish = [], ReplicaSearch.finish
+
+    def counted(self, samples):
+        searches.append(len(samples))
+        return finish(self, samples)
+
+    monkeypatch.setattr(ReplicaSearch, "finish", counted)
+    outcomes = []
+    for stops in (True, False):
+        if not stops:
+            monkeypatch.setattr(search_module._BatchPlanning, "_stop_if_final", lambda self: None)
+        searches.clear()
+        with pytest.raises(DoesNotFit) as error:
+            get_strategy("slimpack-nomerge")(lengths, parallel, COST, config)
+        outcomes.append((str(error.value), len(searches)))
+    (stopped, stopped_searches), (planned, planned_searches) = outcomes
+    assert stopped == planned and "does not fit" in stopped
+    assert stopped_searches < planned_searches
+
+
 # ---- shortcuts that keep what the search finds -----------------------------------------------
 
 def test_a_walk_is_try_all_or_first_fit_one_call_at_a_time():

@@ -176,8 +176,7 @@ class SlimPackSearch:
         groups, at 73-93% of the layout's planning time, and each layout keeps the same plan
         from here (benchmarks/results/sizings.md)."""
         group_ranks = sizing.group_ranks
-        smallest = SizeLadder.below_cap(sizing.token_cap, self.config).smallest
-        largest_group = view.dp if self.use_merge else 1
+        smallest, largest_group = self.growth_limits(view, sizing.token_cap)
         while True:
             try:
                 return self.plan_groups(view, sizing.token_cap, group_ranks, leaner_level, cut_short)
@@ -190,6 +189,11 @@ class SlimPackSearch:
                         raise failure from None
                     group_ranks = grown
             cut_short = False
+
+    def growth_limits(self, view: ParallelConfig, token_cap: int) -> tuple[int, int]:
+        """(the ladder's smallest MicroPack, the largest merge group) that bound a failed
+        replica's growth on `view` (`grown_groups`)."""
+        return SizeLadder.below_cap(token_cap, self.config).smallest, view.dp if self.use_merge else 1
 
     def plan_groups(self, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
                     leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False) -> PlannedBatch:
@@ -214,19 +218,27 @@ def sliced_grown(group_ranks: np.ndarray, lengths: list[int], smallest_micropack
 
 def grown_groups(failure: DoesNotFit, group_ranks: np.ndarray, lengths: list[int], smallest_micropack: int,
                  largest_group: int) -> np.ndarray | None:
-    """Twice the group of the failed replica's sliced documents; None when that group would exceed
-    `largest_group` ranks, or when none of them is sliced: then its MicroPacks alone, at the
-    ladder's smallest size, do not fit, and taking documents away one planning at a time only
-    moved others into their place (documents kept whole, an interleaved layout: 600+ plannings
-    without an end)."""
-    ranks = 2 * failure.group_ranks
-    sliced = [i for i in failure.sample_ids if lengths[i] > smallest_micropack * failure.group_ranks]
-    if ranks > largest_group or largest_group % ranks or not sliced:
+    """Twice the group of the failed replica's sliced documents; None where it cannot grow
+    (`can_grow`)."""
+    if not can_grow(failure, lengths, smallest_micropack, largest_group):
         return None
+    ranks = 2 * failure.group_ranks
     grown = group_ranks.copy()
-    for index in sliced:
-        grown[index] = max(grown[index], ranks)
+    for index in failure.sample_ids:
+        if lengths[index] > smallest_micropack * failure.group_ranks:
+            grown[index] = max(grown[index], ranks)
     return grown
+
+
+def can_grow(failure: DoesNotFit, lengths: list[int], smallest_micropack: int, largest_group: int) -> bool:
+    """Whether the failed replica's sliced documents can get twice their group: not where that
+    group would exceed `largest_group` ranks (without DP-Merge: 1), nor where none of them is
+    sliced: then its MicroPacks alone, at the ladder's smallest size, do not fit, and taking
+    documents away one planning at a time only moved others into their place (documents kept
+    whole, an interleaved layout: 600+ plannings without an end)."""
+    ranks = 2 * failure.group_ranks
+    return (ranks <= largest_group and largest_group % ranks == 0
+            and any(lengths[i] > smallest_micropack * failure.group_ranks for i in failure.sample_ids))
 
 
 class _BatchPlanning:
@@ -237,6 +249,7 @@ class _BatchPlanning:
                  leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False):
         self.search, self.view, self.token_cap, self.group_ranks = search, view, token_cap, group_ranks
         self.leaner_level, self.cut_short = leaner_level, cut_short
+        self.growth_limits = search.growth_limits(view, token_cap)
         self.config, self.cost = search.config, search.cost
         self.samples = search.samples
         self.rates = WorkRates.from_cost(self.cost, view, token_cap)
@@ -299,6 +312,7 @@ class _BatchPlanning:
         known = self.search.known
         key = known.key(members, merged, token_cap, group.dp_ranks, budget)
         if known.failed(key, self.leaner_level, self.failures):
+            self._stop_if_final()
             return None
         new_search = functools.partial(replica_search, members, self.cost, merged, self.config, rates, token_cap,
                                        group.dp_ranks, self.search.symmetric, budget=budget,
@@ -309,6 +323,7 @@ class _BatchPlanning:
         pending.search = new_search()
         if not pending.search.fits():  # its walk is over
             known.record(key, self.leaner_level, pending.search.does_not_fit(members), self.failures)
+            self._stop_if_final()
             return None
         known.record_fit(key, self.leaner_level, pending.search.fitting_levels)
         return pending
@@ -317,6 +332,14 @@ class _BatchPlanning:
         """With `cut_short`, a failure before any replica fit (the heaviest's) ends the planning."""
         if self.cut_short and ladder is None:
             raise PlanningCutShort(self.failures)
+
+    def _stop_if_final(self) -> None:
+        """A failure whose documents cannot get larger groups (`can_grow`; without DP-Merge, none
+        can) ends the planning: `plan_sizing` raises the first such failure whatever else fails,
+        so planning the other replicas would be wasted (slimpack-nomerge, llama-7b 256K tp2
+        pp16 dp4: three more replicas)."""
+        if not can_grow(self.failures[-1], self.search.lengths, *self.growth_limits):
+            raise ReplicasDoNotFit(self.failures)
 
     def _own_replicas(self, assignment: Assignment) -> dict[int, tuple[ReplicaPlan, ReplicaOutcome]]:
         """Each rank's own replica. Replicas hold statistically alike batches: the MicroPack size is
@@ -339,6 +362,7 @@ class _BatchPlanning:
             key = known.key(members, self.view, self.token_cap, [rank], None, ladder)
             if known.failed(key, self.leaner_level, self.failures):
                 self._stop_if_cut_short(ladder)
+                self._stop_if_final()
                 continue
             found = known.result(key, self.leaner_level)
             if found is None:
@@ -350,6 +374,7 @@ class _BatchPlanning:
                 except DoesNotFit as failure:
                     known.record(key, self.leaner_level, failure, self.failures)
                     self._stop_if_cut_short(ladder)
+                    self._stop_if_final()
                     continue
                 known.record_fit(key, self.leaner_level, search.fitting_levels, found)
             own[rank] = found
@@ -497,5 +522,5 @@ def shared_by_groups(plan: Plan, parallel: ParallelConfig, base_merge: int) -> P
                 metadata, plan.sample_sources)
 
 
-__all__ = ["Sizing", "Attempt", "GroupSizing", "SlimPackSearch", "PlanningCutShort", "grown_groups", "sliced_grown",
-           "merged_cost_function", "shared_by_groups"]
+__all__ = ["Sizing", "Attempt", "GroupSizing", "SlimPackSearch", "PlanningCutShort", "grown_groups", "can_grow",
+           "sliced_grown", "merged_cost_function", "shared_by_groups"]
