@@ -209,7 +209,7 @@ def test_wlb_llm_delays_outliers_until_a_queue_holds_one_per_micro_batch():
     # 60 (> context/2) waits alone in level 0; level 1 (> context/4) holds three 30s: one round of two
     # is released, one per micro-batch; the third waits.
     assert scheduled(first) == [(0, 1), (0, 2), (0, 4)]
-    assert [[d.step, d.index] for d in planner.pending] == [[0, 0], [0, 3]]
+    assert [[d.step, d.position] for d in planner.pending] == [[0, 0], [0, 3]]
     per_micro_batch = [[s.length for s in mp.slices] for r in first.replicas for mp in r.micropacks]
     assert sorted(per_micro_batch, key=len) == [[30], [30, 20]]
     assert first.metadata["released_per_level"] == [0, 2]
@@ -217,7 +217,7 @@ def test_wlb_llm_delays_outliers_until_a_queue_holds_one_per_micro_batch():
     second = wlb_step(planner, [70, 10, 10])
     assert scheduled(second) == [(0, 0), (1, 0), (1, 1), (1, 2)]
     assert all(len([s for s in mp.slices if s.length > 50]) == 1 for r in second.replicas for mp in r.micropacks)
-    assert [[d.step, d.index] for d in planner.pending] == [[0, 3]]
+    assert [[d.step, d.position] for d in planner.pending] == [[0, 3]]
     config = ms.SlimPackConfig(strategy="wlb-llm", context_length=100)
     flushed = planner.flush(ParallelConfig(dp=2, tp=8), COST, config)
     assert scheduled(flushed.validate()) == [(0, 3)] and planner.pending == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -122,8 +123,7 @@ def samples_of(lengths: Iterable[int]) -> list[Sample]:
     of layouts (~10^5 documents at 256K: 50 ms to make, 1 ms to compare and copy)."""
     if isinstance(lengths, list) and lengths == _last_batch.lengths:
         return list(_last_batch.samples)
-    new = tuple.__new__
-    samples = [new(Sample, pair) for pair in enumerate(lengths)]
+    samples = list(map(tuple.__new__, repeat(Sample), enumerate(lengths)))
     if isinstance(lengths, list):
         _last_batch.keep(list(lengths), samples)
         return list(samples)
@@ -160,8 +160,9 @@ _last_batch = _LastBatch()
 def whole_slices(samples: Iterable[Sample]) -> list[Slice]:
     """Slice(sample_id, 0, length) of each sample (tuple.__new__: ~2x faster than the NamedTuple
     constructor, which matters for the ~10^5 documents of a long-context global batch)."""
-    new = tuple.__new__
-    return [new(Slice, (sample_id, 0, length)) for sample_id, length in samples]
+    samples = list(samples)
+    return list(map(tuple.__new__, repeat(Slice), zip(map(itemgetter(0), samples), repeat(0),
+                                                      map(itemgetter(1), samples))))
 
 
 @dataclass

@@ -7,6 +7,7 @@ import math
 import operator
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,19 +29,19 @@ from ..work import WorkRates
 from .common import INTERLEAVED, assemble_plan, meet_interleaved_count, whole_micropacks
 
 
-@dataclass(frozen=True)
-class PendingDocument:
-    """A document waiting to be scheduled: `lengths[index]` of the batch of step `step`, tokens
-    [offset, offset + length) of corpus document `document` (its source, kept while it waits)."""
+class PendingDocument(NamedTuple):
+    """A document waiting to be scheduled: `lengths[position]` of the batch of step `step`, tokens
+    [offset, offset + length) of corpus document `document` (its source, kept while it waits).
+    (A NamedTuple: every planning of a layout search makes one per document of the batch.)"""
 
     step: int
-    index: int
+    position: int
     length: int
     document: int = 0
     offset: int = 0
 
     def to_list(self) -> list[int]:
-        return [self.step, self.index, self.length, self.document, self.offset]
+        return list(self)
 
     @classmethod
     def from_list(cls, values) -> "PendingDocument":
@@ -202,9 +203,10 @@ class WlbLlmPlanner(StepPlanner):
         per_replica = _micro_batches_per_replica(sum(lengths), context, parallel)
         micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
         fresh: list[PendingDocument] = []
-        for index, (length, level, (document, offset)) in enumerate(
-                zip(lengths, self._levels(lengths, context), sources)):
-            pending = PendingDocument(self.step, index, length, document, offset)
+        documents, offsets = map(operator.itemgetter(0), sources), map(operator.itemgetter(1), sources)
+        arrivals = map(tuple.__new__, itertools.repeat(PendingDocument),  # as PendingDocument(...), faster
+                       zip(itertools.repeat(self.step), itertools.count(), lengths, documents, offsets))
+        for pending, level in zip(arrivals, self._levels(lengths, context)):
             (fresh if level is None else self.queues[level]).append(pending)
         released = [self._release(queue, micro_batches, rates, capacity) for queue in self.queues]
         carried, self.carried = self.carried, []
@@ -251,7 +253,7 @@ class WlbLlmPlanner(StepPlanner):
                 else:
                     unfit.append(document)
             if unfit:
-                queue.extendleft(sorted(unfit, key=lambda d: (d.step, d.index), reverse=True))
+                queue.extendleft(sorted(unfit, key=lambda d: (d.step, d.position), reverse=True))
                 break
         return released
 
@@ -310,7 +312,7 @@ def pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatc
     (`compiled.pack_by_cost_targets`: a search packs a ~10^5-document batch per layout)."""
     if not documents:
         return []
-    lengths = np.fromiter((d.length for d in documents), dtype=np.int64, count=len(documents))
+    lengths = np.fromiter(map(_LENGTH, documents), dtype=np.int64, count=len(documents))
     as_float = lengths.astype(float)
     costs = rates.total(as_float, as_float * (as_float + 1) / 2)
     tokens = np.fromiter((mb.tokens for mb in micro_batches), dtype=np.int64, count=len(micro_batches))
