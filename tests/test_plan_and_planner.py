@@ -614,6 +614,23 @@ def test_replay_matches_a_fixed_point_reference(chain_lengths, pp, lead, seed):
                      rng.uniform(0, 0.3, m).tolist(), rng.uniform(0, 0.3, m).tolist(),
                      [[1.0] * m] * pp, [[1.0] * m] * pp, [float(pp)] * pp)
     assert replay(orders, work) == pytest.approx(relaxed_makespan(orders, work), rel=1e-12)
+    # The compiled replay of the targets these orders come from: the same to the last bit.
+    from megatron_slimpack.planner.orders import forward_targets, orders_of_targets, replay_targets
+
+    targets = forward_targets(forward_units, backward_units, warmups, chain_lead=lead)
+    assert orders_of_targets(targets) == orders
+    assert replay_targets(targets, work) == replay(orders, work)
+
+
+def test_a_replay_of_targets_that_wait_in_a_circle_is_refused():
+    """Stage 0 runs B0 before F0, which stage 1 needs before its B0: a circular wait."""
+    from megatron_slimpack.planner.orders import orders_of_targets, replay_targets
+
+    targets = np.array([[0], [1]])
+    assert orders_of_targets(targets) == [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
+    work = StageWork([[1.0], [1.0]], [[2.0], [2.0]], [0.1], [0.1], [[1.0]] * 2, [[1.0]] * 2, [2.0] * 2)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        replay_targets(targets, work)
 
 
 def test_a_chain_run_up_that_does_not_fit_is_shortened_until_it_does():

@@ -342,3 +342,92 @@ def next_fit_with_sand(cost_prefix: np.ndarray, token_prefix: np.ndarray, target
         count += 1
         start, small_end = end, sand
     return rows[:count]
+
+
+# ---- 1F1B replay (`orders.replay_targets`) ------------------------------------------------------
+
+
+@_jit
+def _stage_program(row: np.ndarray, forwards: int) -> np.ndarray:
+    """The order `orders_of_targets` makes of one stage's targets, as task codes: forward unit u
+    is u, backward unit v is -(v + 1)."""
+    program = np.empty(forwards + len(row), dtype=np.int64)
+    count = done = 0
+    for backward in range(len(row)):
+        target = row[backward]
+        while done < target:
+            program[count] = done
+            count += 1
+            done += 1
+        program[count] = -(backward + 1)
+        count += 1
+    while done < forwards:
+        program[count] = done
+        count += 1
+        done += 1
+    return program[:count]
+
+
+@_jit
+def replay_targets(targets: np.ndarray, forward_time: np.ndarray, backward_time: np.ndarray,
+                   forward_transfer: np.ndarray, backward_transfer: np.ndarray) -> float:
+    """Makespan of the stage orders `targets` describes (forwards F 0 .. max - 1, backwards in unit
+    order), run with blocking receives and non-blocking sends: `orders.replay` of
+    `orders_of_targets(targets)`, stage by stage in the same order with the same operations.
+    NaN where the stages wait on each other in a circle."""
+    pp = targets.shape[0]
+    forwards = targets.max() if targets.size else 0
+    programs = [_stage_program(targets[stage], forwards) for stage in range(pp)]
+    forward_end = np.full((pp, forward_time.shape[1]), np.nan)
+    backward_end = np.full((pp, backward_time.shape[1]), np.nan)
+    free_at = np.zeros(pp)
+    position = np.zeros(pp, dtype=np.int64)
+    pending = np.empty(pp, dtype=np.int64)  # a stack of stages to advance, each in it at most once
+    queued = np.zeros(pp, dtype=np.bool_)
+    top = 0
+    for stage in range(pp - 1, -1, -1):
+        pending[top] = stage
+        queued[stage] = True
+        top += 1
+    while top > 0:
+        top -= 1
+        stage = pending[top]
+        queued[stage] = False
+        program = programs[stage]
+        start = position[stage]
+        clock = free_at[stage]
+        done = start
+        while done < len(program):
+            task = program[done]
+            if task >= 0:
+                ready = 0.0
+                if stage > 0:
+                    ready = forward_end[stage - 1, task]
+                    if np.isnan(ready):
+                        break
+                    ready += forward_transfer[task]
+                clock = (clock if clock > ready else ready) + forward_time[stage, task]
+                forward_end[stage, task] = clock
+            else:
+                unit = -task - 1
+                ready = 0.0
+                if stage < pp - 1:
+                    ready = backward_end[stage + 1, unit]
+                    if np.isnan(ready):
+                        break
+                    ready += backward_transfer[unit]
+                clock = (clock if clock > ready else ready) + backward_time[stage, unit]
+                backward_end[stage, unit] = clock
+            done += 1
+        free_at[stage] = clock
+        position[stage] = done
+        if done > start:
+            for neighbour in (stage - 1, stage + 1):
+                if 0 <= neighbour < pp and not queued[neighbour]:
+                    pending[top] = neighbour
+                    queued[neighbour] = True
+                    top += 1
+    for stage in range(pp):
+        if position[stage] < len(programs[stage]):
+            return np.nan
+    return free_at.max()

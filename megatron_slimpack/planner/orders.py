@@ -12,6 +12,7 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -246,6 +247,18 @@ def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
     if any(position[stage] < len(orders[stage]) for stage in range(pp)):
         raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
     return max(free_at)
+
+
+def replay_targets(targets: np.ndarray, work: StageWork) -> float:
+    """`replay` of `orders_of_targets(targets)`, without building the orders (compiled: the
+    planner replays every candidate that fits memory, and only the chosen one's orders are used)."""
+    makespan = compiled.replay_targets(np.asarray(targets, dtype=np.int64), np.array(work.forward_time, dtype=float),
+                                       np.array(work.backward_time, dtype=float),
+                                       np.array(work.forward_transfer, dtype=float),
+                                       np.array(work.backward_transfer, dtype=float))
+    if math.isnan(makespan):
+        raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
+    return makespan
 
 
 # ---- interleaved 1F1B (virtual pipeline stages) -----------------------------------------------
