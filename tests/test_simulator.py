@@ -408,6 +408,12 @@ def python_list_schedule(graph):
         for before, after in zip(program, program[1:]):
             program_next[before].append(after)
             missing[after] += 1
+    releases = []  # per task: the same-stage backward units a forward unit releases, as id offsets
+    for rc in graph.replicas:
+        own = [[] for _ in range(rc.num_forward)]
+        for unit, needed in enumerate(rc.needs_forward):
+            own[needed].append(rc.num_forward - needed + unit)
+        releases += (own + [[]] * rc.num_backward) * graph.vstages
     ready_at, chain_ready = [0.0] * n, [0.0] * n
     start, end, chain_end = [0.0] * n, [0.0] * n, [0.0] * n
     link_free = [0.0] * (2 * graph.dp * graph.pp)
@@ -419,7 +425,7 @@ def python_list_schedule(graph):
         finished = end[task] = ready_at[task] + graph.duration[task]
         chain = chain_end[task] = chain_ready[task] + graph.duration[task]
         arrivals = [(after, finished, None) for after in program_next[task]]
-        arrivals += [(task + offset, finished, chain) for offset in graph.releases[task]]
+        arrivals += [(task + offset, finished, chain) for offset in releases[task]]
         offset = graph.send_offset[task]
         if offset:
             seconds, link = graph.send_seconds[task], offset < 0

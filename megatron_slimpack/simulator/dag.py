@@ -435,21 +435,31 @@ class _Graph:
         self.unit_of: list[int] = []
         self.duration: list[float] = []
         self.devices: list[tuple[int, ...]] = []
-        # Data successors, as task-id offsets so the hot loop does no index arithmetic:
-        # same-stage backward units a forward unit releases, and the p2p send (or none).
-        self.releases: list[list[int]] = []
+        # Data successors as flat arrays (each task's run: `*_start[t]:*_start[t + 1]`), built per
+        # replica by array: a 150B plan has millions of tasks. Releases are task-id offsets, so the
+        # hot loop does no index arithmetic: the same-stage backward units a forward unit releases.
+        release_counts: list[np.ndarray] = []
+        release_offsets: list[np.ndarray] = []
+        device_counts: list[np.ndarray] = []
+        device_ids: list[np.ndarray] = []
         self.send_offset: list[int] = []  # +stride (F downstream), -stride (B upstream), 0: none
         self.send_seconds: list[float] = []
         total = 0
         for rc in self.replicas:
             self.offset.append(total)
             stride = rc.num_forward + rc.num_backward
-            releases: list[list[int]] = [[] for _ in range(rc.num_forward)]
-            for unit, needed in enumerate(rc.needs_forward):
-                releases[needed].append(rc.num_forward - needed + unit)
-            no_releases: list[list[int]] = [[]] * rc.num_backward
+            # forward u releases the backward units that need it last, in unit order: the same on
+            # every virtual stage
+            needs = np.asarray(rc.needs_forward, dtype=np.int64)
+            by_need = np.argsort(needs, kind="stable")
+            counts = np.concatenate([np.bincount(needs, minlength=rc.num_forward), np.zeros(rc.num_backward, np.int64)])
+            release_counts.append(np.tile(counts, vstages))
+            release_offsets.append(np.tile(rc.num_forward - needs[by_need] + by_need, vstages))
+            device_counts.append(np.full(stride * vstages, len(rc.ranks), dtype=np.int64))
             for vstage in range(vstages):
                 last = vstage == vstages - 1
+                devices = tuple(r * pp + vstage % pp for r in rc.ranks)
+                device_ids.append(np.tile(np.asarray(devices, dtype=np.int64), stride))
                 for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
                                                  (True, rc.num_backward, rc.backward_unit[last])):
                     self.replica_of += [rc.index] * count
@@ -457,12 +467,16 @@ class _Graph:
                     self.is_backward += [backward] * count
                     self.unit_of += range(count)
                     self.duration += seconds
-                    self.devices += [tuple(r * pp + vstage % pp for r in rc.ranks)] * count
+                    self.devices += [devices] * count
                     sends = (vstage > 0) if backward else not last
                     self.send_offset += [(-stride if backward else stride) if sends else 0] * count
                     self.send_seconds += rc.backward_p2p if backward else rc.forward_p2p
-                self.releases += releases + no_releases
             total += stride * vstages
+        empty = [np.zeros(0, dtype=np.int64)]
+        self.release_start = _csr_starts(np.concatenate(release_counts + empty))
+        self.release_offsets = np.concatenate(release_offsets + empty)
+        self.device_start = _csr_starts(np.concatenate(device_counts + empty))
+        self.device_ids = np.concatenate(device_ids + empty)
         self.num_tasks = total
         self.programs = self._programs()
 
@@ -531,6 +545,9 @@ class _Graph:
         return f"rank {rank} stage {stage}" if self.dp > 1 else f"stage {stage}"
 
 
+_KIND_CODES = {"F": 0, "B": 1}  # a stage order's task kinds; anything else is not a task
+
+
 def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) -> list[int] | None:
     """The task ids of a stage's order (`firsts`: each chunk's first task on the stage), or None
     where it does not run each of its chunks' units exactly once (the caller says which rule it
@@ -540,17 +557,21 @@ def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) ->
     if count != len(firsts) * (num_forward + num_backward):
         return None
     try:
-        kinds = list(map(operator.itemgetter(0), order))
+        kinds = np.fromiter(map(_KIND_CODES.get, map(operator.itemgetter(0), order), itertools.repeat(-1)),
+                            dtype=np.int64, count=count)
         units = np.fromiter(map(operator.itemgetter(1), order), dtype=np.int64, count=count)
         sizes = np.fromiter(map(len, order), dtype=np.int64, count=count)
-        chunks = (np.fromiter(map(operator.itemgetter(2), order), dtype=np.int64, count=count)
-                  if (sizes == 3).all() else np.fromiter(map(task_chunk, order), dtype=np.int64, count=count))
+        if (sizes == 3).all():  # (kind, unit, chunk)
+            chunks = np.fromiter(map(operator.itemgetter(2), order), dtype=np.int64, count=count)
+        elif (sizes == 2).all():  # (kind, unit): chunk 0
+            chunks = np.zeros(count, dtype=np.int64)
+        else:
+            chunks = np.fromiter(map(task_chunk, order), dtype=np.int64, count=count)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    backward = np.fromiter(map("B".__eq__, kinds), dtype=bool, count=count)
-    forward = np.fromiter(map("F".__eq__, kinds), dtype=bool, count=count)
+    backward = kinds == 1
     limits = np.where(backward, num_backward, num_forward)
-    if (not (forward | backward).all() or (units < 0).any() or (units >= limits).any() or (chunks < 0).any()
+    if ((kinds < 0).any() or (units < 0).any() or (units >= limits).any() or (chunks < 0).any()
             or (chunks >= len(firsts)).any()):
         return None
     tasks = firsts[chunks] + backward * num_forward + units
@@ -587,11 +608,8 @@ def _run(graph: _Graph) -> _Schedule:
     program_next = after[np.argsort(before, kind="stable")]
     start, end, chain_end, sent_by, sent_at, arrived_at, done = list_schedule(
         np.asarray(graph.duration, dtype=float), missing, _csr_starts(np.bincount(before, minlength=n)),
-        program_next, _csr_starts(np.fromiter(map(len, graph.releases), dtype=np.int64, count=n)),
-        np.fromiter(itertools.chain.from_iterable(graph.releases), dtype=np.int64),
-        np.asarray(graph.send_offset, dtype=np.int64), np.asarray(graph.send_seconds, dtype=float),
-        _csr_starts(np.fromiter(map(len, graph.devices), dtype=np.int64, count=n)),
-        np.fromiter(itertools.chain.from_iterable(graph.devices), dtype=np.int64), 2 * graph.dp * graph.pp)
+        program_next, graph.release_start, graph.release_offsets, np.asarray(graph.send_offset, dtype=np.int64),
+        np.asarray(graph.send_seconds, dtype=float), graph.device_start, graph.device_ids, 2 * graph.dp * graph.pp)
     if done < n:
         raise _deadlock(graph, (missing == 0).tolist())
     return _Schedule(start.tolist(), end.tolist(), chain_end.tolist(),
