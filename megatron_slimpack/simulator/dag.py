@@ -485,9 +485,10 @@ class _Graph:
         return (self.offset[replica] + vstage * (rc.num_forward + rc.num_backward)
                 + (rc.num_forward if backward else 0) + unit)
 
-    def _programs(self) -> list[list[int]]:
+    def _programs(self) -> list[np.ndarray]:
+        """Each device's task ids in program order."""
         position = {id(r): i for i, r in enumerate(self.plan.replicas)}
-        programs: list[list[int]] = [[] for _ in range(self.dp * self.pp)]
+        programs: list[list[np.ndarray]] = [[] for _ in range(self.dp * self.pp)]
         for index, replica in enumerate(self.plan.replicas):
             if not replica.dp_ranks or not all(0 <= rank < self.dp for rank in replica.dp_ranks):
                 raise SimulationError(f"replica plan {index} has dp_ranks {replica.dp_ranks}, outside 0..{self.dp - 1}")
@@ -498,10 +499,10 @@ class _Graph:
                     raise SimulationError(
                         f"replica plan {index} has {len(replica.stage_orders)} stage orders for pp={self.pp}")
                 for stage, order in enumerate(replica.stage_orders):
-                    programs[rank * self.pp + stage] += self._stage_tasks(index, stage, order)
-        return programs
+                    programs[rank * self.pp + stage].append(self._stage_tasks(index, stage, order))
+        return [np.concatenate(parts + [np.zeros(0, dtype=np.int64)]) for parts in programs]
 
-    def _stage_tasks(self, index: int, stage: int, order) -> list[int]:
+    def _stage_tasks(self, index: int, stage: int, order) -> np.ndarray:
         rc = self.replicas[index]
         firsts = np.array([self.task(index, chunk * self.pp + stage, False, 0) for chunk in range(self.vpp)])
         tasks = _task_ids(order, firsts, rc.num_forward, rc.num_backward)
@@ -548,7 +549,7 @@ class _Graph:
 _KIND_CODES = {"F": 0, "B": 1}  # a stage order's task kinds; anything else is not a task
 
 
-def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) -> list[int] | None:
+def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) -> np.ndarray | None:
     """The task ids of a stage's order (`firsts`: each chunk's first task on the stage), or None
     where it does not run each of its chunks' units exactly once (the caller says which rule it
     breaks). Vectorised: a 256K plan has 10^5 tasks per stage and is simulated for every layout
@@ -578,7 +579,7 @@ def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) ->
     local = (chunks * (num_forward + num_backward) + backward * num_forward + units)
     if (np.bincount(local, minlength=count) != 1).any():  # a task twice, so another missing
         return None
-    return tasks.tolist()
+    return tasks
 
 
 @dataclass
@@ -600,7 +601,7 @@ def _run(graph: _Graph) -> _Schedule:
     # Data inputs not yet arrived: F needs the previous stage; B needs the next stage (if any)
     # and its forward unit on this stage. Plus one per device where a task is not first.
     missing = np.where(is_backward, 1 + (stage_of < vstages - 1), stage_of > 0).astype(np.int64)
-    programs = [np.asarray(program, dtype=np.int64) for program in graph.programs]
+    programs = graph.programs
     before = np.concatenate([program[:-1] for program in programs] + [np.zeros(0, dtype=np.int64)])
     after = np.concatenate([program[1:] for program in programs] + [np.zeros(0, dtype=np.int64)])
     missing += np.bincount(after, minlength=n)
