@@ -243,7 +243,8 @@ def can_grow(failure: DoesNotFit, lengths: list[int], smallest_micropack: int, l
 
 class _BatchPlanning:
     """One planning of the batch on a view, with a MicroPack cap and merge group sizes. Every
-    replica is planned even after one fails, so all failures are grown at once."""
+    replica is planned even after one fails, so all failures are grown at once; a failure that
+    cannot grow ends it (`_stop_if_final`)."""
 
     def __init__(self, search: SlimPackSearch, view: ParallelConfig, token_cap: int, group_ranks: np.ndarray,
                  leaner_level: int = len(LEANER_SCHEDULES), cut_short: bool = False):
