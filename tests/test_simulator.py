@@ -429,8 +429,10 @@ def python_list_schedule(graph):
         offset = graph.send_offset[task]
         if offset:
             seconds, link = graph.send_seconds[task], offset < 0
-            sent = max([finished] + [link_free[2 * device + link] for device in graph.devices[task]])
-            for device in graph.devices[task]:
+            stage = graph.stage_of[task] % graph.pp
+            devices = [rank * graph.pp + stage for rank in graph.replicas[graph.replica_of[task]].ranks]
+            sent = max([finished] + [link_free[2 * device + link] for device in devices])
+            for device in devices:
                 link_free[2 * device + link] = sent + seconds
             if seconds > 0:
                 transfers.append((task, sent, sent + seconds))

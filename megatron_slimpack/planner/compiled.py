@@ -344,44 +344,48 @@ def next_fit_with_sand(cost_prefix: np.ndarray, token_prefix: np.ndarray, target
     return rows[:count]
 
 
-# ---- 1F1B replay (`orders.replay_targets`) ------------------------------------------------------
+# ---- 1F1B replay (`orders.replay`, `orders.replay_targets`) -------------------------------------
 
 
 @_jit
-def _stage_program(row: np.ndarray, forwards: int) -> np.ndarray:
-    """The order `orders_of_targets` makes of one stage's targets, as task codes: forward unit u
-    is u, backward unit v is -(v + 1)."""
-    program = np.empty(forwards + len(row), dtype=np.int64)
-    count = done = 0
-    for backward in range(len(row)):
-        target = row[backward]
-        while done < target:
-            program[count] = done
+def programs_of_targets(targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The stage orders `orders_of_targets` makes of `targets` (forwards F 0 .. max - 1, before
+    backward b the forwards up to targets[s][b], then any left), as `replay_programs` reads them:
+    (each stage's start in `codes`, and the end; the task codes)."""
+    pp, backwards = targets.shape
+    forwards = targets.max() if targets.size else 0
+    starts = np.arange(pp + 1) * (forwards + backwards)
+    codes = np.empty(pp * (forwards + backwards), dtype=np.int64)
+    count = 0
+    for stage in range(pp):
+        done = 0
+        for backward in range(backwards):
+            while done < targets[stage, backward]:
+                codes[count] = done
+                count += 1
+                done += 1
+            codes[count] = -(backward + 1)
+            count += 1
+        while done < forwards:
+            codes[count] = done
             count += 1
             done += 1
-        program[count] = -(backward + 1)
-        count += 1
-    while done < forwards:
-        program[count] = done
-        count += 1
-        done += 1
-    return program[:count]
+    return starts, codes
 
 
 @_jit
-def replay_targets(targets: np.ndarray, forward_time: np.ndarray, backward_time: np.ndarray,
-                   forward_transfer: np.ndarray, backward_transfer: np.ndarray) -> float:
-    """Makespan of the stage orders `targets` describes (forwards F 0 .. max - 1, backwards in unit
-    order), run with blocking receives and non-blocking sends: `orders.replay` of
-    `orders_of_targets(targets)`, stage by stage in the same order with the same operations.
-    NaN where the stages wait on each other in a circle."""
-    pp = targets.shape[0]
-    forwards = targets.max() if targets.size else 0
-    programs = [_stage_program(targets[stage], forwards) for stage in range(pp)]
+def replay_programs(starts: np.ndarray, codes: np.ndarray, forward_time: np.ndarray, backward_time: np.ndarray,
+                    forward_transfer: np.ndarray, backward_transfer: np.ndarray) -> float:
+    """Makespan of stage orders run with blocking receives and non-blocking sends. Stage s runs
+    `codes[starts[s]:starts[s + 1]]`: forward unit u is u, backward unit v is -(v + 1). A stage
+    runs until it waits on a neighbour; only a neighbour's progress can unblock it, so only those
+    are revisited (a sweep over all stages per step is quadratic on deep pipelines). NaN where the
+    stages wait on each other in a circle."""
+    pp = len(starts) - 1
     forward_end = np.full((pp, forward_time.shape[1]), np.nan)
     backward_end = np.full((pp, backward_time.shape[1]), np.nan)
     free_at = np.zeros(pp)
-    position = np.zeros(pp, dtype=np.int64)
+    position = starts[:-1].copy()
     pending = np.empty(pp, dtype=np.int64)  # a stack of stages to advance, each in it at most once
     queued = np.zeros(pp, dtype=np.bool_)
     top = 0
@@ -393,12 +397,11 @@ def replay_targets(targets: np.ndarray, forward_time: np.ndarray, backward_time:
         top -= 1
         stage = pending[top]
         queued[stage] = False
-        program = programs[stage]
         start = position[stage]
         clock = free_at[stage]
         done = start
-        while done < len(program):
-            task = program[done]
+        while done < starts[stage + 1]:
+            task = codes[done]
             if task >= 0:
                 ready = 0.0
                 if stage > 0:
@@ -428,6 +431,6 @@ def replay_targets(targets: np.ndarray, forward_time: np.ndarray, backward_time:
                     queued[neighbour] = True
                     top += 1
     for stage in range(pp):
-        if position[stage] < len(programs[stage]):
+        if position[stage] < starts[stage + 1]:
             return np.nan
     return free_at.max()

@@ -196,66 +196,25 @@ def peak_in_flight(orders: list[list[tuple[str, int]]], work: StageWork) -> list
 
 
 def replay(orders: list[list[tuple[str, int]]], work: StageWork) -> float:
-    """Makespan of running `orders` with blocking receives and non-blocking sends."""
-    pp = len(orders)
-    forward_end: list[list[float | None]] = [[None] * len(work.forward_transfer) for _ in range(pp)]
-    backward_end: list[list[float | None]] = [[None] * len(work.backward_transfer) for _ in range(pp)]
-    free_at = [0.0] * pp
-    position = [0] * pp
-    ready: float | None  # when a task's input arrives; None: not yet
-    # A stage runs until it waits on a neighbour; only a neighbour's progress can unblock it, so
-    # only those are revisited (a sweep over all stages per step is quadratic on deep pipelines).
-    pending = list(range(pp - 1, -1, -1))
-    queued = set(pending)
-    while pending:
-        stage = pending.pop()
-        queued.discard(stage)
-        order, start, clock = orders[stage], position[stage], free_at[stage]
-        upstream = forward_end[stage - 1] if stage > 0 else None
-        downstream = backward_end[stage + 1] if stage < pp - 1 else None
-        forward_time, backward_time = work.forward_time[stage], work.backward_time[stage]
-        done, length = start, len(order)
-        while done < length:
-            kind, unit = order[done]
-            if kind == "F":
-                if upstream is None:
-                    ready = 0.0
-                else:
-                    ready = upstream[unit]
-                    if ready is None:
-                        break
-                    ready += work.forward_transfer[unit]
-                clock = (clock if clock > ready else ready) + forward_time[unit]
-                forward_end[stage][unit] = clock
-            else:
-                if downstream is None:
-                    ready = 0.0
-                else:
-                    ready = downstream[unit]
-                    if ready is None:
-                        break
-                    ready += work.backward_transfer[unit]
-                clock = (clock if clock > ready else ready) + backward_time[unit]
-                backward_end[stage][unit] = clock
-            done += 1
-        free_at[stage], position[stage] = clock, done
-        if done > start:
-            for neighbour in (stage - 1, stage + 1):
-                if 0 <= neighbour < pp and neighbour not in queued:
-                    pending.append(neighbour)
-                    queued.add(neighbour)
-    if any(position[stage] < len(orders[stage]) for stage in range(pp)):
-        raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
-    return max(free_at)
+    """Makespan of running `orders` with blocking receives and non-blocking sends (the loop is
+    `compiled.replay_programs`)."""
+    codes = [np.fromiter((unit if kind == "F" else -unit - 1 for kind, unit in order), dtype=np.int64,
+                         count=len(order)) for order in orders]
+    starts = np.concatenate([[0], np.cumsum([len(order) for order in orders])]).astype(np.int64)
+    return _replayed(starts, np.concatenate(codes + [np.zeros(0, dtype=np.int64)]), work)
 
 
 def replay_targets(targets: np.ndarray, work: StageWork) -> float:
-    """`replay` of `orders_of_targets(targets)`, without building the orders (compiled: the
-    planner replays every candidate that fits memory, and only the chosen one's orders are used)."""
-    makespan = compiled.replay_targets(np.asarray(targets, dtype=np.int64), np.array(work.forward_time, dtype=float),
-                                       np.array(work.backward_time, dtype=float),
-                                       np.array(work.forward_transfer, dtype=float),
-                                       np.array(work.backward_transfer, dtype=float))
+    """`replay` of `orders_of_targets(targets)`, without building the orders: the planner replays
+    every candidate that fits memory, and only the chosen one's orders are used."""
+    return _replayed(*compiled.programs_of_targets(np.asarray(targets, dtype=np.int64)), work)
+
+
+def _replayed(starts: np.ndarray, codes: np.ndarray, work: StageWork) -> float:
+    makespan = compiled.replay_programs(starts, codes, np.array(work.forward_time, dtype=float),
+                                        np.array(work.backward_time, dtype=float),
+                                        np.array(work.forward_transfer, dtype=float),
+                                        np.array(work.backward_transfer, dtype=float))
     if math.isnan(makespan):
         raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
     return makespan

@@ -434,7 +434,6 @@ class _Graph:
         self.is_backward: list[bool] = []
         self.unit_of: list[int] = []
         self.duration: list[float] = []
-        self.devices: list[tuple[int, ...]] = []
         # Data successors as flat arrays (each task's run: `*_start[t]:*_start[t + 1]`), built per
         # replica by array: a 150B plan has millions of tasks. Releases are task-id offsets, so the
         # hot loop does no index arithmetic: the same-stage backward units a forward unit releases.
@@ -458,8 +457,8 @@ class _Graph:
             device_counts.append(np.full(stride * vstages, len(rc.ranks), dtype=np.int64))
             for vstage in range(vstages):
                 last = vstage == vstages - 1
-                devices = tuple(r * pp + vstage % pp for r in rc.ranks)
-                device_ids.append(np.tile(np.asarray(devices, dtype=np.int64), stride))
+                devices = np.asarray(rc.ranks, dtype=np.int64) * pp + vstage % pp
+                device_ids.append(np.tile(devices, stride))
                 for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
                                                  (True, rc.num_backward, rc.backward_unit[last])):
                     self.replica_of += [rc.index] * count
@@ -467,7 +466,6 @@ class _Graph:
                     self.is_backward += [backward] * count
                     self.unit_of += range(count)
                     self.duration += seconds
-                    self.devices += [devices] * count
                     sends = (vstage > 0) if backward else not last
                     self.send_offset += [(-stride if backward else stride) if sends else 0] * count
                     self.send_seconds += rc.backward_p2p if backward else rc.forward_p2p
@@ -479,6 +477,10 @@ class _Graph:
         self.device_ids = np.concatenate(device_ids + empty)
         self.num_tasks = total
         self.programs = self._programs()
+
+    def devices_of(self, task: int) -> list[int]:
+        """The devices a task occupies (several for a DP-Merge group's)."""
+        return self.device_ids[self.device_start[task]:self.device_start[task + 1]].tolist()
 
     def task(self, replica: int, vstage: int, backward: bool, unit: int) -> int:
         rc = self.replicas[replica]
@@ -636,14 +638,14 @@ def _deadlock(graph: _Graph, finished: list[bool]) -> SimulationError:
         for needed in graph.data_predecessors(task):
             if not finished[needed]:
                 return needed, "waits for"
-        for device in graph.devices[task]:
+        for device in graph.devices_of(task):
             if head_of.get(device) != task:
                 return head_of[device], f"waits for {graph.device_name(device)} to finish"
         raise AssertionError("a task with all inputs done and at the head of its devices was not run")
 
     def head_before(task: int) -> int | None:
         """If `task` is not yet at the head of one of its devices, the head it waits behind."""
-        for device in graph.devices[task]:
+        for device in graph.devices_of(task):
             if head_of.get(device) != task:
                 return head_of[device]
         return None
