@@ -414,6 +414,11 @@ def _unit_index(units: list[list[int]], count: int, what: str) -> np.ndarray:
 
 
 # ---- the task graph ----------------------------------------------------------------------------
+# A task's fields in `_Graph` (one flat array each) and their dtypes.
+_TASK_FIELDS = {"replica_of": np.int64, "stage_of": np.int64, "is_backward": bool, "unit_of": np.int64,
+                "duration": float, "send_offset": np.int64, "send_seconds": float}
+
+
 class _Graph:
     """Tasks are integers: replica r's virtual stage v task list starts at offset[r] + v * (nF + nB);
     F u is at +u, B v at +nF+v. Virtual stage v runs on stage v % pp (chunk v // pp); devices are
@@ -429,20 +434,16 @@ class _Graph:
         self.replicas = [_replica_costs(i, r, plan, cost, self.slice_figures)
                          for i, r in enumerate(plan.replicas)]
         self.offset: list[int] = []
-        self.replica_of: list[int] = []
-        self.stage_of: list[int] = []
-        self.is_backward: list[bool] = []
-        self.unit_of: list[int] = []
-        self.duration: list[float] = []
+        # Per task, as flat arrays built a block (replica, virtual stage, kind) at a time: a 150B
+        # plan has millions of tasks.
+        blocks: dict[str, list[np.ndarray]] = {name: [] for name in _TASK_FIELDS}
         # Data successors as flat arrays (each task's run: `*_start[t]:*_start[t + 1]`), built per
-        # replica by array: a 150B plan has millions of tasks. Releases are task-id offsets, so the
-        # hot loop does no index arithmetic: the same-stage backward units a forward unit releases.
+        # replica by array. Releases are task-id offsets, so the hot loop does no index
+        # arithmetic: the same-stage backward units a forward unit releases.
         release_counts: list[np.ndarray] = []
         release_offsets: list[np.ndarray] = []
         device_counts: list[np.ndarray] = []
         device_ids: list[np.ndarray] = []
-        self.send_offset: list[int] = []  # +stride (F downstream), -stride (B upstream), 0: none
-        self.send_seconds: list[float] = []
         total = 0
         for rc in self.replicas:
             self.offset.append(total)
@@ -461,15 +462,26 @@ class _Graph:
                 device_ids.append(np.tile(devices, stride))
                 for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
                                                  (True, rc.num_backward, rc.backward_unit[last])):
-                    self.replica_of += [rc.index] * count
-                    self.stage_of += [vstage] * count
-                    self.is_backward += [backward] * count
-                    self.unit_of += range(count)
-                    self.duration += seconds
                     sends = (vstage > 0) if backward else not last
-                    self.send_offset += [(-stride if backward else stride) if sends else 0] * count
-                    self.send_seconds += rc.backward_p2p if backward else rc.forward_p2p
+                    blocks["replica_of"].append(np.full(count, rc.index, dtype=np.int64))
+                    blocks["stage_of"].append(np.full(count, vstage, dtype=np.int64))
+                    blocks["is_backward"].append(np.full(count, backward, dtype=bool))
+                    blocks["unit_of"].append(np.arange(count, dtype=np.int64))
+                    blocks["duration"].append(np.asarray(seconds, dtype=float))
+                    blocks["send_offset"].append(
+                        np.full(count, (-stride if backward else stride) if sends else 0, dtype=np.int64))
+                    blocks["send_seconds"].append(
+                        np.asarray(rc.backward_p2p if backward else rc.forward_p2p, dtype=float))
             total += stride * vstages
+        fields = {name: np.concatenate(parts + [np.zeros(0, dtype=dtype)])
+                  for (name, dtype), parts in zip(_TASK_FIELDS.items(), blocks.values())}
+        self.replica_of: np.ndarray = fields["replica_of"]
+        self.stage_of: np.ndarray = fields["stage_of"]
+        self.is_backward: np.ndarray = fields["is_backward"]
+        self.unit_of: np.ndarray = fields["unit_of"]
+        self.duration: np.ndarray = fields["duration"]
+        self.send_offset: np.ndarray = fields["send_offset"]  # +stride (F downstream), -stride (B upstream), 0: none
+        self.send_seconds: np.ndarray = fields["send_seconds"]
         empty = [np.zeros(0, dtype=np.int64)]
         self.release_start = _csr_starts(np.concatenate(release_counts + empty))
         self.release_offsets = np.concatenate(release_offsets + empty)
@@ -522,8 +534,12 @@ class _Graph:
             f"replica plan {index} stage {stage} order must run each of its {rc.num_forward} forward and "
             f"{rc.num_backward} backward units exactly once{chunks}")
 
+    def where(self, task: int) -> tuple[int, int, int]:
+        """(replica, virtual stage, unit) of a task, as ints."""
+        return int(self.replica_of[task]), int(self.stage_of[task]), int(self.unit_of[task])
+
     def data_predecessors(self, task: int) -> list[int]:
-        replica, stage, unit = self.replica_of[task], self.stage_of[task], self.unit_of[task]
+        replica, stage, unit = self.where(task)
         if not self.is_backward[task]:
             return [self.task(replica, stage - 1, False, unit)] if stage > 0 else []
         needed = [self.task(replica, stage, False, self.replicas[replica].needs_forward[unit])]
@@ -532,9 +548,10 @@ class _Graph:
         return needed
 
     def name(self, task: int) -> str:
-        rc = self.replicas[self.replica_of[task]]
+        replica, vstage, unit = self.where(task)
+        rc = self.replicas[replica]
         kind = "B" if self.is_backward[task] else "F"
-        where = f"{self.stage_name(self.stage_of[task])} {kind}{self.unit_of[task]}"
+        where = f"{self.stage_name(vstage)} {kind}{unit}"
         if len(rc.ranks) > 1:
             return f"merge group ranks {rc.ranks} {where}"
         return f"rank {rc.ranks[0]} {where}" if self.dp > 1 else where
@@ -598,8 +615,7 @@ def _run(graph: _Graph) -> _Schedule:
     backward units that need it on its stage; p2p sends to the neighbouring stage). The loop is
     `compiled.list_schedule`, over the graph as flat arrays."""
     n, vstages = graph.num_tasks, graph.vstages
-    stage_of = np.asarray(graph.stage_of, dtype=np.int64)
-    is_backward = np.asarray(graph.is_backward, dtype=bool)
+    stage_of, is_backward = graph.stage_of, graph.is_backward
     # Data inputs not yet arrived: F needs the previous stage; B needs the next stage (if any)
     # and its forward unit on this stage. Plus one per device where a task is not first.
     missing = np.where(is_backward, 1 + (stage_of < vstages - 1), stage_of > 0).astype(np.int64)
@@ -610,9 +626,9 @@ def _run(graph: _Graph) -> _Schedule:
     # Each task's program successors in the order of the devices' programs (stable sort).
     program_next = after[np.argsort(before, kind="stable")]
     start, end, chain_end, sent_by, sent_at, arrived_at, done = list_schedule(
-        np.asarray(graph.duration, dtype=float), missing, _csr_starts(np.bincount(before, minlength=n)),
-        program_next, graph.release_start, graph.release_offsets, np.asarray(graph.send_offset, dtype=np.int64),
-        np.asarray(graph.send_seconds, dtype=float), graph.device_start, graph.device_ids, 2 * graph.dp * graph.pp)
+        graph.duration, missing, _csr_starts(np.bincount(before, minlength=n)), program_next, graph.release_start,
+        graph.release_offsets, graph.send_offset, graph.send_seconds, graph.device_start, graph.device_ids,
+        2 * graph.dp * graph.pp)
     if done < n:
         raise _deadlock(graph, (missing == 0).tolist())
     return _Schedule(start.tolist(), end.tolist(), chain_end.tolist(),
@@ -772,9 +788,9 @@ def _last_micropack_start(graph: _Graph, task: int, start: float, end: float) ->
     """When the last MicroPack of backward `task` starts. The runtime runs a unit's earlier
     MicroPacks inside DDP's no_sync (runtime/pipeline/schedule.py), so only the last one's backward makes
     gradients ready for the overlapped reduction."""
-    rc = graph.replicas[graph.replica_of[task]]
-    last_stage = graph.stage_of[task] == graph.vstages - 1
-    unit = graph.unit_of[task]
+    rc = graph.replicas[int(graph.replica_of[task])]
+    last_stage = bool(graph.stage_of[task] == graph.vstages - 1)
+    unit = int(graph.unit_of[task])
     whole = rc.backward_unit[last_stage][unit]
     share = rc.backward_mp[last_stage][rc.replica.backward_units[unit][-1]] / whole if whole > 0 else 1.0
     return end - share * (end - start)
@@ -783,9 +799,9 @@ def _last_micropack_start(graph: _Graph, task: int, start: float, end: float) ->
 def _last_backwards(graph: _Graph, device: int) -> dict[int, int]:
     """model chunk -> the last backward task of that chunk on the device."""
     lasts: dict[int, int] = {}
-    for task in reversed(graph.programs[device]):
+    for task in map(int, reversed(graph.programs[device])):  # the last ones are near the end
         if graph.is_backward[task]:
-            lasts.setdefault(graph.stage_of[task] // graph.pp, task)
+            lasts.setdefault(int(graph.stage_of[task]) // graph.pp, task)
             if len(lasts) == graph.vpp:
                 break
     return lasts
@@ -799,19 +815,21 @@ def _max_over_mean(values: list[float]) -> float:
 def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRecord]:
     records = []
     pp = graph.pp
+    replica_of, stage_of, unit_of = graph.replica_of.tolist(), graph.stage_of.tolist(), graph.unit_of.tolist()
+    is_backward = graph.is_backward.tolist()
     for task in range(graph.num_tasks):
-        replica, unit = graph.replica_of[task], graph.unit_of[task]
-        chunk, stage = divmod(graph.stage_of[task], pp)
-        kind = "B" if graph.is_backward[task] else "F"
+        replica, unit = replica_of[task], unit_of[task]
+        chunk, stage = divmod(stage_of[task], pp)
+        kind = "B" if is_backward[task] else "F"
         ranks = graph.replicas[replica].ranks
         detail = f"merge group {ranks}" if len(ranks) > 1 else ""
         for rank in ranks:
             records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task],
                                       detail, chunk))
     for task, began, finished in schedule.transfers:
-        replica, vstage, unit = graph.replica_of[task], graph.stage_of[task], graph.unit_of[task]
+        replica, vstage, unit = replica_of[task], stage_of[task], unit_of[task]
         chunk, stage = divmod(vstage, pp)
-        detail = (f"B {stage}->{(vstage - 1) % pp}" if graph.is_backward[task] else f"F {stage}->{(vstage + 1) % pp}")
+        detail = (f"B {stage}->{(vstage - 1) % pp}" if is_backward[task] else f"F {stage}->{(vstage + 1) % pp}")
         for rank in graph.replicas[replica].ranks:
             records.append(TaskRecord(rank, stage, replica, "P2P", unit, began, finished, detail, chunk))
     for stage, began, finished in reduce_windows:

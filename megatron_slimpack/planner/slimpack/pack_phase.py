@@ -553,6 +553,6 @@ def pipeline_estimate(work: StageWork) -> float:
 
 __all__ = [
     "PackOptions", "cut_document", "pack_micropacks", "segment_units", "MicroPackCosts",
-    "UnitCandidate", "OrderedCandidate", "pipeline_estimate",
+    "UnitCandidate", "OrderedCandidate", "InterleavedCandidate", "pipeline_estimate",
     "causal_pairs",
 ]

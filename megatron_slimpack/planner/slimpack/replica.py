@@ -16,7 +16,15 @@ from ..outcomes import DoesNotFit, ReplicaOutcome
 from ..work import WorkRates
 from .ladder import SizeLadder
 from .memory import activation_budget
-from .pack_phase import MicroPackCosts, PackOptions, SortedSamples, UnitCandidate, pack_micropacks
+from .pack_phase import (
+    InterleavedCandidate,
+    MicroPackCosts,
+    OrderedCandidate,
+    PackOptions,
+    SortedSamples,
+    UnitCandidate,
+    pack_micropacks,
+)
 
 
 def unit_candidates(pp: int, micropacks: int) -> list[int]:
@@ -112,7 +120,9 @@ class ReplicaSearch:
         self.fitting_levels: set[int] = set()  # the leaner levels (0: Megatron's) of schedules that fit
         self.cost, self.parallel, self.symmetric = cost, parallel, symmetric
         self.dp_ranks, self.budget = dp_ranks, budget
-        self.best: tuple[ReplicaPlan, ReplicaOutcome] | None = None
+        # The fastest fitting schedule so far: its candidate (orders built only for the last one,
+        # `finish`: the best improves many times in a search of thousands of MicroPacks) and outcome.
+        self.best: tuple[OrderedCandidate | InterleavedCandidate, ReplicaOutcome] | None = None
         self.leanest: Leanest | None = None  # the smallest need seen
         self._leanest_of_size: Leanest | None = None  # the smallest need seen at the size being tried
         self._walk: Iterator[int] = iter(())  # the sizes left to try (`follow`)
@@ -136,8 +146,8 @@ class ReplicaSearch:
             pass
         if self.best is None:
             raise self.does_not_fit(samples)
-        replica, outcome = self.best
-        return replica, replace(outcome, leaner_level=min(self.fitting_levels))
+        chosen, outcome = self.best
+        return chosen.replica, replace(outcome, leaner_level=min(self.fitting_levels))
 
     @property
     def best_makespan_s(self) -> float | None:
@@ -268,7 +278,7 @@ class ReplicaSearch:
         self.fitting_levels.add(leaner_level)
         if self.best is None or result.makespan_s < self.best[1].makespan_s:
             outcome = ReplicaOutcome(tuple(self.dp_ranks), float(result.makespan_s), micropack_tokens, units)
-            self.best = (result.replica, outcome)
+            self.best = (result, outcome)
         return True
 
     def _note_leanest(self, need: Leanest | None) -> None:
