@@ -331,23 +331,22 @@ class InterleavedSchedule:
 
     def peak_bytes(self, work: StageWork) -> float:
         """`peak_in_flight` over ranks: a rank holds every chunk's in-flight units, and holds the
-        most right before some backward, after the forwards run ahead of it (or at its end)."""
+        most right before some backward, after the forwards run ahead of it (or at its end). Every
+        rank but the last allocates and frees the same bytes (middle chunks only), so their levels
+        are one array operation."""
         pp, vpp = self.pp, self.vpp
         forward_units, backward_units = self.forward_table.units, self.backward_table.units
+        targets = np.asarray(self.targets)
+        allocated = np.asarray(work.forward_bytes[0], dtype=float)[forward_units]
+        frees = np.asarray(work.backward_frees[0], dtype=float)[backward_units]
+        peak = _peak_of_rows(targets[:pp - 1], allocated, frees)
+        # the last rank's last chunk holds the output layer's activations
         last_forward, last_backward = self.forward_table.chunks == vpp - 1, self.backward_table.chunks == vpp - 1
-        peak = 0.0
-        for stage, row in enumerate(np.asarray(self.targets)):
-            allocated = np.asarray(work.forward_bytes[0], dtype=float)[forward_units]
-            frees = np.asarray(work.backward_frees[0], dtype=float)[backward_units]
-            if stage == pp - 1:  # its last chunk holds the output layer's activations
-                last_row = np.asarray(work.forward_bytes[pp - 1], dtype=float)
-                allocated[last_forward] = last_row[forward_units[last_forward]]
-                last_row = np.asarray(work.backward_frees[pp - 1], dtype=float)
-                frees[last_backward] = last_row[backward_units[last_backward]]
-            held = np.concatenate([[0.0], np.cumsum(allocated)])
-            levels = held[row] - np.concatenate([[0.0], np.cumsum(frees)[:-1]])
-            peak = max(peak, float(levels.max()) if len(row) else 0.0, float(held[-1] - frees.sum()))
-        return peak
+        last_row = np.asarray(work.forward_bytes[pp - 1], dtype=float)
+        allocated[last_forward] = last_row[forward_units[last_forward]]
+        last_row = np.asarray(work.backward_frees[pp - 1], dtype=float)
+        frees[last_backward] = last_row[backward_units[last_backward]]
+        return max(0.0, peak, _peak_of_rows(targets[pp - 1:], allocated, frees))
 
     def _walk(self, work: StageWork | None) -> float | None:
         """Run every rank's order, each task once its inputs are done: a forward on virtual stage
@@ -371,6 +370,18 @@ class InterleavedSchedule:
         if makespan < 0.0:
             return None
         return makespan if work is not None else 0.0
+
+
+def _peak_of_rows(targets: np.ndarray, allocated: np.ndarray, frees: np.ndarray) -> float:
+    """The most any of these ranks holds (each row of `targets`: before backward b, forwards up to
+    targets[b] have run), given what each forward allocates and each backward frees, in program
+    order: right before some backward, or at the end."""
+    if not len(targets):
+        return 0.0
+    held = np.concatenate([[0.0], np.cumsum(allocated)])
+    before = held[targets] - np.concatenate([[0.0], np.cumsum(frees)[:-1]])
+    at_end = float(held[-1] - frees.sum())
+    return max(float(before.max()) if targets.shape[1] else 0.0, at_end)
 
 
 def _chunk_rows(rows: list[list[float]], vpp: int) -> np.ndarray:

@@ -156,13 +156,13 @@ class WlbLlmPlanner(StepPlanner):
                             f"{fractions}): keep wlb_delay_fractions (--slimpack-wlb-delay-fractions) for the "
                             "whole run")
 
-    def _levels(self, lengths: list[int], context_length: int) -> list[int | None]:
-        """Each length's delay queue (None: packed at once), the thresholds computed once."""
+    def _levels(self, lengths: list[int], context_length: int) -> np.ndarray:
+        """Each length's delay queue (-1: packed at once), the thresholds computed once."""
         queue = np.full(len(lengths), -1, dtype=np.int64)
         as_array = np.asarray(lengths, dtype=np.int64)
         for level, fraction in enumerate(self.fractions or ()):  # the first level whose threshold it passes
             queue[(queue < 0) & (as_array > context_length * fraction)] = level
-        return [None if level < 0 else level for level in queue.tolist()]
+        return queue
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
@@ -191,10 +191,11 @@ class WlbLlmPlanner(StepPlanner):
     def _pack_step(self, lengths, parallel, cost, config, sources):
         """Queue, release and pack one batch; (micro-batches, per replica, rates, metadata), the
         micro-batches None when nothing was scheduled (then everything pending is planned)."""
-        if sources is None:
-            sources = [(self.arrived + i, 0) for i in range(len(lengths))]
+        if sources is None:  # document i of the run's arrivals, from its first token
+            documents, offsets = range(self.arrived, self.arrived + len(lengths)), itertools.repeat(0)
         else:
             sources = check_sources(sources, len(lengths))
+            documents, offsets = map(operator.itemgetter(0), sources), map(operator.itemgetter(1), sources)
         self.arrived += len(lengths)
         self._use_fractions(config)
         context = config.context_length
@@ -202,12 +203,13 @@ class WlbLlmPlanner(StepPlanner):
         rates = WorkRates.from_cost(cost, parallel, context)
         per_replica = _micro_batches_per_replica(sum(lengths), context, parallel)
         micro_batches = [MicroBatch([]) for _ in range(per_replica * parallel.dp)]
-        fresh: list[PendingDocument] = []
-        documents, offsets = map(operator.itemgetter(0), sources), map(operator.itemgetter(1), sources)
-        arrivals = map(tuple.__new__, itertools.repeat(PendingDocument),  # as PendingDocument(...), faster
-                       zip(itertools.repeat(self.step), itertools.count(), lengths, documents, offsets))
-        for pending, level in zip(arrivals, self._levels(lengths, context)):
-            (fresh if level is None else self.queues[level]).append(pending)
+        arrivals = list(map(tuple.__new__, itertools.repeat(PendingDocument),  # as PendingDocument(...), faster
+                            zip(itertools.repeat(self.step), itertools.count(), lengths, documents, offsets)))
+        levels = self._levels(lengths, context)
+        # Each queue and the fresh list take their documents in arrival order.
+        fresh: list[PendingDocument] = list(map(arrivals.__getitem__, np.flatnonzero(levels < 0).tolist()))
+        for level, queue in enumerate(self.queues):
+            queue.extend(map(arrivals.__getitem__, np.flatnonzero(levels == level).tolist()))
         released = [self._release(queue, micro_batches, rates, capacity) for queue in self.queues]
         carried, self.carried = self.carried, []
         self.carried = pack_by_cost(carried, micro_batches, rates, capacity)  # they waited: first
@@ -260,7 +262,7 @@ class WlbLlmPlanner(StepPlanner):
     def _finish(self, micro_batches, per_replica, parallel, cost, config, rates, metadata) -> Plan:
         used = [mb for mb in micro_batches if mb.documents]
         per_rank = _deal_by_cost(used, parallel.dp, per_replica)
-        documents = [d for mbs in per_rank for mb in mbs for d in mb.documents]
+        documents = list(itertools.chain.from_iterable(mb.documents for mbs in per_rank for mb in mbs))
         lengths = list(map(_LENGTH, documents))
         samples = samples_of(lengths)  # sample i: documents[i], in micro-batch order
         bounds = list(itertools.accumulate((len(mb.documents) for mbs in per_rank for mb in mbs), initial=0))
@@ -319,9 +321,16 @@ def pack_by_cost(documents: list[PendingDocument], micro_batches: list[MicroBatc
     loads = np.fromiter((mb.cost for mb in micro_batches), dtype=float, count=len(micro_batches))
     order = np.argsort(-costs, kind="stable")  # heaviest first, ties in the given order
     targets = pack_by_cost_targets(order, lengths, costs, tokens, loads, capacity)
-    for index, target in zip(order.tolist(), targets[order].tolist()):
-        if target >= 0:
-            micro_batches[target].documents.append(documents[index])
+    # Each micro-batch takes its documents in packing order (heaviest first): the placed ones
+    # grouped by target, a stable sort keeping that order within a group.
+    placed = order[targets[order] >= 0]
+    grouped = placed[np.argsort(targets[placed], kind="stable")]
+    taken = list(map(documents.__getitem__, grouped.tolist()))
+    start = 0
+    for micro_batch, count in zip(micro_batches, np.bincount(targets[placed], minlength=len(micro_batches)).tolist()):
+        if count:
+            micro_batch.documents += taken[start:start + count]
+            start += count
     for micro_batch, filled, load in zip(micro_batches, tokens.tolist(), loads.tolist()):
         micro_batch.tokens, micro_batch.cost = filled, load
     return [documents[i] for i in np.flatnonzero(targets < 0).tolist()]
