@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,7 +47,6 @@ from ..orders import (
     orders_of_targets,
     peaks_of_targets,
     replay_targets,
-    segment,
     segment_bounds,
     warmup_counts,
 )
@@ -276,6 +276,13 @@ class MicroPackCosts:
     backward_order: list[int]
     largest_recompute_bytes: float  # the transient a backward with recompute adds, at most
 
+    @cached_property
+    def in_backward_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(backward order as an array, and backward seconds, held bytes and tokens in that order):
+        every candidate of the packing sums its backward units over them."""
+        order = np.asarray(self.backward_order, dtype=np.int64)
+        return order, self.backward[:, order], self.held[:, order], self.tokens[order]
+
     @classmethod
     def of(cls, micropacks: list[MicroPack], cost: CostModel, parallel: ParallelConfig) -> "MicroPackCosts":
         table = slice_table(micropacks)
@@ -305,59 +312,71 @@ def segment_units(
     micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Forward units over the forward sequence; backward units over the backward sequence."""
+    forward_units, backward_units, _ = _segmented(costs, units, symmetric)
+    return forward_units, backward_units
+
+
+def _segmented(costs: MicroPackCosts, units: int,
+               symmetric: bool) -> tuple[list[list[int]], list[list[int]], "UnitStarts"]:
+    """`segment_units`, with where each unit starts in its sequence (`UnitStarts`)."""
     order = costs.backward_order
     if symmetric:
-        total = costs.forward[0] + costs.backward[0]
-        forward_units = segment(total, units)
-        unit_of = {mp: u for u, members in enumerate(forward_units) for mp in members}
-        backward_units: list[list[int]] = []
-        for mp in order:
-            if backward_units and unit_of[backward_units[-1][-1]] == unit_of[mp]:
-                backward_units[-1].append(mp)
-            else:
-                backward_units.append([mp])
-        return forward_units, backward_units
-    forward_units = segment(costs.forward[0], units)
-    bounds = segment_bounds(costs.backward[0][order], units)
-    return forward_units, [order[a:b] for a, b in zip(bounds, bounds[1:])]
+        forward_bounds = segment_bounds(costs.forward[0] + costs.backward[0], units)
+        # The backward sequence cut wherever it passes into another forward unit.
+        unit_of = np.repeat(np.arange(len(forward_bounds) - 1), np.diff(forward_bounds))
+        in_order = unit_of[costs.in_backward_order[0]]
+        backward_bounds = [0] + (np.flatnonzero(np.diff(in_order)) + 1).tolist() + [len(order)] if order else [0]
+    else:
+        forward_bounds = segment_bounds(costs.forward[0], units)
+        backward_bounds = segment_bounds(costs.in_backward_order[1][0], units)
+    forward_units = [list(range(a, b)) for a, b in zip(forward_bounds, forward_bounds[1:])]
+    backward_units = [order[a:b] for a, b in zip(backward_bounds, backward_bounds[1:])]
+    return forward_units, backward_units, UnitStarts(np.asarray(forward_bounds[:-1], dtype=np.int64),
+                                                     np.asarray(backward_bounds[:-1], dtype=np.int64))
 
 
-class UnitLayout:
-    """Units as contiguous runs of a MicroPack sequence (forward: 0..n-1; backward: the backward
-    sequence), so per-unit sums are one `reduceat` over the sequence."""
+class UnitStarts(NamedTuple):
+    """Where each forward unit starts in the forward sequence (0..n-1) and each backward unit in
+    the backward sequence: units are contiguous runs of them, so per-unit sums are one `reduceat`."""
 
-    def __init__(self, units: list[list[int]], sequence: np.ndarray):
-        self.sequence = sequence
-        self.starts = np.cumsum([0] + [len(unit) for unit in units[:-1]])
+    forward: np.ndarray
+    backward: np.ndarray
 
-    def sums(self, values: np.ndarray) -> np.ndarray:
-        return np.add.reduceat(values[self.sequence], self.starts)
+    @classmethod
+    def of(cls, forward_units: list[list[int]], backward_units: list[list[int]]) -> "UnitStarts":
+        def starts(units: list[list[int]]) -> np.ndarray:
+            return np.cumsum([0] + [len(unit) for unit in units[:-1]])
+
+        return cls(starts(forward_units), starts(backward_units))
 
 
 def stage_work(
-    forward_units, backward_units, costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig, budget_bytes: float
+    forward_units, backward_units, costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
+    budget_bytes: float, starts: UnitStarts | None = None,
 ) -> StageWork:
+    """Each stage's per-unit seconds, transfers and bytes. `starts`: the units' `UnitStarts`,
+    where the caller has them."""
     pp = parallel.pp
-    forward = UnitLayout(forward_units, np.arange(len(costs.tokens)))
-    backward = UnitLayout(backward_units, np.asarray(costs.backward_order, dtype=np.int64))
+    forward, backward = starts if starts is not None else UnitStarts.of(forward_units, backward_units)
+    _, backward_seconds, backward_held, backward_tokens = costs.in_backward_order
 
-    def per_stage(values: np.ndarray, units: UnitLayout) -> list[list[float]]:
-        middle, last = units.sums(values[0]).tolist(), units.sums(values[1]).tolist()
+    def per_stage(values: np.ndarray, starts: np.ndarray) -> list[list[float]]:
+        middle, last = np.add.reduceat(values[0], starts).tolist(), np.add.reduceat(values[1], starts).tolist()
         return [last if stage == pp - 1 else middle for stage in range(pp)]
 
-    def transfer(units: UnitLayout) -> list[float]:
-        tokens = units.sums(costs.tokens)
-        return (cost.p2p_time(tokens, parallel) + np.zeros_like(tokens)).tolist()
+    def transfer(tokens: np.ndarray, starts: np.ndarray) -> list[float]:
+        sums = np.add.reduceat(tokens, starts)
+        return (cost.p2p_time(sums, parallel) + np.zeros_like(sums)).tolist()
 
     forward_bytes = per_stage(costs.held, forward)
     largest = [max(row) for row in forward_bytes]
     return StageWork(
         forward_time=per_stage(costs.forward, forward),
-        backward_time=per_stage(costs.backward, backward),
-        forward_transfer=transfer(forward),
-        backward_transfer=transfer(backward),
+        backward_time=per_stage(backward_seconds, backward),
+        forward_transfer=transfer(costs.tokens, forward),
+        backward_transfer=transfer(backward_tokens, backward),
         forward_bytes=forward_bytes,
-        backward_frees=per_stage(costs.held, backward),
+        backward_frees=per_stage(backward_held, backward),
         budget=[min((pp - stage) * largest[stage], budget_bytes) for stage in range(pp)],
     )
 
@@ -377,8 +396,8 @@ class UnitCandidate:
     @classmethod
     def of(cls, micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
            cost: CostModel, parallel: ParallelConfig, budget_bytes: float) -> "UnitCandidate":
-        forward_units, backward_units = segment_units(micropacks, costs, units, symmetric)
-        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes)
+        forward_units, backward_units, starts = _segmented(costs, units, symmetric)
+        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes, starts)
 
     @classmethod
     def paired(cls, micropacks: list[MicroPack], costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
@@ -396,8 +415,8 @@ class UnitCandidate:
     @classmethod
     def of_units(cls, micropacks: list[MicroPack], forward_units: list[list[int]], backward_units: list[list[int]],
                  costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
-                 budget_bytes: float) -> "UnitCandidate":
-        work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes)
+                 budget_bytes: float, starts: UnitStarts | None = None) -> "UnitCandidate":
+        work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes, starts)
         return cls(micropacks, forward_units, backward_units, work, parallel.vpp * pipeline_estimate(work),
                    parallel.vpp)
 
