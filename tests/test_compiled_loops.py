@@ -5,6 +5,7 @@ plans would catch it too, on fewer inputs)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
@@ -12,6 +13,9 @@ import random
 
 import numpy as np
 
+from megatron_slimpack.config import PlannerTunables
+from megatron_slimpack.costmodel import CostModel
+from megatron_slimpack.plan import Sample
 from megatron_slimpack.planner import compiled
 from megatron_slimpack.planner.baselines import pack_in_order
 from megatron_slimpack.planner.baselines.wlb_llm import MicroBatch, PendingDocument, pack_by_cost
@@ -22,7 +26,9 @@ from megatron_slimpack.planner.orders import (
     interleaved_schedules,
     segment_bounds,
 )
+from megatron_slimpack.planner.slimpack.pack_phase import PackOptions, cut_document, cut_documents
 from megatron_slimpack.planner.work import WorkRates
+from megatron_slimpack.specs import ParallelConfig
 from test_simulator import build_replica, random_micropacks
 
 # ---- plain-Python transcriptions ---------------------------------------------------------------
@@ -80,6 +86,56 @@ def python_bounds_at_work(targets: list[float], a: float, b: float, length: int)
         x = (2 * target / (a + math.sqrt(a * a + 2 * b * target))) if b > 0 else target / a
         bounds.append(min(max(int(round(x)), bounds[-1] + 1), length - (count - len(bounds))))
     return bounds + [length]
+
+
+def python_cut_bounds(length: int, options: PackOptions, rates: WorkRates, slice_cost: float | None) -> list[int]:
+    """`cut_document`'s bounds as numpy and Python floats compute them (`compiled.cut_bounds`)."""
+    def prefix_work(tokens):
+        return ((rates.forward_per_token + rates.backward_per_token) * tokens
+                + (rates.forward_per_pair + rates.backward_per_pair) * tokens * tokens / 2)
+
+    def balanced(count: int, rounds: int) -> list[int]:
+        a = rates.forward_per_token + rates.backward_per_token
+        b = rates.forward_per_pair + rates.backward_per_pair
+        total, shares = prefix_work(length), np.full(count, 1.0 / count)
+        rounds = rounds if rates.half_tokens else 1
+        for round_ in range(rounds):
+            bounds = python_bounds_at_work((total * np.cumsum(shares)[:-1]).tolist(), a, b, length)
+            if round_ == rounds - 1:
+                break
+            edges = np.asarray(bounds, dtype=float)
+            lengths = np.diff(edges)
+            weights = 1.0 / rates.size_penalty(lengths, lengths * edges[:-1] + lengths * (lengths + 1) / 2)
+            shares = weights / weights.sum()
+        return bounds
+
+    def longest(bounds):
+        return max(b - a for a, b in zip(bounds, bounds[1:]))
+
+    def heaviest(bounds):
+        edges = np.asarray(bounds, dtype=float)
+        starts, lengths = edges[:-1], np.diff(edges)
+        pairs = lengths * starts + lengths * (lengths + 1) / 2
+        efficiency = rates.size_penalty(lengths, pairs) / rates.size_penalty(options.token_cap)
+        return float((rates.total(lengths, pairs) * efficiency).max())
+
+    if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
+        return [0, length]
+    if not options.cost_balanced_slices:
+        count = max(math.ceil(length / options.slice_tokens), math.ceil(length / options.token_cap))
+        return [length * j // count for j in range(count + 1)]
+    count = math.ceil(length / options.slice_tokens)
+    count = max(count, math.ceil(prefix_work(length) / prefix_work(min(length, options.token_cap))))
+    while longest(balanced(count, 1)) > options.token_cap:
+        count += 1
+    if slice_cost:
+        count = max(count, math.ceil(rates.document(length) / slice_cost))
+    extra_slices, rounds = options.tunables.extra_slices, options.tunables.balancing_rounds
+    for extra in range(extra_slices + 1):
+        bounds = balanced(count + extra, rounds)
+        if longest(bounds) <= options.token_cap and (slice_cost is None or heaviest(bounds) <= slice_cost):
+            return bounds
+    return balanced(count + extra_slices, 1)
 
 
 def python_walk(schedule, work: StageWork) -> float | None:
@@ -235,6 +291,38 @@ def test_cost_balanced_slice_bounds_are_the_python_inversion():
         targets = total * np.cumsum(shares)[:-1]
         assert (compiled.bounds_at_work(targets, a, b, length).tolist()
                 == python_bounds_at_work(targets.tolist(), a, b, length))
+
+
+def test_pairwise_sum_rounds_as_numpy():
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        values = rng.random(int(rng.integers(0, 700))) * 10.0 ** rng.uniform(-6, 6)
+        assert compiled.pairwise_sum(values, 0, len(values)) == values.sum()
+
+
+def test_document_cuts_are_the_python_cuts():
+    """Every branch: whole, equal lengths, work-balanced, seconds-balanced with extra slices, the
+    even-cost bound (and its fallback), rates with and without an efficiency curve."""
+    rng = np.random.default_rng(6)
+    costs = [CostModel.analytic(model, "h100-sxm") for model in ("llama-7b", "llama-70b")]
+    layouts = [ParallelConfig(tp=1, pp=2, dp=4), ParallelConfig(tp=4, pp=4, cp=2, dp=1), ParallelConfig(tp=8, pp=8)]
+    for case in range(600):
+        cost, parallel = costs[case % 2], layouts[case % 3]
+        context = int(rng.choice([32768, 65536, 131072, 262144]))
+        rates = WorkRates.from_cost(cost, parallel, int(rng.integers(1024, context)))
+        if case % 5 == 0:
+            rates = dataclasses.replace(rates, half_tokens=0.0)
+        token_cap = int(rng.integers(512, context))
+        options = PackOptions(token_cap, int(rng.integers(256, token_cap + 1)), cost_balanced_slices=case % 7 != 0,
+                              tunables=PlannerTunables(extra_slices=int(rng.integers(0, 9)),
+                                                       balancing_rounds=int(rng.integers(1, 4))))
+        lengths = rng.integers(1, 4 * context, size=8)
+        slice_cost = None if case % 3 == 0 else float(rates.document(token_cap) * rng.uniform(0.05, 2.0))
+        samples = [Sample(index, int(length)) for index, length in enumerate(lengths)]
+        expected = [python_cut_bounds(sample.length, options, rates, slice_cost) for sample in samples]
+        one_by_one = [cut_document(sample, options, rates, slice_cost) for sample in samples]
+        assert cut_documents(samples, options, rates, slice_cost) == one_by_one
+        assert [[0] + [piece.end for piece in pieces] for pieces in one_by_one] == expected
 
 
 def test_interleaved_walks_time_and_stall_as_the_python_walk():

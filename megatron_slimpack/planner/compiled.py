@@ -99,7 +99,7 @@ def optimal_bounds(sums: np.ndarray, largest: float, units: int, tolerance: floa
         bounds = greedy_bounds(sums, below)
 
 
-# ---- cost-balanced slices (`pack_phase._balanced_bounds`) ---------------------------------------
+# ---- cost-balanced slices (`pack_phase.cut_document`) --------------------------------------------
 
 
 @_jit
@@ -120,6 +120,213 @@ def bounds_at_work(targets: np.ndarray, per_token: float, per_pair: float, lengt
         bounds[index + 1] = min(cut, length - (count - index - 1))
     bounds[count] = length
     return bounds
+
+
+@_jit
+def _block_sum(values: np.ndarray, first: int, count: int) -> float:
+    """numpy's pairwise summation of at most 128 values: one loop below 8, else eight accumulators."""
+    if count < 8:
+        total = -0.0
+        for index in range(first, first + count):
+            total += values[index]
+        return total
+    r0, r1, r2, r3 = values[first], values[first + 1], values[first + 2], values[first + 3]
+    r4, r5, r6, r7 = values[first + 4], values[first + 5], values[first + 6], values[first + 7]
+    index = 8
+    whole = count - count % 8
+    while index < whole:
+        at = first + index
+        r0 += values[at]
+        r1 += values[at + 1]
+        r2 += values[at + 2]
+        r3 += values[at + 3]
+        r4 += values[at + 4]
+        r5 += values[at + 5]
+        r6 += values[at + 6]
+        r7 += values[at + 7]
+        index += 8
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while index < count:
+        total += values[first + index]
+        index += 1
+    return total
+
+
+@_jit
+def pairwise_sum(values: np.ndarray, first: int, count: int) -> float:
+    """numpy's pairwise summation of values[first:first + count] (what `ndarray.sum` does on a
+    contiguous float64 array: blocks of at most 128 values summed by `_block_sum`, a longer run
+    the sum of its two halves, the first a multiple of 8), so a sum rounds exactly as numpy's does.
+    The halving walked with an explicit stack: numba's cache loads recursive functions unsafely."""
+    if count <= 128:
+        return _block_sum(values, first, count)
+    # Frames of the halving: a run, its left half's sum once known, and how far it has got.
+    starts, counts = np.empty(64, dtype=np.int64), np.empty(64, dtype=np.int64)
+    lefts, stages = np.empty(64), np.zeros(64, dtype=np.int64)  # stage 0: fresh, 1: left pending, 2: right pending
+    starts[0], counts[0] = first, count
+    top = 1
+    value = 0.0  # the sum of the run last finished
+    while top > 0:
+        frame = top - 1
+        if counts[frame] > 128 and stages[frame] < 2:
+            # its left half next (fresh), or its right half (the left one's sum just came back)
+            half = _left_half(counts[frame])
+            if stages[frame] == 1:
+                lefts[frame] = value
+                starts[top], counts[top] = starts[frame] + half, counts[frame] - half
+            else:
+                starts[top], counts[top] = starts[frame], half
+            stages[frame] += 1
+            stages[top] = 0
+            top += 1
+            continue
+        value = _block_sum(values, starts[frame], counts[frame]) if counts[frame] <= 128 else lefts[frame] + value
+        top -= 1
+    return value
+
+
+@_jit
+def _left_half(count: int) -> int:
+    half = count // 2
+    return half - half % 8
+
+
+# `WorkRates` as an array for the compiled cut: its fields in this order.
+RATE_FIELDS = ("forward_per_token", "forward_per_pair", "backward_per_token", "backward_per_pair",
+               "reference_tokens", "half_tokens", "per_pack")
+
+
+@_jit
+def _rates_total(rates: np.ndarray, tokens: float, pairs: float) -> float:
+    """`WorkRates.total`."""
+    return (rates[0] * tokens + rates[1] * pairs) + (rates[2] * tokens + rates[3] * pairs)
+
+
+@_jit
+def _size_penalty(rates: np.ndarray, tokens: float, pairs: float) -> float:
+    """`WorkRates.size_penalty`."""
+    if rates[5] == 0.0:
+        return 1.0 + 0.0 * tokens
+    spread = rates[6] * (1.0 - tokens / rates[4])
+    return 1.0 + spread / _rates_total(rates, tokens, pairs)
+
+
+@_jit
+def _prefix_work(rates: np.ndarray, tokens: float) -> float:
+    """Work of a document's first `tokens` tokens (causal attention among them)."""
+    return (rates[0] + rates[2]) * tokens + (rates[1] + rates[3]) * tokens * tokens / 2
+
+
+@_jit
+def balanced_bounds(rates: np.ndarray, length: int, count: int, rounds: int) -> np.ndarray:
+    """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
+    a*x + b*x^2/2; inverted at equal steps it balances work (`rounds` 1). A later, shorter slice
+    runs at lower kernel efficiency, so with more `rounds` the steps are then reweighted by each
+    slice's size penalty (twice in 3 rounds: the penalties barely move after that) to balance
+    seconds."""
+    a, b = rates[0] + rates[2], rates[1] + rates[3]
+    total = _prefix_work(rates, float(length))
+    shares = np.full(count, 1.0 / count)
+    if rates[5] == 0.0:  # no efficiency curve: work is seconds
+        rounds = 1
+    weights = np.empty(count)
+    targets = np.empty(count - 1)
+    bounds = np.empty(count + 1, dtype=np.int64)
+    for round_ in range(rounds):
+        running = 0.0
+        for index in range(count - 1):
+            running += shares[index]
+            targets[index] = total * running
+        bounds = bounds_at_work(targets, a, b, length)
+        if round_ == rounds - 1:  # the last round's bounds are the answer
+            break
+        for index in range(count):
+            start = float(bounds[index])
+            size = float(bounds[index + 1]) - start
+            weights[index] = 1.0 / _size_penalty(rates, size, size * start + size * (size + 1) / 2)
+        shares = weights / pairwise_sum(weights, 0, count)
+    return bounds
+
+
+@_jit
+def _longest(bounds: np.ndarray) -> int:
+    longest = 0
+    for index in range(len(bounds) - 1):
+        longest = max(longest, bounds[index + 1] - bounds[index])
+    return longest
+
+
+@_jit
+def _heaviest(rates: np.ndarray, bounds: np.ndarray, token_cap: int) -> float:
+    """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
+    at_cap = _size_penalty(rates, float(token_cap), 0.0)
+    heaviest = -np.inf
+    for index in range(len(bounds) - 1):
+        start = float(bounds[index])
+        size = float(bounds[index + 1]) - start
+        pairs = size * start + size * (size + 1) / 2
+        heaviest = max(heaviest, _rates_total(rates, size, pairs) * (_size_penalty(rates, size, pairs) / at_cap))
+    return heaviest
+
+
+@_jit
+def _fewest_balanced_slices(rates: np.ndarray, length: int, slice_tokens: int, token_cap: int) -> int:
+    """Fewest work-balanced slices of a document, none longer than `slice_tokens` nor the cap."""
+    count = int(np.ceil(length / slice_tokens))
+    count = max(count, int(np.ceil(_prefix_work(rates, float(length))
+                                   / _prefix_work(rates, float(min(length, token_cap))))))
+    while _longest(balanced_bounds(rates, length, count, 1)) > token_cap:  # 1 round: work-balanced
+        count += 1  # rounding only: the estimate above is exact up to it
+    return count
+
+
+@_jit
+def cut_bounds(rates: np.ndarray, length: int, slice_tokens: int, token_cap: int, cost_balanced: bool,
+               extra_slices: int, rounds: int, slice_cost: float) -> np.ndarray:
+    """`pack_phase.cut_document`'s slice bounds of one document (`slice_cost` NaN: none)."""
+    has_cost = not np.isnan(slice_cost)
+    whole_cost = _rates_total(rates, float(length), float(length * (length + 1) // 2))
+    if length <= slice_tokens and (not has_cost or whole_cost <= slice_cost):
+        bounds = np.empty(2, dtype=np.int64)
+        bounds[0], bounds[1] = 0, length
+        return bounds
+    if not cost_balanced:
+        count = max(int(np.ceil(length / slice_tokens)), int(np.ceil(length / token_cap)))
+        bounds = np.empty(count + 1, dtype=np.int64)
+        for index in range(count + 1):
+            bounds[index] = length * index // count
+        return bounds
+    count = _fewest_balanced_slices(rates, length, slice_tokens, token_cap)
+    if has_cost and slice_cost != 0.0:
+        count = max(count, int(np.ceil(whole_cost / slice_cost)))
+    for extra in range(extra_slices + 1):
+        bounds = balanced_bounds(rates, length, count + extra, rounds)
+        if _longest(bounds) <= token_cap and (not has_cost or _heaviest(rates, bounds, token_cap) <= slice_cost):
+            return bounds
+    return balanced_bounds(rates, length, count + extra_slices, 1)
+
+
+@_jit
+def cut_bounds_of_all(rates: np.ndarray, lengths: np.ndarray, slice_tokens: int, token_cap: int,
+                      cost_balanced: bool, extra_slices: int, rounds: int,
+                      slice_cost: float) -> tuple[np.ndarray, np.ndarray]:
+    """`cut_bounds` of every document: (where document i's bounds start in the flat array, and
+    the end; the bounds)."""
+    starts = np.empty(len(lengths) + 1, dtype=np.int64)
+    flat = np.empty(max(16, 4 * len(lengths)), dtype=np.int64)
+    used = 0
+    for index in range(len(lengths)):
+        starts[index] = used
+        bounds = cut_bounds(rates, lengths[index], slice_tokens, token_cap, cost_balanced, extra_slices, rounds,
+                            slice_cost)
+        if used + len(bounds) > len(flat):
+            grown = np.empty(2 * (used + len(bounds)), dtype=np.int64)
+            grown[:used] = flat[:used]
+            flat = grown
+        flat[used:used + len(bounds)] = bounds
+        used += len(bounds)
+    starts[len(lengths)] = used
+    return starts, flat[:used]
 
 
 # ---- interleaved 1F1B (`orders.InterleavedSchedule`) -------------------------------------------

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -73,47 +74,36 @@ def cut_document(sample: Sample, options: PackOptions, rates: WorkRates,
     The count starts where work-balanced slices fit the cap (the first, longest one holds
     1/count of the work). Balancing seconds makes short slices shorter still (they run less
     efficiently), so it gets a few more slices to fit; past those the work-balanced cut is kept:
-    with a small cap and a long document, chasing seconds would cut thousands of tiny slices."""
-    return _slices(sample, _cut_bounds(sample.length, options, rates, slice_cost))
+    with a small cap and a long document, chasing seconds would cut thousands of tiny slices.
+    Without cost-balanced slices (`PackOptions.cost_balanced_slices`), equal lengths: `rates`
+    may then be None. Compiled (`compiled.cut_bounds`): a planning cuts ~10^3 documents per
+    packing, tens of packings per replica."""
+    bounds = compiled.cut_bounds(_rate_array(rates), sample.length, *_cut_options(options, slice_cost))
+    return _slices(sample, bounds.tolist())
 
 
-@lru_cache(maxsize=1 << 16)
-def _cut_bounds(length: int, options: PackOptions, rates: WorkRates, slice_cost: float | None) -> tuple[int, ...]:
-    """`cut_document`'s slice bounds, which depend on the length alone (cached: the plannings of one
-    batch cut the same documents of the same replicas again, at every MicroPack size they try)."""
-    if length <= options.slice_tokens and (slice_cost is None or rates.document(length) <= slice_cost):
-        return (0, length)
-    if not options.cost_balanced_slices:
-        count = math.ceil(length / options.slice_tokens)
-        return tuple(_uniform_bounds(length, max(count, math.ceil(length / options.token_cap))))
-    count = _fewest_balanced_slices(length, options.slice_tokens, options.token_cap, rates)
-    if slice_cost:
-        count = max(count, math.ceil(rates.document(length) / slice_cost))
-    extra_slices, rounds = options.tunables.extra_slices, options.tunables.balancing_rounds
-    for extra in range(extra_slices + 1):
-        bounds, longest, heaviest = _balanced_slices(length, count + extra, rates, rounds, options.token_cap)
-        if longest <= options.token_cap and (slice_cost is None or heaviest <= slice_cost):
-            return bounds
-    return _balanced_bounds(length, count + extra_slices, rates, 1)
+def cut_documents(samples: list[Sample], options: PackOptions, rates: WorkRates,
+                  slice_cost: float | None = None) -> list[list[Slice]]:
+    """`cut_document` of each sample, in one compiled call."""
+    lengths = np.fromiter(map(operator.attrgetter("length"), samples), dtype=np.int64, count=len(samples))
+    starts, flat = compiled.cut_bounds_of_all(_rate_array(rates), lengths, *_cut_options(options, slice_cost))
+    flat_bounds, starts_list = flat.tolist(), starts.tolist()
+    return [_slices(sample, flat_bounds[first:end])
+            for sample, first, end in zip(samples, starts_list, starts_list[1:])]
 
 
-@lru_cache(maxsize=1 << 16)
-def _fewest_balanced_slices(length: int, slice_tokens: int, token_cap: int, rates: WorkRates) -> int:
-    """Fewest work-balanced slices of a document, none longer than `slice_tokens` nor the cap.
-    (Cached apart from `_cut_bounds`: the even-cost bound each replica passes differs.)"""
-    count = math.ceil(length / slice_tokens)
-    count = max(count, math.ceil(_prefix_work(length, rates) / _prefix_work(min(length, token_cap), rates)))
-    while _longest(_balanced_bounds(length, count, rates, 1)) > token_cap:  # 1 round: work-balanced
-        count += 1  # rounding only: the estimate above is exact up to it
-    return count
+@lru_cache(maxsize=64)
+def _rate_array(rates: WorkRates | None) -> np.ndarray:
+    """`rates` as the compiled cut reads them (`compiled.RATE_FIELDS`; zeros without rates)."""
+    if rates is None:
+        return np.zeros(len(compiled.RATE_FIELDS))
+    return np.array([float(getattr(rates, name)) for name in compiled.RATE_FIELDS])
 
 
-@lru_cache(maxsize=1 << 16)
-def _balanced_slices(length: int, count: int, rates: WorkRates, rounds: int,
-                     token_cap: int) -> tuple[tuple[int, ...], int, float]:
-    """`_balanced_bounds`, its longest slice and its heaviest (`_heaviest_slice`)."""
-    bounds = _balanced_bounds(length, count, rates, rounds)
-    return bounds, _longest(bounds), _heaviest_slice(bounds, rates, token_cap)
+def _cut_options(options: PackOptions, slice_cost: float | None) -> tuple:
+    tunables = options.tunables
+    return (options.slice_tokens, options.token_cap, options.cost_balanced_slices, tunables.extra_slices,
+            tunables.balancing_rounds, math.nan if slice_cost is None else float(slice_cost))
 
 
 def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
@@ -121,57 +111,10 @@ def _slices(sample: Sample, bounds: Sequence[int]) -> list[Slice]:
     return [new(Slice, (sample_id, a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _longest(bounds: Sequence[int]) -> int:
-    return max(b - a for a, b in zip(bounds, bounds[1:]))
-
-
-def _heaviest_slice(bounds: Sequence[int], rates: WorkRates, token_cap: int) -> float:
-    """The most any of these slices costs, in seconds at a cap-full MicroPack's efficiency."""
-    edges = np.asarray(bounds, dtype=float)
-    starts, lengths = edges[:-1], np.diff(edges)
-    pairs = lengths * starts + lengths * (lengths + 1) / 2
-    work = rates.total(lengths, pairs)
-    return float((work * _at_cap_efficiency(lengths, pairs, rates, token_cap)).max())
-
-
 def _at_cap_efficiency(lengths, pairs, rates: WorkRates, token_cap: int):
     """Factor turning work of MicroPacks of `lengths` tokens and `pairs` attention pairs into
     seconds at a cap-full one's efficiency."""
     return rates.size_penalty(lengths, pairs) / rates.size_penalty(token_cap)
-
-
-def _uniform_bounds(length: int, count: int) -> list[int]:
-    return [length * j // count for j in range(count + 1)]
-
-
-@lru_cache(maxsize=1 << 16)
-def _balanced_bounds(length: int, count: int, rates: WorkRates, rounds: int) -> tuple[int, ...]:
-    """Bounds of `count` slices of equal cost. Cumulative work of the first x tokens is
-    a*x + b*x^2/2; inverted at equal steps it balances work (`rounds` 1). A later, shorter slice
-    runs at lower kernel efficiency, so with more `rounds` the steps are then reweighted by each
-    slice's size penalty (twice in 3 rounds: the penalties barely move after that) to balance
-    seconds. (Cached: every MicroPack size the planner tries cuts the same long documents,
-    mostly into the same counts.)"""
-    a = rates.forward_per_token + rates.backward_per_token
-    b = rates.forward_per_pair + rates.backward_per_pair
-    total = _prefix_work(length, rates)
-    shares = np.full(count, 1.0 / count)
-    rounds = rounds if rates.half_tokens else 1
-    for round_ in range(rounds):
-        bounds = compiled.bounds_at_work(total * np.cumsum(shares)[:-1], a, b, length)
-        if round_ == rounds - 1:  # the last round's bounds are the answer: no shares for another
-            break
-        edges = bounds.astype(float)
-        lengths = np.diff(edges)
-        weights = 1.0 / rates.size_penalty(lengths, lengths * edges[:-1] + lengths * (lengths + 1) / 2)
-        shares = weights / weights.sum()
-    return tuple(bounds.tolist())
-
-
-def _prefix_work(tokens: float, rates: WorkRates) -> float:
-    """Work of a document's first `tokens` tokens (causal attention among them)."""
-    return ((rates.forward_per_token + rates.backward_per_token) * tokens
-            + (rates.forward_per_pair + rates.backward_per_pair) * tokens * tokens / 2)
 
 
 class SortedSamples:
@@ -199,7 +142,7 @@ def pack_micropacks(samples: list[Sample] | SortedSamples, options: PackOptions,
         slice_cost = (options.tunables.even_cost_tolerance
                       * _typical_pack_cost(ordered, first_short, options.token_cap, rates))
         first_short = max(first_short, int(np.searchsorted(-ordered.costs, -slice_cost, side="left")))
-    chains = [cut_document(s, options, rates, slice_cost) for s in ordered.samples[:first_short]]
+    chains = cut_documents(ordered.samples[:first_short], options, rates, slice_cost)
     short, short_cost = ordered.whole[first_short:], ordered.costs[first_short:]
     pieces = [piece for chain in chains for piece in chain]
     slice_costs = np.array([rates.total(p.length, p.attention_pairs) for p in pieces])
