@@ -65,6 +65,19 @@ class StageWork:
     backward_frees: list[list[float]]  # activation bytes B v frees on a stage
     budget: list[float]  # in-flight activation budget per stage
 
+    @cached_property
+    def stage_totals(self) -> list[tuple[float, float, float, float]]:
+        """Per stage: (sum of forward times, sum of backward times, largest forward, largest
+        backward), summed once per distinct row (the stages before the last share theirs)."""
+        by_rows: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        totals = []
+        for forward, backward in zip(self.forward_time, self.backward_time):
+            key = (id(forward), id(backward))
+            if key not in by_rows:
+                by_rows[key] = (sum(forward), sum(backward), max(forward), max(backward))
+            totals.append(by_rows[key])
+        return totals
+
 
 def warmup_counts(work: StageWork, pp: int) -> list[int]:
     """Forward units each stage runs before its first backward: 1F1B's pp - s - 1, plus as many

@@ -370,10 +370,11 @@ class UnitCandidate:
         through them (every stage runs the backward units in sequence order)."""
         work, bound = self.work, 0.0
         fill = drain = 0.0
-        middle = sum(work.forward_time[0]) + sum(work.backward_time[0])
-        for stage in range(len(work.forward_time)):
+        totals = work.stage_totals
+        middle = totals[0][0] + totals[0][1]
+        for stage, (forward, backward, _, _) in enumerate(totals):
             # a rank runs its vpp chunks: vpp - 1 middle ones and this stage's (per-chunk times)
-            busy = (self.vpp - 1) * middle + sum(work.forward_time[stage]) + sum(work.backward_time[stage])
+            busy = (self.vpp - 1) * middle + forward + backward
             bound = max(bound, fill + busy + drain)
             fill += work.forward_time[stage][0] + work.forward_transfer[0]
             drain += work.backward_time[stage][-1] + work.backward_transfer[-1]
@@ -507,9 +508,9 @@ class InterleavedCandidate:
 def pipeline_estimate(work: StageWork) -> float:
     """1F1B time without a replay: the busiest stage's work, plus the fill and drain of the other
     stages, each paying its largest forward and backward unit (uneven units stall the pipe)."""
-    pp = len(work.forward_time)
-    busiest = max(sum(work.forward_time[s]) + sum(work.backward_time[s]) for s in range(pp))
-    fill = sum(max(work.forward_time[s]) + max(work.backward_time[s]) for s in range(pp - 1))
+    totals = work.stage_totals
+    busiest = max(forward + backward for forward, backward, _, _ in totals)
+    fill = sum(largest_forward + largest_backward for _, _, largest_forward, largest_backward in totals[:-1])
     return busiest + fill
 
 
