@@ -325,6 +325,20 @@ def test_document_cuts_are_the_python_cuts():
         assert [[0] + [piece.end for piece in pieces] for pieces in one_by_one] == expected
 
 
+def test_chains_run_ahead_as_the_python_loop():
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        required = np.maximum.accumulate(rng.integers(0, 40, size=int(rng.integers(1, 60))))
+        lead = int(rng.choice([-1, 0, 1, 2, 4, 8]))
+        expected = required.tolist()
+        for b in range(len(expected) - 2, -1, -1):
+            ahead = expected[b + 1] - 1
+            if lead >= 0:
+                ahead = min(ahead, int(required[b]) + lead)
+            expected[b] = max(expected[b], ahead)
+        assert compiled.run_chains_ahead(required.astype(np.int64), lead).tolist() == expected
+
+
 def test_interleaved_walks_time_and_stall_as_the_python_walk():
     walked = circular = 0
     for seed, (pp, vpp) in itertools.product(range(8), [(1, 2), (2, 2), (4, 2), (3, 3), (2, 4)]):

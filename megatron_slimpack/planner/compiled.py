@@ -329,6 +329,23 @@ def cut_bounds_of_all(rates: np.ndarray, lengths: np.ndarray, slice_tokens: int,
     return starts, flat[:used]
 
 
+# ---- 1F1B forward targets (`orders.forward_targets`) -------------------------------------------
+
+
+@_jit
+def run_chains_ahead(required: np.ndarray, chain_lead: int) -> np.ndarray:
+    """The forwards the last stage has run before each backward, a chain's forwards pulled ahead
+    one per backward: each backward at least one fewer than the next one's, at most `chain_lead`
+    (-1: no limit) beyond its own need (`required`, non-decreasing)."""
+    pulled = required.copy()
+    for backward in range(len(required) - 2, -1, -1):
+        ahead = pulled[backward + 1] - 1
+        if chain_lead >= 0:
+            ahead = min(ahead, required[backward] + chain_lead)
+        pulled[backward] = max(pulled[backward], ahead)
+    return pulled
+
+
 # ---- interleaved 1F1B (`orders.InterleavedSchedule`) -------------------------------------------
 
 

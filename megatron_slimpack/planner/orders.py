@@ -131,23 +131,19 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     # and never fewer than before b - 1.
     needed_by_unit = last_forward_needed(forward_units, backward_units) if needs is None else needs
     steady = np.arange(len(needed_by_unit)) * len(forward_units) // max(len(needed_by_unit), 1)
-    required = np.maximum.accumulate(np.maximum(needed_by_unit, steady)).tolist()
+    required = np.maximum.accumulate(np.maximum(needed_by_unit, steady)).astype(np.int64)
     # A chain's backward needs all its forwards first. Run them one per backward ahead of time
     # instead of in a burst right before it: a burst stalls the neighbours, which wait on this
     # stage's next backward (or forward) while it runs forward after forward. Without neighbours
     # (pp == 1) running them early would only hold memory longer.
-    needed = list(required)
-    for b in range(len(required) - 2, -1, -1) if pp > 1 else ():
-        ahead = required[b + 1] - 1
-        if chain_lead is not None:
-            ahead = min(ahead, needed[b] + chain_lead)
-        required[b] = max(required[b], ahead)
+    if pp > 1:
+        required = compiled.run_chains_ahead(required, -1 if chain_lead is None else chain_lead)
     extra = [count - (pp - stage - 1) for stage, count in enumerate(warmups)]
     for stage in range(pp - 2, -1, -1):  # keep the lead over the next stage at least one unit
         extra[stage] = max(extra[stage], extra[stage + 1])
     # stage s stays pp - 1 - s units ahead of the last, as in 1F1B
     lead = np.array([1 + (pp - 1 - stage) + extra[stage] for stage in range(pp)], dtype=np.int64)
-    return np.minimum(len(forward_units), np.asarray(required, dtype=np.int64)[None, :] + lead[:, None])
+    return np.minimum(len(forward_units), required[None, :] + lead[:, None])
 
 
 def orders_of_targets(targets: np.ndarray, forwards: list | None = None,
