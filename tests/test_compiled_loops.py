@@ -16,6 +16,7 @@ import numpy as np
 from megatron_slimpack.config import PlannerTunables
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.plan import Sample
+from megatron_slimpack.plan.types import chain_heads
 from megatron_slimpack.planner import compiled
 from megatron_slimpack.planner.baselines import pack_in_order
 from megatron_slimpack.planner.baselines.wlb_llm import MicroBatch, PendingDocument, pack_by_cost
@@ -337,6 +338,33 @@ def test_chains_run_ahead_as_the_python_loop():
                 ahead = min(ahead, int(required[b]) + lead)
             expected[b] = max(expected[b], ahead)
         assert compiled.run_chains_ahead(required.astype(np.int64), lead).tolist() == expected
+
+
+def python_chain_heads(counts: np.ndarray, table: np.ndarray) -> list[int]:
+    """Union-find over a dict, MicroPacks joined in slice order, each root its chain's first."""
+    parent = list(range(len(counts)))
+
+    def find(index: int) -> int:
+        while parent[index] != index:
+            index = parent[index]
+        return index
+
+    first_pack: dict[int, int] = {}
+    continued = set(table[table[:, 1] > 0, 0].tolist())
+    for (sample_id, _, _), pack in zip(table.tolist(), np.repeat(np.arange(len(counts)), counts).tolist()):
+        if sample_id in continued:
+            root, other = find(pack), find(first_pack.setdefault(sample_id, pack))
+            parent[max(root, other)] = min(root, other)
+    return [find(index) for index in range(len(counts))]
+
+
+def test_chain_heads_are_the_python_union_find():
+    rng = np.random.default_rng(8)
+    for _ in range(2000):
+        counts = rng.integers(1, 5, size=int(rng.integers(1, 40)))
+        starts = rng.choice([0, 0, 7], size=int(counts.sum()))
+        table = np.stack([rng.integers(0, 30, size=len(starts)), starts, starts + 10], axis=1).astype(np.int64)
+        assert chain_heads([None] * len(counts), (counts, table)).tolist() == python_chain_heads(counts, table)
 
 
 def test_interleaved_walks_time_and_stall_as_the_python_walk():

@@ -12,6 +12,7 @@ from itertools import chain, repeat
 from operator import itemgetter
 from typing import Iterable, NamedTuple
 
+import numba
 import numpy as np
 
 from ..errors import SlimPackError
@@ -311,22 +312,34 @@ def chain_heads(micropacks: list[MicroPack], table=None) -> np.ndarray:
     if not len(continued):
         return heads
     linked = np.flatnonzero(np.isin(table[:, 0], continued))
-    pack_of = np.repeat(heads, counts)[linked].tolist()
-    parent = {index: index for index in pack_of}
+    pack_of = np.repeat(heads, counts)[linked]
+    # A chain's head is the first (lowest) MicroPack of its connected component, whatever the
+    # order the links are joined in: sorted by sample, each MicroPack joins the one before.
+    by_sample = np.argsort(table[linked, 0], kind="stable")
+    return _lowest_of_components(table[linked, 0][by_sample], pack_of[by_sample], len(micropacks))
 
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
 
-    first_pack: dict[int, int] = {}
-    for sample_id, index in zip(table[linked, 0].tolist(), pack_of):
-        root, other = find(index), find(first_pack.setdefault(sample_id, index))
-        parent[max(root, other)] = min(root, other)  # a chain's root is its first MicroPack
-    for index in parent:
-        heads[index] = find(index)
-    return heads
+@numba.njit(cache=True, nogil=True)
+def _lowest_of_components(sample_ids: np.ndarray, packs: np.ndarray, count: int) -> np.ndarray:
+    """For each of `count` MicroPacks, the lowest one it is linked to (directly or not), where
+    consecutive entries with the same sample id link their MicroPacks (union-find, the lower
+    index the root)."""
+    parent = np.arange(count)
+    for entry in range(1, len(sample_ids)):
+        if sample_ids[entry] == sample_ids[entry - 1]:
+            root, other = _root(parent, packs[entry]), _root(parent, packs[entry - 1])
+            parent[max(root, other)] = min(root, other)
+    for index in range(count):
+        parent[index] = _root(parent, index)
+    return parent
+
+
+@numba.njit(cache=True, nogil=True)
+def _root(parent: np.ndarray, index: int) -> int:
+    while parent[index] != index:
+        parent[index] = parent[parent[index]]  # path halving
+        index = parent[index]
+    return index
 
 
 def backward_sequence(micropacks: list[MicroPack], table=None) -> list[int]:
