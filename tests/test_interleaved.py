@@ -2,6 +2,7 @@
 search: Megatron's own order, the closed-form bubble, memory of the in-flight chunks, the
 micro-batch rule, and which strategies search vpp."""
 import random
+from typing import Callable
 
 import pytest
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
@@ -9,6 +10,8 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron_slimpack.config import SlimPackConfig
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, Sample, Slice
+from megatron_slimpack.plan.types import last_forward_needed, tasks_of_chunk
+from megatron_slimpack.plan.validate import _check_chunk_order, _order_holds
 from megatron_slimpack.planner import orders as orders_module
 from megatron_slimpack.planner.baselines import meet_interleaved_count, schedule_1f1b
 from megatron_slimpack.planner.layouts import enumerate_layouts
@@ -442,3 +445,49 @@ def test_variable_count_packers_plan_every_step_megatron_interleaves(strategy):
             trained[name] += [s.length for s in last.samples] if last else []
         assert sorted(trained["interleaved"]) == sorted(trained["plain"])
     assert refused_plain, "no batch needed a split or a merge: the test would prove nothing"
+
+
+def _swapped(order: list, i: int, j: int) -> None:
+    order[i], order[j] = order[j], order[i]
+
+
+def _changed(position: int, delta) -> Callable:
+    def change(order: list, i: int, j: int) -> None:
+        task = list(order[i])
+        task[position] += delta
+        order[i] = tuple(task)
+    return change
+
+
+# What a broken stage order may look like: two tasks swapped, a unit or chunk changed (a unit by no
+# whole number too), a task dropped or run twice.
+ORDER_MUTATIONS = [_swapped, _changed(1, 1), _changed(2, 1), _changed(1, 0.5),
+                   lambda order, i, j: order.pop(i), lambda order, i, j: order.insert(i, order[j])]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_array_check_of_a_stage_order_agrees_with_the_task_by_task_checks(seed):
+    """`validate._order_holds` passes exactly the orders the task-by-task checks pass: Megatron's
+    interleaved orders and their perturbations (`ORDER_MUTATIONS`)."""
+    rng = random.Random(seed)
+    pp, vpp = rng.choice([(2, 2), (4, 2), (2, 3)])
+    units = [[i] for i in range(rng.choice([4, 6, 8]))]
+    needs = last_forward_needed(units, units)
+    everyone = list(range(len(units)))
+
+    def task_by_task(order) -> bool:
+        if any(len(task) != 3 or not 0 <= task[2] < vpp for task in order):
+            return False
+        try:
+            for chunk in range(vpp):
+                _check_chunk_order(tasks_of_chunk(order, chunk), "", needs.tolist(), everyone, everyone)
+        except PlanError:
+            return False
+        return True
+
+    for order in interleaved_orders(units, units, pp, vpp):
+        assert _order_holds(order, needs, len(units), vpp) and task_by_task(order)
+        for _ in range(60):
+            mutated = list(order)
+            rng.choice(ORDER_MUTATIONS)(mutated, rng.randrange(len(order)), rng.randrange(len(order)))
+            assert _order_holds(mutated, needs, len(units), vpp) == task_by_task(mutated)

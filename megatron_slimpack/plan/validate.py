@@ -2,6 +2,8 @@
 and the culprit. `Plan.validate` runs it; the rules read only the parts in `types.py`."""
 from __future__ import annotations
 
+import itertools
+import operator
 from itertools import chain
 from typing import Iterable
 
@@ -245,9 +247,13 @@ def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int, vpp: int = 1)
     if len(replica.stage_orders) != pp:
         raise PlanError(f"stage-orders: {where} has {len(replica.stage_orders)} stage orders for pp={pp}")
     # Checked once per unit, not per stage: plans run to hundreds of thousands of tasks.
-    needs = last_forward_needed(replica.forward_units, replica.backward_units).tolist()
+    needs_array = last_forward_needed(replica.forward_units, replica.backward_units)
+    needs = needs_array.tolist()
     all_forwards, all_backwards = list(range(len(replica.forward_units))), list(range(len(needs)))
     for stage, order in enumerate(replica.stage_orders):
+        if _order_holds(order, needs_array, len(all_forwards), vpp):
+            continue
+        # The checks below, task by task, name what breaks.
         widths = {len(task) for task in order}
         if widths - {3 if vpp > 1 else 2}:
             raise PlanError(f"stage-orders: {where} stage {stage} tasks must be "
@@ -258,6 +264,46 @@ def _check_stage_orders(replica: ReplicaPlan, where: str, pp: int, vpp: int = 1)
         for chunk in range(vpp):
             what = f"{where} stage {stage}" + (f" chunk {chunk}" if vpp > 1 else "")
             _check_chunk_order(tasks_of_chunk(order, chunk), what, needs, all_forwards, all_backwards)
+
+
+_KINDS = {"F": 0, "B": 1}
+
+
+def _order_holds(order: list, needs: np.ndarray, forwards: int, vpp: int) -> bool:
+    """Whether a stage order passes every check of `_check_stage_orders`, by array: each task
+    (kind, unit[, chunk]) of the right width, every chunk running each forward unit once in
+    sequence order, each backward unit once in sequence order, and each backward after the forward
+    it needs. False where anything may break (the task-by-task checks then say what)."""
+    count = len(order)
+    width = 3 if vpp > 1 else 2
+    try:
+        if any(len(task) != width for task in order):
+            return False
+        kinds = np.fromiter(map(_KINDS.get, map(operator.itemgetter(0), order), itertools.repeat(-1)),
+                            dtype=np.int64, count=count)
+        # read as floats: a unit or chunk that is no whole number fails below (as an int64 it
+        # would be truncated)
+        units = np.fromiter(map(operator.itemgetter(1), order), dtype=float, count=count)
+        chunks = (np.fromiter(map(operator.itemgetter(2), order), dtype=float, count=count) if vpp > 1
+                  else np.zeros(count))
+    except (TypeError, ValueError, OverflowError):
+        return False
+    if ((kinds < 0).any() or (chunks < 0).any() or (chunks >= vpp).any() or (units != np.floor(units)).any()
+            or (chunks != np.floor(chunks)).any()):
+        return False
+    backwards = len(needs)
+    for chunk in range(vpp):
+        mine = chunks == chunk
+        kind, unit = kinds[mine], units[mine]
+        is_forward = kind == 0
+        if (not np.array_equal(unit[is_forward], np.arange(forwards))
+                or not np.array_equal(unit[~is_forward], np.arange(backwards))):
+            return False
+        # before each backward: the forwards run so far are 0 .. done - 1 (in sequence order)
+        done = np.cumsum(is_forward)[~is_forward]
+        if (needs >= done).any():
+            return False
+    return True
 
 
 def _check_chunk_order(order: list[tuple[str, int]], where: str, needs: list[int], all_forwards: list[int],
