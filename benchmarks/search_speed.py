@@ -6,11 +6,16 @@ revision's, on the same inputs in one run.
                                       [--out benchmarks/results/search_speed.md]
     python benchmarks/search_speed.py --against REV [--strategies a,b] [--side-by-side] [...]
                                       [--out benchmarks/results/search_against.md]
+    python benchmarks/search_speed.py --against REV --strategies slimpack --plannings 14 [...]
 
 With `--against REV`, the git revision REV is checked out to a temporary worktree and each side
 runs the comparison (one worker, no cache, the same batches) in a process of its own, one after
 the other (`--side-by-side`: both at once, one core each); the report gives each strategy's search
 time on both sides, their ratio, and whether the chosen layout and mean iteration time are the same.
+With `--plannings N` (one strategy), each side runs only the first N plannings of the search's
+screening of the first batch, in the search's own order: a cell whose whole search takes hours
+(a 150B model on 256 GPUs) is timed planning by planning, each with its first-batch time or
+rejection on both sides.
 
 Runs `run_comparison` over every strategy twice without the search cache: with one worker (the
 strategies one after another) and with `--workers` processes (one strategy per worker at a time,
@@ -77,9 +82,41 @@ print(json.dumps({"rows": rows}))
 """
 
 
-def run_side(tree: Path, inputs: dict) -> subprocess.Popen:
+# One side of `--plannings`: the search of one strategy on the first batch, each planning
+# (`layouts._plan_and_simulate`) timed and the search stopped after the first N.
+FIRST_PLANNINGS = """
+import json, sys, time
+inputs = json.loads(sys.stdin.read())
+from megatron_slimpack.config import SlimPackConfig
+from megatron_slimpack.costmodel import CostModel
+from megatron_slimpack.planner import layouts
+cost = CostModel.analytic(inputs["model"], "h100-sxm")
+config = SlimPackConfig(context_length=inputs["context_length"],
+                        solver_deterministic_limit=inputs["solver_deterministic_limit"])
+planned, original = [], layouts._plan_and_simulate
+class Enough(Exception):
+    pass
+def timed(run, lengths, cost, step, *args, **kwargs):
+    started = time.perf_counter()
+    rejection = original(run, lengths, cost, step, *args, **kwargs)
+    result = rejection.kind if rejection else run.reports[-1].iteration_time_s
+    planned.append({"layout": run.parallel.describe(), "result": result, "s": time.perf_counter() - started})
+    if len(planned) == inputs["plannings"]:
+        raise Enough
+    return rejection
+layouts._plan_and_simulate = timed
+try:
+    layouts.best_layout(inputs["strategies"], inputs["batches"][:1], cost, inputs["gpus"], inputs["context_length"],
+                        config)
+except Enough:
+    pass
+print(json.dumps({"plannings": planned}))
+"""
+
+
+def run_side(tree: Path, inputs: dict, script: str = ONE_SIDE) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen([sys.executable, "-c", ONE_SIDE], cwd=tree, env=env, stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=tree, env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     assert process.stdin is not None
     process.stdin.write(json.dumps(inputs))
@@ -101,19 +138,24 @@ def against(args, batches) -> int:
     inputs = {"model": args.model, "workload": args.workload, "gpus": args.gpus, "context_length": args.context_length,
               "global_batch_size": args.global_batch_size, "strategies": args.strategies, "batches": batches,
               "solver_deterministic_limit": args.solver_deterministic_limit}
+    script = ONE_SIDE
+    if args.plannings:
+        inputs["plannings"], script = args.plannings, FIRST_PLANNINGS
     with tempfile.TemporaryDirectory() as scratch:
         old_tree = Path(scratch) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(old_tree), args.against], cwd=ROOT,
                        check=True)
         try:
             if args.side_by_side:
-                running = [run_side(old_tree, inputs), run_side(ROOT, inputs)]
+                running = [run_side(old_tree, inputs, script), run_side(ROOT, inputs, script)]
                 old, new = (side_result(process, tree) for process, tree in zip(running, (old_tree, ROOT)))
             else:
-                old = side_result(run_side(old_tree, inputs), old_tree)
-                new = side_result(run_side(ROOT, inputs), ROOT)
+                old = side_result(run_side(old_tree, inputs, script), old_tree)
+                new = side_result(run_side(ROOT, inputs, script), ROOT)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=False)
+    if args.plannings:
+        return _plannings_report(args, commit, old["plannings"], new["plannings"])
     rows, same = [], True
     for name, was in old["rows"].items():
         now = new["rows"].get(name, {})
@@ -153,6 +195,41 @@ def against(args, batches) -> int:
     return 0 if same else 1
 
 
+def _plannings_report(args, commit: str, old: list[dict], new: list[dict]) -> int:
+    """The `--plannings` report: each planning's layout, result and time on both sides."""
+    rows, same = [], len(old) == len(new)
+    for was, now in zip(old, new):
+        agrees = was["layout"] == now["layout"] and was["result"] == now["result"]
+        same &= agrees
+        result = f"{now['result']:.3f}" if isinstance(now["result"], float) else now["result"]
+        rows.append(f"| {now['layout']} | {result} | {was['s']:.1f} | {now['s']:.1f} | {was['s'] / now['s']:.2f}x | "
+                    f"{'yes' if agrees else 'NO: ' + str(was['result'])} |")
+    old_s, new_s = sum(p["s"] for p in old), sum(p["s"] for p in new)
+    text = "\n".join([
+        f"# {args.strategies}'s first {args.plannings} plannings: this tree against {args.against}",
+        "",
+        f"`python benchmarks/search_speed.py --against {args.against} --strategies {args.strategies} "
+        f"--plannings {args.plannings} --model {args.model} --workload {args.workload} --gpus {args.gpus} "
+        f"--context-length {args.context_length} --global-batch-size {args.global_batch_size}"
+        f"{' --side-by-side' if args.side_by_side else ''}` at commit {commit}, on a machine with {os.cpu_count()} "
+        f"cores; the sides ran {'at once, one core each' if args.side_by_side else 'one after the other'}. The "
+        f"search's screening of the first batch, in its own order, stopped after {args.plannings} plannings; each "
+        "planning's time includes its simulation. CP-SAT stopped at "
+        f"{args.solver_deterministic_limit} deterministic units.",
+        "",
+        f"- plannings' time: {old_s:.1f} s with {args.against}, {new_s:.1f} s now: **{old_s / new_s:.2f}x**",
+        f"- same layouts in the same order, same first-batch times and rejections: {'yes' if same else 'NO'}",
+        "",
+        f"| layout | first-batch time (s) or rejection | {args.against} (s) | now (s) | speedup | same |",
+        "|---|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+    ])
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b")
@@ -166,6 +243,8 @@ def main(argv=None) -> int:
     parser.add_argument("--against", metavar="REV", help="compare this tree's search with git revision REV's")
     parser.add_argument("--strategies", default="all", help="with --against: the strategies compared")
     parser.add_argument("--side-by-side", action="store_true", help="with --against: run both sides at once")
+    parser.add_argument("--plannings", type=int, default=0,
+                        help="with --against and one strategy: time only the first N plannings of its screening")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.out = args.out or str(ROOT / "benchmarks" / "results" /
@@ -175,6 +254,8 @@ def main(argv=None) -> int:
     sampler = GlobalBatchSampler(load_lengths(args.workload, seed=0), args.context_length, args.global_batch_size,
                                  seed=0, long_documents="split")
     batches = [sampler.next_batch().lengths for _ in range(args.steps)]
+    if args.plannings and (not args.against or "," in args.strategies or args.strategies == "all"):
+        parser.error("--plannings needs --against and one strategy (--strategies NAME)")
     if args.against:
         return against(args, batches)
     serial, serial_s = compare(args, batches, 1)
