@@ -66,19 +66,19 @@ def no_slower_than_fixed_grouping(plan: Plan, lengths: list[int], parallel: Para
     base_merge = int(plan.metadata.get("base_merge", 1))
     view = parallel.with_(dp=parallel.dp // base_merge, cp=parallel.cp * base_merge)
     try:
-        candidate = baselines.fixed.prefix_keeping_fixed_plan(lengths, view, cost, config)
+        grouping_plan = baselines.fixed.prefix_keeping_fixed_plan(lengths, view, cost, config)
         if base_merge > 1:
-            candidate = shared_by_groups(candidate.validate(), parallel, base_merge)
+            grouping_plan = shared_by_groups(grouping_plan.validate(), parallel, base_merge)
     except PlanError:  # the batch does not deal evenly over the ranks
         return plan
-    candidate = replace(candidate, strategy=plan.strategy)
+    candidate = replace(grouping_plan, strategy=plan.strategy)
     planned = simulate(plan, cost, detail=False)
     # Where the grouping's busiest device alone takes longer, it cannot be faster: neither
     # validated nor simulated (the margin covers the order of float sums).
     try:
         if busiest_device_s(candidate, cost) > planned.iteration_time_s * (1 + 1e-9):
             return plan
-        candidate.validate()
+        grouping_plan.validate()
     except (PlanError, SimulationError):  # a rule the grouping breaks
         return plan
     grouping = simulate(candidate, cost, detail=False)

@@ -473,8 +473,8 @@ class _Graph:
                     blocks["send_seconds"].append(
                         np.asarray(rc.backward_p2p if backward else rc.forward_p2p, dtype=float))
             total += stride * vstages
-        fields = {name: np.concatenate(parts + [np.zeros(0, dtype=dtype)])
-                  for (name, dtype), parts in zip(_TASK_FIELDS.items(), blocks.values())}
+        fields = {name: np.concatenate(blocks[name] + [np.zeros(0, dtype=dtype)])
+                  for name, dtype in _TASK_FIELDS.items()}
         self.replica_of: np.ndarray = fields["replica_of"]
         self.stage_of: np.ndarray = fields["stage_of"]
         self.is_backward: np.ndarray = fields["is_backward"]
