@@ -175,7 +175,7 @@ def against(args, batches) -> int:
                     f"{now['search_s']:.1f} | {speedup:.2f}x | {'yes' if agrees else differs} |")
     old_s = sum(row.get("search_s", 0.0) for row in old["rows"].values())
     new_s = sum(row.get("search_s", 0.0) for row in new["rows"].values())
-    text = "\n".join([
+    return _report(args.out, [
         f"# Compare search: this tree against {args.against}",
         "",
         f"`python benchmarks/search_speed.py --against {args.against} --model {args.model} --workload {args.workload} "
@@ -192,11 +192,7 @@ def against(args, batches) -> int:
         f"| strategy | layout | mean iteration (s) | search, {args.against} (s) | search, now (s) | speedup | same |",
         "|---|---|---:|---:|---:|---:|---|",
         *rows,
-        "",
-    ])
-    Path(args.out).write_text(text)
-    print(text)
-    return 0 if same else 1
+    ], same)
 
 
 def _plannings_report(args, commit: str, old: list[dict], new: list[dict]) -> int:
@@ -209,7 +205,7 @@ def _plannings_report(args, commit: str, old: list[dict], new: list[dict]) -> in
         rows.append(f"| {now['layout']} | {result} | {was['s']:.1f} | {now['s']:.1f} | {was['s'] / now['s']:.2f}x | "
                     f"{'yes' if agrees else 'NO: ' + str(was['result'])} |")
     old_s, new_s = sum(p["s"] for p in old), sum(p["s"] for p in new)
-    text = "\n".join([
+    return _report(args.out, [
         f"# {args.strategies}'s first {args.plannings} plannings: this tree against {args.against}",
         "",
         f"`python benchmarks/search_speed.py --against {args.against} --strategies {args.strategies} "
@@ -227,9 +223,13 @@ def _plannings_report(args, commit: str, old: list[dict], new: list[dict]) -> in
         f"| layout | first-batch time (s) or rejection | {args.against} (s) | now (s) | speedup | same |",
         "|---|---:|---:|---:|---:|---|",
         *rows,
-        "",
-    ])
-    Path(args.out).write_text(text)
+    ], same)
+
+
+def _report(out: str, lines: list[str], same: bool) -> int:
+    """Write the report to `out` and print it; the exit status says whether the sides agree."""
+    text = "\n".join(lines + [""])
+    Path(out).write_text(text)
     print(text)
     return 0 if same else 1
 
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     same &= serial.failures == parallel.failures
     cpu_s = sum(found.search_time_s for found in serial.results.values())
     longest = max(serial.results.values(), key=lambda found: found.search_time_s)
-    text = "\n".join([
+    return _report(args.out, [
         f"# Compare search: 1 worker against {args.workers}",
         "",
         f"`python benchmarks/search_speed.py --model {args.model} --workload {args.workload} --gpus {args.gpus} "
@@ -293,11 +293,7 @@ def main(argv=None) -> int:
         "| strategy | layout | mean iteration (s) | search, serial run (s) | same with workers |",
         "|---|---|---:|---:|---|",
         *rows,
-        "",
-    ])
-    Path(args.out).write_text(text)
-    print(text)
-    return 0 if same else 1
+    ], same)
 
 
 if __name__ == "__main__":
