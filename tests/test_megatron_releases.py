@@ -24,7 +24,8 @@ Two checks guard against a release building its model some other way than the pl
 (0.19 builds it through GPTModelBuilder, without the model provider 0.16-0.18 call): a launch
 whose model builder is left alone must stop before its first step with SlimPack's named error,
 and the layer spec each release builds for `--transformer-impl transformer_engine` must carry
-the sliced core attention.
+the sliced core attention (and fuse both norms into the next linear layer, which is why
+`--recompute-modules layernorm` re-runs nothing there).
 
 Tests of one release share one workspace (`xdist_group`: they run in one pytest worker).
 """
@@ -177,6 +178,9 @@ def test_the_transformer_engine_layer_spec_carries_the_sliced_attention(workspac
     assert spec["sliced"], spec
     # the rest of the TE layer is the release's own
     assert spec["linear_qkv"].startswith("StandInTE_") and spec["linear_proj"].startswith("StandInTE_")
+    # both norms fused into the next linear layer: `--recompute-modules layernorm` re-runs nothing there,
+    # and the planner prices it so (megatron.args._priced_modules)
+    assert spec["input_layernorm"] == spec["pre_mlp_layernorm"] == "IdentityOp"
 
 
 def test_every_release_is_a_supported_one():

@@ -1,6 +1,8 @@
 """Megatron's recompute as the planner prices it: none, selective (`--recompute-modules core_attn`,
 Megatron's default), selective-mlp (`core_attn mlp`), full recompute of every layer, and block-N
-(the first N layers of each model chunk recomputed whole). A Megatron run with other settings is
+(the first N layers of each model chunk recomputed whole); `layernorm` among the modules on
+Transformer Engine's layer spec, which fuses the norms and so re-runs nothing for it (refused on
+the local spec, whose norms it would re-run unpriced). A Megatron run with other settings is
 refused with the flags to use (it would be priced as something else); the cluster scripts give
 each layout the flags of its mode. The cost model's terms are checked by hand in
 tests/test_cost_model.py; training with MLP recompute (vpp2) and block recompute (tp2-sp) through
@@ -8,10 +10,12 @@ the real trainer in tests/test_megatron_releases.py."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_slimpack.costmodel import CostModel
 from megatron_slimpack.megatron import add_slimpack_args
@@ -40,6 +44,7 @@ def megatron_args(*argv: str):
     parser.add_argument("--recompute-modules", nargs="*", default=None)
     parser.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     parser.add_argument("--recompute-num-layers", type=int, default=None)
+    parser.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
     return add_slimpack_args(parser).parse_args(["--slimpack", "--calculate-per-token-loss", *argv])
 
 
@@ -55,10 +60,24 @@ def test_the_modules_may_come_in_any_order():
                                                 "mlp", "core_attn")) == "selective-mlp"
 
 
+@pytest.mark.parametrize("modules, mode", [(["core_attn", "layernorm"], "selective"),
+                                           (["layernorm", "mlp", "core_attn"], "selective-mlp"),
+                                           (["layernorm"], "none")])
+def test_layernorm_recompute_on_transformer_engine_layers_is_priced_as_without_it(modules, mode):
+    """TE's layer spec fuses both norms into the next linear layer (`input_layernorm` and
+    `pre_mlp_layernorm` are IdentityOp: tests/real_megatron/te_spec.py checks each release's spec),
+    so megatron-core's layer skips the module: the layer runs, and is priced, as without it."""
+    args = megatron_args("--recompute-granularity", "selective", "--recompute-modules", *modules)
+    validate_slimpack_args(args)
+    assert recompute_mode_of_args(args) == mode
+
+
 @pytest.mark.parametrize("argv, problem", [
-    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
-     "'layernorm' is not priced by its planner"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm", "--transformer-impl",
+      "local"], "takes --recompute-modules layernorm only with --transformer-impl transformer_engine"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], "'mlp' is not priced"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"], "'mlp layernorm' is not "
+                                                                                          "priced"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
      "recomputes groups of layers together"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
@@ -67,7 +86,7 @@ def test_the_modules_may_come_in_any_order():
 def test_recompute_the_planner_does_not_price_is_refused_with_the_fix(argv, problem):
     with pytest.raises(SlimPackArgumentError, match=problem) as caught:
         validate_slimpack_args(megatron_args(*argv))
-    assert "use" in str(caught.value)
+    assert re.search(r"\b(use|remove)\b", str(caught.value))  # names the fix
 
 
 def test_block_recompute_of_a_whole_chunk_is_every_layer():
@@ -136,3 +155,23 @@ def test_a_mode_that_includes_another_takes_at_least_its_time_and_holds_at_most_
                 other = parallel.with_(recompute=lighter)
                 assert cost.backward_time(tokens, pairs, parallel) >= cost.backward_time(tokens, pairs, other)
                 assert cost.activation_bytes(tokens, pairs, parallel) <= cost.activation_bytes(tokens, pairs, other)
+
+
+def test_layernorm_recompute_on_the_local_spec_does_not_run_without_transformer_engine(megatron_cpu, monkeypatch):
+    """Why `--recompute-modules layernorm` is refused with `--transformer-impl local`: there the norms
+    are modules of their own, so megatron-core re-runs them through its output-discarding checkpoint,
+    which takes `fp8=False` as fp8 on and reads Transformer Engine's FP8 state (absent here). Its CUDA
+    RNG-state read is pointed at the CPU generator first, as the real trainer's CPU shim does."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from megatron_slimpack.runtime.model import build_gpt_model, tiny_config
+
+    monkeypatch.setattr(mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+
+    config = tiny_config(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
+    model = build_gpt_model(config, vocab_size=64, max_sequence_length=32, backend="torch")
+    layer = model.decoder.layers[0]
+    assert layer.recompute_input_layernorm and layer.recompute_pre_mlp_layernorm
+    tokens = torch.randint(0, 64, (1, 16))
+    with pytest.raises(NameError, match="FP8GlobalStateManager"):
+        model(tokens, torch.arange(16)[None, :], None)

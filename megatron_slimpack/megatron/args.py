@@ -210,8 +210,21 @@ def recompute_mode_of_args(args) -> str:
         return f"block-{layers}" if partial else "full"
     if granularity != "selective":
         return "none"
-    modules = sorted(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
+    modules = _priced_modules(args)
+    if not modules:
+        return "none"
     return next((mode for mode, wanted in SELECTIVE_MODULES.items() if sorted(wanted) == modules), "selective")
+
+
+def _priced_modules(args) -> list[str]:
+    """`--recompute-modules` (sorted; Megatron's default core_attn) less `layernorm` on Transformer
+    Engine's layer spec: there both norms are fused into the next linear layer (`input_layernorm`
+    and `pre_mlp_layernorm` are IdentityOp, tests/real_megatron/te_spec.py checks it per release),
+    so megatron-core's TransformerLayer skips the module and the layer runs as without it."""
+    modules = sorted(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
+    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine":
+        modules = [module for module in modules if module != "layernorm"]
+    return modules
 
 
 def _chunk_layers(args) -> int | None:
@@ -223,17 +236,28 @@ def _chunk_layers(args) -> int | None:
 
 def _recompute_problems(args) -> list[str]:
     """Recompute the planner prices exactly: selective with `--recompute-modules` core_attn (the
-    default) or core_attn mlp, full recompute of every layer on its own, and full recompute of the
-    first N layers of every chunk (`--recompute-method block`: block-N). Other module sets or
+    default) or core_attn mlp (with layernorm too, or layernorm alone, on Transformer Engine's layer
+    spec, where Megatron skips it: `_priced_modules`), full recompute of every layer on its own, and
+    full recompute of the first N layers of every chunk (`--recompute-method block`: block-N). Other
+    module sets or
     groups of layers recomputed together (`--recompute-method uniform --recompute-num-layers` > 1)
     would be priced as something else: the plans could hold more memory than the device has, or
     run slower than planned."""
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "selective":
         modules = list(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
-        if sorted(modules) not in [sorted(wanted) for wanted in SELECTIVE_MODULES.values()]:
+        if "layernorm" in modules and getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+            return ["--slimpack takes --recompute-modules layernorm only with --transformer-impl "
+                    "transformer_engine, whose layers fuse the norms into the next linear layer (Megatron skips "
+                    f"the module there); with --transformer-impl {args.transformer_impl} the norms would be "
+                    "recomputed, which the planner does not price, and megatron-core's output-discarding "
+                    "checkpoint fails without Transformer Engine installed (CheckpointWithoutOutput reads "
+                    "fp8=False as fp8 on): remove layernorm from --recompute-modules"]
+        priced = _priced_modules(args)
+        if priced and priced not in [sorted(wanted) for wanted in SELECTIVE_MODULES.values()]:
             accepted = " or ".join(f"'{' '.join(wanted)}'" for wanted in SELECTIVE_MODULES.values())
-            return [f"--slimpack plans selective recompute with --recompute-modules {accepted}; "
+            return [f"--slimpack plans selective recompute with --recompute-modules {accepted} (layernorm may "
+                    f"be added on Transformer Engine's layer spec, where it re-runs nothing); "
                     f"'{' '.join(modules)}' is not priced by its planner: use one of those"]
     if granularity == "full":
         method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None) or 1

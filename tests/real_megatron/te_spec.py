@@ -1,7 +1,8 @@
 """Test-only, run with a release's PYTHONPATH (harness.python_path): the layer spec that release's
 trainer builds for `--transformer-impl transformer_engine`, after SlimPack's model seam.
 
-    python te_spec.py  ->  one JSON line {"core_attention": ..., "sliced": ..., "linear_qkv": ...}
+    python te_spec.py  ->  one JSON line {"core_attention": ..., "sliced": ..., "linear_qkv": ...,
+                                          "input_layernorm": ..., "pre_mlp_layernorm": ...}
 
 Transformer Engine does not install on a CPU machine, and megatron-core cannot even name its TE
 layer spec without it. A stand-in spec provider (`StandInTE`) answers every TE module with a
@@ -71,7 +72,14 @@ def main() -> None:
         "sliced": isinstance(core_module, type) and issubclass(core_module, SlicedAttentionMixin),
         "linear_qkv": getattr(attention.linear_qkv, "__name__", "?"),
         "linear_proj": getattr(attention.linear_proj, "__name__", "?"),
+        # the norms TE fuses into linear_qkv and linear_fc1, which `--recompute-modules layernorm` then skips
+        "input_layernorm": _name(after.submodules.input_layernorm),
+        "pre_mlp_layernorm": _name(after.submodules.pre_mlp_layernorm),
     }))
+
+
+def _name(submodule) -> str:
+    return getattr(getattr(submodule, "module", submodule), "__name__", "?")
 
 
 if __name__ == "__main__":
