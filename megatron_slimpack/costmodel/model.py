@@ -545,6 +545,14 @@ class CostModel:
             seconds += self.head_time(tokens, parallel, backward)
         return seconds
 
+    def stage_times(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig, *,
+                    backward: bool) -> tuple[Amount, Amount]:
+        """`stage_time` on a middle stage and on the last, the layers' terms computed once (the
+        last stage adds the head to the same sum, so both are exactly `stage_time`'s), for one
+        MicroPack or elementwise for arrays of them."""
+        middle = self.stage_time(tokens, pairs, parallel, backward=backward)  # type: ignore[arg-type]
+        return middle, middle + self.head_time(tokens, parallel, backward)  # type: ignore[arg-type,return-value]
+
     def forward_time(self, tokens: float, pairs: float, parallel: ParallelConfig, last_stage: bool = False) -> float:
         return self.stage_time(tokens, pairs, parallel, backward=False, last_stage=last_stage)
 
@@ -636,7 +644,7 @@ class CostModel:
         `prefix_tokens`: KV-prefix tokens its slices read; `masked_entries`: query x key entries of
         its slices that read a prefix (both matter only where the kernel copies keys or keeps a mask)."""
         layers = self.layers_per_stage(parallel)
-        shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
+        shards = activation_shards(parallel)
         whole = self.whole_layer_share(parallel)
         if whole == 1.0:
             per_layer = tokens * self.model.hidden_size * self.dtype_bytes / shards  # layer inputs only
@@ -660,8 +668,23 @@ class CostModel:
                 per_layer = per_layer + self.activation.per_masked_entry * masked_entries / parallel.cp
         total = layers * per_layer
         if last_stage:
-            total += self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards
+            total += self.last_stage_bytes(tokens, parallel)
         return total
+
+    def activation_bytes_by_stage(self, tokens: Amount, pairs: Amount, parallel: ParallelConfig,
+                                  prefix_tokens: Amount | float = 0.0,
+                                  masked_entries: Amount | float = 0.0) -> tuple[Amount, Amount]:
+        """`activation_bytes` on a middle stage and on the last, the layers' terms computed once
+        (exactly `activation_bytes`'s: the last stage adds `last_stage_bytes` to the same sum)."""
+        middle = self.activation_bytes(tokens, pairs, parallel, prefix_tokens=prefix_tokens,
+                                       masked_entries=masked_entries)
+        return middle, middle + self.last_stage_bytes(tokens, parallel)
+
+    def last_stage_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
+        """What the last stage holds per in-flight MicroPack beyond its layers': the fp32 logits and
+        the final norm's and output layer's inputs."""
+        shards = activation_shards(parallel)
+        return self.logits_bytes(tokens, parallel) + self.activation.per_model_token * tokens / shards
 
     def logits_bytes(self, tokens: Amount, parallel: ParallelConfig) -> Amount:
         """fp32 logits kept for the cross-entropy backward (vocab split across TP)."""
@@ -672,7 +695,7 @@ class CostModel:
         layer's full activations, with MLP recompute one MLP's (core attention's re-run forward
         saves what the backward uses at once: counted in its layer's activations)."""
         if parallel.recompute == "selective-mlp":
-            shards = parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
+            shards = activation_shards(parallel)
             return self.mlp_saved_bytes_per_token * tokens / shards + 0.0 * pairs
         if not self.whole_layer_share(parallel):
             return 0.0
@@ -699,6 +722,12 @@ class CostModel:
         linear, attention = self._layer_flops(tokens, pairs)
         head = 2.0 * tokens * self.model.hidden_size * self.model.vocab_size
         return 3.0 * (self.model.num_layers * (linear + attention) + head)
+
+
+def activation_shards(parallel: ParallelConfig) -> int:
+    """Devices one layer's activations are split over: CP ranks, and TP ranks where sequence
+    parallelism (or no TP) shards the tokens rather than replicating them."""
+    return parallel.cp * (parallel.tp if parallel.sequence_parallel or parallel.tp == 1 else 1)
 
 
 def format_bytes(value: float) -> str:

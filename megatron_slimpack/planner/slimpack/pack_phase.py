@@ -234,14 +234,15 @@ class MicroPackCosts:
         # parallelism (unpadded, a plan could pass the budget by the padding's activations).
         tokens, pairs = parallel.padded_tokens(figures.tokens), figures.pairs
 
-        def rows(fn, **extra) -> np.ndarray:  # [middle stage, last stage] x MicroPacks
-            return np.array([fn(tokens, pairs, parallel, last_stage=last, **extra) * np.ones_like(tokens)
-                             for last in (False, True)])
+        def rows(pair: tuple) -> np.ndarray:  # [middle stage, last stage] x MicroPacks
+            return np.array([value * np.ones_like(tokens) for value in pair])
 
-        activation = rows(cost.activation_bytes, prefix_tokens=figures.prefix, masked_entries=figures.masked)
+        activation = rows(cost.activation_bytes_by_stage(tokens, pairs, parallel, prefix_tokens=figures.prefix,
+                                                         masked_entries=figures.masked))
         held = activation + cost.kv_cache_bytes(figures.continued, parallel)
         recompute = cost.recompute_peak_bytes(tokens, pairs, parallel) * np.ones_like(tokens)
-        return cls(rows(cost.forward_time), rows(cost.backward_time), held, tokens,
+        return cls(rows(cost.stage_times(tokens, pairs, parallel, backward=False)),
+                   rows(cost.stage_times(tokens, pairs, parallel, backward=True)), held, tokens,
                    backward_sequence(micropacks, table), float(recompute.max(initial=0.0)))
 
     def busiest_stage_s(self, pp: int) -> float:
