@@ -489,6 +489,37 @@ def test_screened_plans_are_validated_once_among_the_fastest(monkeypatch):
     assert broken.mean_iteration_time_s == without.mean_iteration_time_s
 
 
+def test_a_stateful_search_validates_the_plans_of_its_finalists_only(monkeypatch):
+    """A stateful strategy runs each layout over every batch without `Plan.validate`; the plans of
+    its finalists (all a result reports) are validated at the end. Where one of them breaks a rule,
+    every layout is run again validating each plan, so the search ends as one that validated all:
+    that layout rejected as invalid at its first batch, and the rest picked without it."""
+    from megatron_slimpack.plan import Plan
+
+    context = 32768
+    batches = [batch(seed, 150, context) for seed in (2, 3)]
+    validate, validated = Plan.validate, []
+    monkeypatch.setattr(Plan, "validate", lambda plan: validated.append(plan.parallel) or validate(plan))
+    result = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2)
+    assert sorted(map(str, validated)) == sorted(str(e.parallel) for e in result.finalists for _ in e.plans)
+    assert len(result.screened) > len(result.finalists)
+
+    def breaking(plan):
+        if plan.parallel == result.parallel:
+            raise PlanError("coverage: made to break")
+        return validate(plan)
+
+    monkeypatch.setattr(Plan, "validate", breaking)
+    broken = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2)
+    assert [(r.kind, r.reason) for r in broken.rejected if r.parallel == result.parallel] == [
+        ("invalid", "batch 0: coverage: made to break")]
+    monkeypatch.setattr(Plan, "validate", validate)
+    without = best_layout("wlb-llm", batches, COST_7B, 8, context, FAST, finalists=2,
+                          layouts=[p for p in enumerate_layouts(COST_7B, 8, "wlb-llm") if p != result.parallel])
+    assert [e.parallel for e in broken.finalists] == [e.parallel for e in without.finalists]
+    assert [e.mean_iteration_time_s for e in broken.finalists] == [e.mean_iteration_time_s for e in without.finalists]
+
+
 def _mean_over_every_batch(strategy: str, batches: list[list[int]], parallel: ParallelConfig, cost, context: int,
                            config) -> float | None:
     """A stateful strategy's mean on a layout, run on its own over every batch and the flush

@@ -681,12 +681,13 @@ def _plan_and_simulate(run: _Run, lengths: list[int], cost: CostModel, step: int
 
 
 def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining: "_RemainingWork | None" = None,
-                beat_s: float = math.inf) -> Rejection | None:
+                beat_s: float = math.inf, validate: bool = True) -> Rejection | None:
     """The batches after the first, then the planner's flush if it has one. Given the `remaining`
     work, a run whose mean can no longer be below `beat_s` stops (a "finish-bound" rejection). A
     first-batch plan screened without validation is validated first: an invalid one (a planner's
-    bug) rejects the run as a later batch's failure does."""
-    if run.unvalidated:  # only screening skips validation: the first batch's plan
+    bug) rejects the run as a later batch's failure does. `validate` False: no plan is validated
+    here (`run.unvalidated` says so; `_invalid_plan` checks them later)."""
+    if run.unvalidated and validate:  # screening skips validation: the first batch's plan
         try:
             run.plans[0].validate()
         except PlanError as error:
@@ -696,13 +697,25 @@ def _finish_run(run: _Run, batches: list[list[int]], cost: CostModel, remaining:
         if remaining is not None and (stop := remaining.stop(run, beat_s)):
             return stop
         if step < len(batches):
-            rejection = _plan_and_simulate(run, batches[step], cost, step)
+            rejection = _plan_and_simulate(run, batches[step], cost, step, validate=validate)
         elif _flushes(run.active_planner):
-            rejection = _plan_and_simulate(run, [], cost, None)
+            rejection = _plan_and_simulate(run, [], cost, None, validate=validate)
         else:
             return None
         if rejection:
             return rejection
+    return None
+
+
+def _invalid_plan(evaluations: dict[int, "LayoutEvaluation"]) -> Rejection | None:
+    """The first plan of these evaluations that breaks a rule of the plan format (a planner's bug),
+    as an "invalid" rejection; None where every plan is valid."""
+    for evaluation in evaluations.values():
+        for step, plan in enumerate(evaluation.plans):
+            try:
+                plan.validate()
+            except PlanError as error:
+                return Rejection(evaluation.parallel, "invalid", f"plan {step}: {error}")
     return None
 
 
@@ -855,8 +868,9 @@ def best_layout(
     ticker = _Ticker(progress, spec.name, started, len(candidates))
     ticker.start("screening", len(screened))
     if spec.stateful:
-        return _result(spec, gpus, *_run_in_bound_order(spec, screened, batches, cost, rejected, recompute_cascade,
-                                                        finalists, ticker), finalists, rejected, started, candidates)
+        started_runs, finished = _run_validating_finalists(spec, screened, batches, cost, rejected, recompute_cascade,
+                                                           finalists, ticker)
+        return _result(spec, gpus, started_runs, finished, finalists, rejected, started, candidates)
     runs, deferred = _screen(spec, screened, first, cost, rejected, recompute_cascade, finalists, ticker=ticker)
     evaluations: dict[int, LayoutEvaluation] = {}  # id(run) -> the run over every batch
     failed: set[int] = set()
@@ -875,6 +889,28 @@ def best_layout(
         alive = sum(id(run) not in failed for run in runs)
         ticker.start("finishing", min(finalists, alive) - len(evaluations))
     return _result(spec, gpus, runs, evaluations, finalists, rejected, started, candidates)
+
+
+def _run_validating_finalists(spec: StrategySpec, runs: list[_Run], batches: list[list[int]], cost: CostModel,
+                              rejected: list[Rejection], recompute_cascade: bool, finalists: int,
+                              ticker: _Ticker) -> tuple[list[_Run], dict[int, LayoutEvaluation]]:
+    """`_run_in_bound_order` with the plans validated once, those of the finalists (validating
+    every plan of every layout run was a fifth of a stateful search). Where one is invalid (a
+    planner's bug), every layout is run again validating each plan, so that no bound or cascade
+    rests on it: the search ends as one that validated all. Rejections join `rejected`."""
+    attempt = _run_in_bound_order(spec, [_fresh(run) for run in runs], batches, cost, [], recompute_cascade,
+                                  finalists, ticker, validate=False)
+    if _invalid_plan(attempt[1]) is not None:
+        ticker.start("screening", len(runs))
+        attempt = _run_in_bound_order(spec, runs, batches, cost, [], recompute_cascade, finalists, ticker)
+    started, evaluations, more = attempt
+    rejected += more
+    return started, evaluations
+
+
+def _fresh(run: _Run) -> _Run:
+    """A run of the same layout, not yet evaluated."""
+    return _Run(run.parallel, run.config, bound=run.bound)
 
 
 def _block_modes_that_may_pay(spec: StrategySpec, runs: list[_Run], lengths: np.ndarray, cost: CostModel,
@@ -1128,7 +1164,8 @@ class _RecomputeCascade:
 
 def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list[int]], cost: CostModel,
                         rejected: list[Rejection], recompute_cascade: bool, finalists: int,
-                        ticker: _Ticker) -> tuple[list[_Run], dict[int, LayoutEvaluation]]:
+                        ticker: _Ticker, validate: bool = True,
+                        ) -> tuple[list[_Run], dict[int, LayoutEvaluation], list[Rejection]]:
     """A stateful strategy that flushes (it trains every document): each layout runs every batch
     and the flush, one layout after another in the order of a lower bound on its mean
     (`_RemainingWork`: every document is trained in some step, and the bound is superadditive),
@@ -1145,7 +1182,9 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     to the end.
     A planner that does not flush may leave documents untrained: nothing bounds its mean, and
     every layout the cascades leave runs every batch.
-    Returns the runs that fit the first batch and the evaluations of those that ran every batch."""
+    `validate` False: no plan is validated (the caller checks the finalists').
+    Returns the runs that fit the first batch, the evaluations of those that ran every batch, and
+    `rejected` with this run's rejections added."""
     remaining = _RemainingWork.of(spec, batches, cost) if _flushes(spec.new_planner()) else None
     bounds = {id(run): remaining.at_start(run.parallel, run.config) if remaining else 0.0 for run in runs}
     evaluations: dict[int, LayoutEvaluation] = {}
@@ -1169,7 +1208,8 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
             rejected.append(not_worth)
             continue
         run.planner = spec.new_planner()
-        rejection = _plan_and_simulate(run, batches[0], cost, 0) or _finish_run(run, batches, cost, remaining, beat_s())
+        rejection = (_plan_and_simulate(run, batches[0], cost, 0, validate=validate)
+                     or _finish_run(run, batches, cost, remaining, beat_s(), validate))
         if run.reports:
             started.append(run)
         stopped = rejection is not None and rejection.kind == "finish-bound"
@@ -1188,7 +1228,7 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
             continue
         evaluations[id(run)] = run.evaluation(len(batches))
         _drop_plans_of_slower(evaluations, finalists)
-    return started, evaluations
+    return started, evaluations, rejected
 
 
 def _not_worth_evaluating(parallel: ParallelConfig, cascade: _RecomputeCascade | None,
