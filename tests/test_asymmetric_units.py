@@ -117,6 +117,35 @@ def test_unit_lower_bound_never_exceeds_the_replayed_orders(symmetric):
             assert candidate.lower_bound_s <= candidate.order([0], budget).makespan_s * (1 + 1e-12)
 
 
+def test_a_candidate_kept_as_unit_starts_has_the_segmentations_units(symmetric):
+    """Candidates keep where their units start, and build the unit lists only when asked: those
+    lists cut the forward sequence and the backward sequence into non-empty runs (the paired
+    candidate's: pairs and single MicroPacks), and the last forward unit each backward unit needs
+    is `last_forward_needed` of them."""
+    from megatron_slimpack.plan import last_forward_needed
+
+    replica = symmetric.replicas[0]
+    costs = MicroPackCosts.of(replica.micropacks, COST, PARALLEL)
+    count = len(replica.micropacks)
+    paired = UnitCandidate.paired(replica.micropacks, costs, COST, PARALLEL, float("inf"))
+    assert paired.forward_units == [list(range(first, min(first + 2, count))) for first in range(0, count, 2)]
+    assert paired.backward_units == [[mp] for mp in costs.backward_order]
+    candidates = [paired]
+    for units in (count, count // 2, count // 3, 8, 1):
+        for sym in (False, True):
+            candidates.append(UnitCandidate.of(replica.micropacks, costs, units, sym, COST, PARALLEL, float("inf")))
+    for candidate in candidates:
+        assert [mp for unit in candidate.forward_units for mp in unit] == list(range(count))
+        assert [mp for unit in candidate.backward_units for mp in unit] == costs.backward_order
+        assert all(candidate.forward_units) and all(candidate.backward_units)
+        assert candidate.unit_counts == (len(candidate.forward_units), len(candidate.backward_units))
+        assert candidate.needs.tolist() == last_forward_needed(candidate.forward_units,
+                                                               candidate.backward_units).tolist()
+        for other in candidates:
+            same = (other.forward_units, other.backward_units) == (candidate.forward_units, candidate.backward_units)
+            assert candidate.same_units(other) == same
+
+
 def test_forward_targets_pace_one_forward_per_two_backward_units():
     """With twice as many backward units as forward units (no chains), each stage stays pp - s
     forward units ahead, as in 1F1B; it does not run all forwards first."""

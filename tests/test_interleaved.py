@@ -241,7 +241,7 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
     work = StageWork(ones, ones, [0.0] * m, [0.0] * m, ones, ones, [1e9] * pp)
 
     class Candidate:  # the part of a UnitCandidate that `of` reads
-        forward_units = backward_units = units
+        unit_counts = (m, m)
         needs = last_forward_needed(units, units)
         vpp = 2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 import numba
 import numpy as np
@@ -209,7 +209,7 @@ def slice_table(micropacks: list[MicroPack]) -> tuple[np.ndarray, np.ndarray]:
     return counts, flat.reshape(-1, 3)
 
 
-def last_forward_needed(forward_units: list[list[int]], backward_units: list[list[int]]) -> np.ndarray:
+def last_forward_needed(forward_units: Sequence[Sequence[int]], backward_units: Sequence[Sequence[int]]) -> np.ndarray:
     """For each backward unit, the last forward unit holding one of its MicroPacks: it may run only
     after that forward (vectorised: MicroPacks number in the thousands)."""
     sizes = [len(members) for members in backward_units]

@@ -13,6 +13,7 @@ cannot hold a long chain's whole run-up next to the previous chain's drain).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -109,7 +110,7 @@ def stage_orders(forward_units: list[list[int]], backward_units: list[list[int]]
     return orders_of_targets(forward_targets(forward_units, backward_units, warmups, chain_lead))
 
 
-def forward_targets(forward_units: list[list[int]], backward_units: list[list[int]],
+def forward_targets(forward_units: Sequence, backward_units: Sequence,
                     warmups: list[int], chain_lead: int | None = None,
                     needs: np.ndarray | None = None) -> np.ndarray:
     """How many forward units each stage has run before each backward unit, [stage][backward]:
@@ -120,7 +121,7 @@ def forward_targets(forward_units: list[list[int]], backward_units: list[list[in
     run every forward unit b needs, and stage s is pp - 1 - s units further ahead, as in 1F1B.
     A chain's forwards are pulled ahead of the backwards before it, at most `chain_lead` units
     beyond what those backwards need (None: the whole chain; 0: a burst). `needs`:
-    `last_forward_needed` of the units, where the caller has it.
+    `last_forward_needed` of the units, where the caller has it (then only the units' counts are read).
     Stage s never runs fewer forwards before a given backward than stage s + 1, and the forwards
     needed never decrease from one backward to the next, so every receive is matched: no deadlock.
     """
@@ -408,7 +409,7 @@ def _chunk_rows(rows: list[list[float]], vpp: int) -> np.ndarray:
 LEANER_SCHEDULES = ("groupings", "per-rank")
 
 
-def interleaved_schedules(forward_units: list[list[int]], backward_units: list[list[int]], pp: int, vpp: int,
+def interleaved_schedules(forward_units: Sequence, backward_units: Sequence, pp: int, vpp: int,
                           group: int | None = None, which: str = "all",
                           needs: np.ndarray | None = None) -> list[InterleavedSchedule]:
     """The interleaved 1F1B schedules to try (`interleaved_orders`), over the groupings of
@@ -426,7 +427,8 @@ def interleaved_schedules(forward_units: list[list[int]], backward_units: list[l
 
     The first adds each backward's need where it arises; the second adds the largest excess as
     one lead to every rank's warm-up (as Megatron adds one for all when it overlaps MoE traffic).
-    Every target of the second is at least the first's, so it never holds less in flight."""
+    Every target of the second is at least the first's, so it never holds less in flight.
+    Where `needs` is given only the units' counts are read (any sized sequences will do)."""
     group = group or pp
     forward_groupings = interleaved_groupings(len(forward_units), group, pp)
     backward_groupings = interleaved_groupings(len(backward_units), group, pp)

@@ -32,7 +32,6 @@ from ...plan import (
     Sample,
     Slice,
     backward_sequence,
-    last_forward_needed,
     pack_figures,
     slice_table,
     whole_slices,
@@ -263,6 +262,12 @@ def segment_units(
 def _segmented(costs: MicroPackCosts, units: int,
                symmetric: bool) -> tuple[list[list[int]], list[list[int]], "UnitStarts"]:
     """`segment_units`, with where each unit starts in its sequence (`UnitStarts`)."""
+    starts = _segment_starts(costs, units, symmetric)
+    return starts.forward_units(len(costs.backward_order)), starts.backward_units(costs.backward_order), starts
+
+
+def _segment_starts(costs: MicroPackCosts, units: int, symmetric: bool) -> "UnitStarts":
+    """Where `segment_units`' units start in their sequences."""
     order = costs.backward_order
     if symmetric:
         forward_bounds = segment_bounds(costs.forward[0] + costs.backward[0], units)
@@ -273,15 +278,13 @@ def _segmented(costs: MicroPackCosts, units: int,
     else:
         forward_bounds = segment_bounds(costs.forward[0], units)
         backward_bounds = segment_bounds(costs.in_backward_order[1][0], units)
-    forward_units = [list(range(a, b)) for a, b in zip(forward_bounds, forward_bounds[1:])]
-    backward_units = [order[a:b] for a, b in zip(backward_bounds, backward_bounds[1:])]
-    return forward_units, backward_units, UnitStarts(np.asarray(forward_bounds[:-1], dtype=np.int64),
-                                                     np.asarray(backward_bounds[:-1], dtype=np.int64))
+    return UnitStarts(np.asarray(forward_bounds[:-1], dtype=np.int64), np.asarray(backward_bounds[:-1], dtype=np.int64))
 
 
 class UnitStarts(NamedTuple):
     """Where each forward unit starts in the forward sequence (0..n-1) and each backward unit in
-    the backward sequence: units are contiguous runs of them, so per-unit sums are one `reduceat`."""
+    the backward sequence: units are contiguous runs of them, so per-unit sums are one `reduceat`,
+    and the unit lists are built only where a plan needs them."""
 
     forward: np.ndarray
     backward: np.ndarray
@@ -292,6 +295,23 @@ class UnitStarts(NamedTuple):
             return np.cumsum([0] + [len(unit) for unit in units[:-1]])
 
         return cls(starts(forward_units), starts(backward_units))
+
+    def forward_units(self, count: int) -> list[list[int]]:
+        """The forward units of `count` MicroPacks: runs of the forward sequence 0 .. count - 1."""
+        bounds = self.forward.tolist() + [count]
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+    def backward_units(self, backward_order: list[int]) -> list[list[int]]:
+        bounds = self.backward.tolist() + [len(backward_order)]
+        return [backward_order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def needs(self, backward_order: np.ndarray) -> np.ndarray:
+        """`last_forward_needed` of the units: for each backward unit, the last forward unit
+        holding one of its MicroPacks (forward unit of MicroPack m: the last start at or before m)."""
+        if not len(self.backward):
+            return np.zeros(0, dtype=np.int64)
+        unit_of = np.searchsorted(self.forward, backward_order, side="right") - 1
+        return np.maximum.reduceat(unit_of, self.backward)
 
 
 def stage_work(
@@ -328,11 +348,13 @@ def stage_work(
 @dataclass
 class UnitCandidate:
     """One (packing, unit count) choice, segmented, with its per-stage work and a quick estimate
-    of its pipeline time (used to decide which candidates are worth a full replay)."""
+    of its pipeline time (used to decide which candidates are worth a full replay). Its units are
+    runs of the packing's sequences (`starts`); their lists are built for the few candidates that
+    become orders or plans."""
 
     micropacks: list[MicroPack]
-    forward_units: list[list[int]]
-    backward_units: list[list[int]]
+    costs: MicroPackCosts
+    starts: UnitStarts
     work: StageWork
     estimate_s: float
     vpp: int = 1  # virtual stages per rank: its work is per chunk, its orders interleaved
@@ -340,8 +362,8 @@ class UnitCandidate:
     @classmethod
     def of(cls, micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool,
            cost: CostModel, parallel: ParallelConfig, budget_bytes: float) -> "UnitCandidate":
-        forward_units, backward_units, starts = _segmented(costs, units, symmetric)
-        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes, starts)
+        return cls.of_starts(micropacks, costs, _segment_starts(costs, units, symmetric), cost, parallel,
+                             budget_bytes)
 
     @classmethod
     def paired(cls, micropacks: list[MicroPack], costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
@@ -351,18 +373,33 @@ class UnitCandidate:
         runs one forward unit per two backward units and stays twice as many MicroPacks ahead of
         the next as with one MicroPack per unit: slack for uneven MicroPacks and for a long
         document's chain run-up (benchmarks/results/asymmetric.md)."""
-        count = len(micropacks)
-        forward_units = [list(range(first, min(first + 2, count))) for first in range(0, count, 2)]
-        backward_units = [[mp] for mp in costs.backward_order]
-        return cls.of_units(micropacks, forward_units, backward_units, costs, cost, parallel, budget_bytes)
+        starts = UnitStarts(np.arange(0, len(micropacks), 2, dtype=np.int64),
+                            np.arange(len(costs.backward_order), dtype=np.int64))
+        return cls.of_starts(micropacks, costs, starts, cost, parallel, budget_bytes)
 
     @classmethod
-    def of_units(cls, micropacks: list[MicroPack], forward_units: list[list[int]], backward_units: list[list[int]],
-                 costs: MicroPackCosts, cost: CostModel, parallel: ParallelConfig,
-                 budget_bytes: float, starts: UnitStarts | None = None) -> "UnitCandidate":
-        work = stage_work(forward_units, backward_units, costs, cost, parallel, budget_bytes, starts)
-        return cls(micropacks, forward_units, backward_units, work, parallel.vpp * pipeline_estimate(work),
-                   parallel.vpp)
+    def of_starts(cls, micropacks: list[MicroPack], costs: MicroPackCosts, starts: UnitStarts, cost: CostModel,
+                  parallel: ParallelConfig, budget_bytes: float) -> "UnitCandidate":
+        work = stage_work(None, None, costs, cost, parallel, budget_bytes, starts)
+        return cls(micropacks, costs, starts, work, parallel.vpp * pipeline_estimate(work), parallel.vpp)
+
+    @cached_property
+    def forward_units(self) -> list[list[int]]:
+        return self.starts.forward_units(len(self.micropacks))
+
+    @cached_property
+    def backward_units(self) -> list[list[int]]:
+        return self.starts.backward_units(self.costs.backward_order)
+
+    @property
+    def unit_counts(self) -> tuple[int, int]:
+        """(forward units, backward units)."""
+        return len(self.starts.forward), len(self.starts.backward)
+
+    def same_units(self, other: "UnitCandidate") -> bool:
+        """Whether `other`, a candidate of the same packing, has the same units."""
+        return (np.array_equal(self.starts.forward, other.starts.forward)
+                and np.array_equal(self.starts.backward, other.starts.backward))
 
     @property
     def lower_bound_s(self) -> float:
@@ -385,9 +422,7 @@ class UnitCandidate:
     def needs(self) -> np.ndarray:
         """The last forward unit each backward unit needs (`last_forward_needed`): the schedules
         of every leaner level the search tries on this candidate share it."""
-        if not self.backward_units:
-            return np.zeros(0, dtype=np.int64)
-        return last_forward_needed(self.forward_units, self.backward_units)
+        return self.starts.needs(self.costs.in_backward_order[0])
 
     @property
     def warmup_bytes(self) -> float:
@@ -422,7 +457,8 @@ class UnitCandidate:
         return leanest
 
     def _ordered(self, dp_ranks: list[int], warmups: list[int], chain_lead: int | None) -> "OrderedCandidate":
-        targets = forward_targets(self.forward_units, self.backward_units, warmups, chain_lead, self.needs)
+        forward_count, backward_count = self.unit_counts  # the targets need the counts only
+        targets = forward_targets(range(forward_count), range(backward_count), warmups, chain_lead, self.needs)
         return OrderedCandidate(self, list(dp_ranks), targets, max(peaks_of_targets(targets, self.work)))
 
 
@@ -478,7 +514,8 @@ class InterleavedCandidate:
         pp = len(candidate.work.forward_time)
         leanest: tuple[InterleavedSchedule, float] | None = None
         over_budget = set()  # groupings whose first schedule is over budget
-        for schedule in interleaved_schedules(candidate.forward_units, candidate.backward_units, pp, candidate.vpp,
+        forward_count, backward_count = candidate.unit_counts  # the schedules need the counts only
+        for schedule in interleaved_schedules(range(forward_count), range(backward_count), pp, candidate.vpp,
                                               which=which, needs=candidate.needs):
             if schedule.grouping in over_budget:
                 continue
@@ -493,7 +530,7 @@ class InterleavedCandidate:
                     return cls(candidate, list(dp_ranks), schedule, peak, walked)
         if leanest is not None:
             return cls(candidate, list(dp_ranks), *leanest)
-        raise no_interleaved_order(len(candidate.forward_units), len(candidate.backward_units), pp, candidate.vpp)
+        raise no_interleaved_order(forward_count, backward_count, pp, candidate.vpp)
 
     @cached_property
     def replica(self) -> ReplicaPlan:

@@ -219,8 +219,7 @@ class ReplicaSearch:
         for units in unit_candidates(self.parallel.pp, len(micropacks)):
             for symmetric in kinds:
                 candidate = UnitCandidate.of(micropacks, costs, units, symmetric, self.cost, self.parallel, self.budget)
-                if not any(c.forward_units == candidate.forward_units and c.backward_units == candidate.backward_units
-                           for c, _ in candidates):
+                if not any(c.same_units(candidate) for c, _ in candidates):
                     candidates.append((candidate, units))
         candidates.sort(key=lambda entry: entry[0].estimate_s)
         replayed, not_fitting = 0, []
@@ -238,10 +237,10 @@ class ReplicaSearch:
             # candidates above, and only where its lower bound beats the best schedule so far.
             paired = UnitCandidate.paired(micropacks, costs, self.cost, self.parallel, self.budget)
             if self._can_win(paired):
-                fits = self._replay(paired, len(paired.forward_units), costs, micropack_tokens)
+                fits = self._replay(paired, paired.unit_counts[0], costs, micropack_tokens)
                 replayed += fits
                 if not fits:
-                    not_fitting.append((paired, len(paired.forward_units)))
+                    not_fitting.append((paired, paired.unit_counts[0]))
         if self.parallel.vpp > 1:
             # Megatron's interleaved schedules hold more chunks in flight than the cap was sized
             # for where the unit count is no multiple of pp, and stack a long document's chain on
