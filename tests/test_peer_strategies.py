@@ -260,3 +260,27 @@ def test_dynamic_cp_step_is_not_slower_than_dp_balanced_on_the_benchmark_batches
     baseline_s = simulate(baseline, cost, detail=False).iteration_time_s
     dynamic_s = simulate(dynamic, cost, detail=False).iteration_time_s
     assert dynamic_s <= baseline_s, (dynamic_s, baseline_s)
+
+
+@pytest.mark.parametrize("strategy", ["megatron-dynamic-cp", "megatron-hybrid-cp"])
+def test_layouts_sharing_a_pool_and_per_rank_tokens_schedule_a_batch_once(monkeypatch, strategy):
+    """Both schedulers depend on the batch, the DP x CP pool and the tokens per rank only: a layout
+    search asks again for each recompute mode of a pool, and gets the plan scheduling it again gives."""
+    from megatron_slimpack.planner.baselines import dynamic_cp, hybrid_cp
+
+    calls = []
+    if strategy == "megatron-dynamic-cp":
+        owner, name, cache = dynamic_cp, "dynamic_cp_schedule", dynamic_cp._schedule_of
+    else:
+        owner, name = hybrid_cp._balanced_cp_scheduler(), "get_groups_and_subsamples"
+        cache = hybrid_cp._scheduled_groups
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args: calls.append(args) or original(*args))
+    cache.cache_clear()
+    lengths = lognormal_batch(64, seed=11)
+    plans = [run(strategy, lengths, per_rank=2048, dp=8, recompute=mode) for mode in ("none", "selective", "full")]
+    assert len(calls) == 1
+    cache.cache_clear()
+    again = run(strategy, lengths, per_rank=2048, dp=8, recompute="full")
+    assert len(calls) == 2 and again.to_dict() == plans[-1].to_dict()
+    assert len({str([replica.to_dict()["micropacks"] for replica in plan.replicas]) for plan in plans}) == 1

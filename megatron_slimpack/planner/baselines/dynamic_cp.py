@@ -33,6 +33,7 @@ in micro-batch order (one 1F1B over them), the rank sets in order of first use.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ...config import SlimPackConfig
 from ...costmodel import VARIABLE_SHAPE_RING_CP, CostModel
@@ -183,6 +184,14 @@ def dynamic_cp_schedule(lengths: list[int], pool: int, per_rank_tokens: int,
     return micro_batches
 
 
+@lru_cache(maxsize=8)
+def _schedule_of(lengths: tuple[int, ...], pool: int, per_rank_tokens: int) -> list[list[CPGroup]]:
+    """`dynamic_cp_schedule`, kept for the planner (its groups are read, never changed): it depends
+    on these three only, and a layout search asks again for each recompute mode with the same pool
+    and per-rank tokens, and for each finalist's batches."""
+    return dynamic_cp_schedule(list(lengths), pool, per_rank_tokens)
+
+
 # Simulated for comparison only: the SlimPack runtime does not change CP groups per micro-batch.
 @register("megatron-dynamic-cp", role="baseline", trainable=False, overlaps=VARIABLE_SHAPE_RING_CP,
           description="Megatron-LM dev's dynamic context parallelism (default_dynamic_cp): per-sample CP size from "
@@ -215,7 +224,7 @@ def plan_megatron_dynamic_cp(lengths: list[int], parallel: ParallelConfig, cost:
             "megatron-dynamic-cp: a micro-batch's CP groups change from one micro-batch to the next, which a plan "
             "expresses as separate replica plans; Megatron's interleaved 1F1B across them has no plan, use vpp=1")
     per_rank_tokens = per_rank_token_cap(cost, parallel, config)
-    micro_batches = dynamic_cp_schedule(lengths, parallel.dp, per_rank_tokens)
+    micro_batches = _schedule_of(tuple(lengths), parallel.dp, per_rank_tokens)
     samples = samples_of(lengths)
     by_ranks: dict[tuple[int, ...], list[MicroPack]] = {}
     cp_sizes: dict[int, int] = {}
