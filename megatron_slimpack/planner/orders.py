@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import numpy as np
@@ -65,6 +65,46 @@ class StageWork:
     forward_bytes: list[list[float]]  # activation bytes F u allocates on a stage
     backward_frees: list[list[float]]  # activation bytes B v frees on a stage
     budget: list[float]  # in-flight activation budget per stage
+    # rows already converted to arrays (`row`, `chunk_rows`, `levels`): a candidate's orders and
+    # schedules read the same rows many times
+    _arrays: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def row(self, name: str, stage: int | None = None) -> np.ndarray:
+        """Field `name` (row `stage` of a per-stage one) as a float array, made once (read only)."""
+        source = getattr(self, name) if stage is None else getattr(self, name)[stage]
+        key = (name, id(source))  # the stages before the last share their rows
+        if key not in self._arrays:
+            self._arrays[key] = np.asarray(source, dtype=float)
+        return self._arrays[key]
+
+    def table(self, name: str) -> np.ndarray:
+        """A per-stage field as a [stage, unit] float array, made once (read only)."""
+        key = ("table", name)
+        if key not in self._arrays:
+            self._arrays[key] = np.array(getattr(self, name), dtype=float)
+        return self._arrays[key]
+
+    def chunk_rows(self, name: str, vpp: int) -> np.ndarray:
+        """A per-stage time field as a row per virtual stage (chunk * pp + stage): the last stage's
+        row (output layer) only for the last virtual stage, a middle one for every other (read only)."""
+        key = ("chunks", name, vpp)
+        if key not in self._arrays:
+            rows = getattr(self, name)
+            table = np.empty((len(rows) * vpp, len(rows[0])))
+            table[:] = self.row(name, 0)
+            table[-1] = self.row(name, len(rows) - 1)
+            self._arrays[key] = table
+        return self._arrays[key]
+
+    def levels(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes the stage's first k forwards allocate, bytes its first k backwards free), k = 0 ..:
+        cumulative sums of its rows, made once per distinct row (read only)."""
+        forward_bytes, frees = self.forward_bytes[stage], self.backward_frees[stage]
+        key = ("levels", id(forward_bytes), id(frees))
+        if key not in self._arrays:
+            self._arrays[key] = (np.concatenate([[0.0], np.cumsum(forward_bytes)]),
+                                 np.concatenate([[0.0], np.cumsum(frees)[:-1]]))
+        return self._arrays[key]
 
     @cached_property
     def stage_totals(self) -> list[tuple[float, float, float, float]]:
@@ -175,14 +215,9 @@ def orders_of_targets(targets: np.ndarray, forwards: list | None = None,
 def peaks_of_targets(targets: np.ndarray, work: StageWork) -> list[float]:
     """`peak_in_flight` of the orders `targets` describe, without building them: a stage holds
     the most right before some backward, after the forwards run ahead of it."""
-    peaks, rows = [], {}
+    peaks = []
     for stage, row in enumerate(targets):
-        forward_bytes, frees = work.forward_bytes[stage], work.backward_frees[stage]
-        key = (id(forward_bytes), id(frees))  # stages before the last share their lists
-        if key not in rows:
-            rows[key] = (np.concatenate([[0.0], np.cumsum(forward_bytes)]),
-                         np.concatenate([[0.0], np.cumsum(frees)[:-1]]))
-        allocated, freed = rows[key]
+        allocated, freed = work.levels(stage)
         levels = allocated[row] - freed[:len(row)]
         peaks.append(max(0.0, float(levels.max())) if len(row) else 0.0)
     return peaks
@@ -221,10 +256,8 @@ def replay_targets(targets: np.ndarray, work: StageWork) -> float:
 
 
 def _replayed(starts: np.ndarray, codes: np.ndarray, work: StageWork) -> float:
-    makespan = compiled.replay_programs(starts, codes, np.array(work.forward_time, dtype=float),
-                                        np.array(work.backward_time, dtype=float),
-                                        np.array(work.forward_transfer, dtype=float),
-                                        np.array(work.backward_transfer, dtype=float))
+    makespan = compiled.replay_programs(starts, codes, work.table("forward_time"), work.table("backward_time"),
+                                        work.row("forward_transfer"), work.row("backward_transfer"))
     if math.isnan(makespan):
         raise RuntimeError("stage orders deadlock; this is a bug in build_stage_orders")
     return makespan
@@ -347,15 +380,13 @@ class InterleavedSchedule:
         pp, vpp = self.pp, self.vpp
         forward_units, backward_units = self.forward_table.units, self.backward_table.units
         targets = np.asarray(self.targets)
-        allocated = np.asarray(work.forward_bytes[0], dtype=float)[forward_units]
-        frees = np.asarray(work.backward_frees[0], dtype=float)[backward_units]
+        allocated = work.row("forward_bytes", 0)[forward_units]  # copies: changed below
+        frees = work.row("backward_frees", 0)[backward_units]
         peak = _peak_of_rows(targets[:pp - 1], allocated, frees)
         # the last rank's last chunk holds the output layer's activations
         last_forward, last_backward = self.forward_table.chunks == vpp - 1, self.backward_table.chunks == vpp - 1
-        last_row = np.asarray(work.forward_bytes[pp - 1], dtype=float)
-        allocated[last_forward] = last_row[forward_units[last_forward]]
-        last_row = np.asarray(work.backward_frees[pp - 1], dtype=float)
-        frees[last_backward] = last_row[backward_units[last_backward]]
+        allocated[last_forward] = work.row("forward_bytes", pp - 1)[forward_units[last_forward]]
+        frees[last_backward] = work.row("backward_frees", pp - 1)[backward_units[last_backward]]
         return max(0.0, peak, _peak_of_rows(targets[pp - 1:], allocated, frees))
 
     def _walk(self, work: StageWork | None) -> float | None:
@@ -370,9 +401,8 @@ class InterleavedSchedule:
             forward_rows, backward_rows = np.zeros((pp * vpp, forward_count)), np.zeros((pp * vpp, backward_count))
             forward_transfer, backward_transfer = np.zeros(forward_count), np.zeros(backward_count)
         else:
-            forward_rows, backward_rows = _chunk_rows(work.forward_time, vpp), _chunk_rows(work.backward_time, vpp)
-            forward_transfer = np.asarray(work.forward_transfer, dtype=float)
-            backward_transfer = np.asarray(work.backward_transfer, dtype=float)
+            forward_rows, backward_rows = work.chunk_rows("forward_time", vpp), work.chunk_rows("backward_time", vpp)
+            forward_transfer, backward_transfer = work.row("forward_transfer"), work.row("backward_transfer")
         makespan = compiled.interleaved_walk(
             np.asarray(self.targets, dtype=np.int64), self.forward_table.units, self.forward_table.chunks,
             self.backward_table.units, self.backward_table.chunks, np.asarray(self.needs, dtype=np.int64),
@@ -392,16 +422,6 @@ def _peak_of_rows(targets: np.ndarray, allocated: np.ndarray, frees: np.ndarray)
     before = held[targets] - np.concatenate([[0.0], np.cumsum(frees)[:-1]])
     at_end = float(held[-1] - frees.sum())
     return max(float(before.max()) if targets.shape[1] else 0.0, at_end)
-
-
-def _chunk_rows(rows: list[list[float]], vpp: int) -> np.ndarray:
-    """A StageWork row per virtual stage (chunk * pp + stage): the last stage's row (output layer)
-    only for the last virtual stage; every other chunk is a middle one."""
-    pp = len(rows)
-    table = np.empty((pp * vpp, len(rows[0])))
-    table[:] = rows[0]
-    table[-1] = rows[pp - 1]
-    return table
 
 
 # What the replica search tries, in this order, for candidates that Megatron's interleaved
