@@ -239,10 +239,9 @@ def _recompute_problems(args) -> list[str]:
     default) or core_attn mlp (with layernorm too, or layernorm alone, on Transformer Engine's layer
     spec, where Megatron skips it: `_priced_modules`), full recompute of every layer on its own, and
     full recompute of the first N layers of every chunk (`--recompute-method block`: block-N). Other
-    module sets or
-    groups of layers recomputed together (`--recompute-method uniform --recompute-num-layers` > 1)
-    would be priced as something else: the plans could hold more memory than the device has, or
-    run slower than planned."""
+    module sets or groups of layers recomputed together (`--recompute-method uniform
+    --recompute-num-layers` > 1) would be priced as something else: the plans could hold more
+    memory than the device has, or run slower than planned."""
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "selective":
         modules = list(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
