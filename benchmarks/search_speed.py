@@ -253,13 +253,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out = args.out or str(ROOT / "benchmarks" / "results" /
                                ("search_against.md" if args.against else "search_speed.md"))
+    if args.plannings and (not args.against or "," in args.strategies or args.strategies == "all"):
+        parser.error("--plannings needs --against and one strategy (--strategies NAME)")
     # The workloads hold documents longer than the context: cut at it, each piece a sample of its
     # own (the paper's setting).
     sampler = GlobalBatchSampler(load_lengths(args.workload, seed=0), args.context_length, args.global_batch_size,
                                  seed=0, long_documents="split")
     batches = [sampler.next_batch().lengths for _ in range(args.steps)]
-    if args.plannings and (not args.against or "," in args.strategies or args.strategies == "all"):
-        parser.error("--plannings needs --against and one strategy (--strategies NAME)")
     if args.against:
         return against(args, batches)
     serial, serial_s = compare(args, batches, 1)

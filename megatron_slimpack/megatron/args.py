@@ -222,9 +222,14 @@ def _priced_modules(args) -> list[str]:
     and `pre_mlp_layernorm` are IdentityOp, tests/real_megatron/te_spec.py checks it per release),
     so megatron-core's TransformerLayer skips the module and the layer runs as without it."""
     modules = sorted(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
-    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine":
+    if _on_te_layers(args):
         modules = [module for module in modules if module != "layernorm"]
     return modules
+
+
+def _on_te_layers(args) -> bool:
+    """Whether the model is built with Transformer Engine's layer spec (Megatron's default)."""
+    return getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
 
 
 def _chunk_layers(args) -> int | None:
@@ -245,7 +250,7 @@ def _recompute_problems(args) -> list[str]:
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "selective":
         modules = list(getattr(args, "recompute_modules", None) or SELECTIVE_MODULES["selective"])
-        if "layernorm" in modules and getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        if "layernorm" in modules and not _on_te_layers(args):
             return ["--slimpack takes --recompute-modules layernorm only with --transformer-impl "
                     "transformer_engine, whose layers fuse the norms into the next linear layer (Megatron skips "
                     f"the module there); with --transformer-impl {args.transformer_impl} the norms would be "

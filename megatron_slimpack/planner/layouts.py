@@ -898,14 +898,14 @@ def _run_validating_finalists(spec: StrategySpec, runs: list[_Run], batches: lis
     every plan of every layout run was a fifth of a stateful search). Where one is invalid (a
     planner's bug), every layout is run again validating each plan, so that no bound or cascade
     rests on it: the search ends as one that validated all. Rejections join `rejected`."""
-    attempt = _run_in_bound_order(spec, [_fresh(run) for run in runs], batches, cost, [], recompute_cascade,
-                                  finalists, ticker, validate=False)
-    if _invalid_plan(attempt[1]) is not None:
-        ticker.start("screening", len(runs))
-        attempt = _run_in_bound_order(spec, runs, batches, cost, [], recompute_cascade, finalists, ticker)
-    started, evaluations, more = attempt
-    rejected += more
-    return started, evaluations
+    unvalidated: list[Rejection] = []
+    started, evaluations = _run_in_bound_order(spec, [_fresh(run) for run in runs], batches, cost, unvalidated,
+                                               recompute_cascade, finalists, ticker, validate=False)
+    if _invalid_plan(evaluations) is None:
+        rejected += unvalidated
+        return started, evaluations
+    ticker.start("screening", len(runs))
+    return _run_in_bound_order(spec, runs, batches, cost, rejected, recompute_cascade, finalists, ticker)
 
 
 def _fresh(run: _Run) -> _Run:
@@ -1164,8 +1164,7 @@ class _RecomputeCascade:
 
 def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list[int]], cost: CostModel,
                         rejected: list[Rejection], recompute_cascade: bool, finalists: int,
-                        ticker: _Ticker, validate: bool = True,
-                        ) -> tuple[list[_Run], dict[int, LayoutEvaluation], list[Rejection]]:
+                        ticker: _Ticker, validate: bool = True) -> tuple[list[_Run], dict[int, LayoutEvaluation]]:
     """A stateful strategy that flushes (it trains every document): each layout runs every batch
     and the flush, one layout after another in the order of a lower bound on its mean
     (`_RemainingWork`: every document is trained in some step, and the bound is superadditive),
@@ -1183,8 +1182,7 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
     A planner that does not flush may leave documents untrained: nothing bounds its mean, and
     every layout the cascades leave runs every batch.
     `validate` False: no plan is validated (the caller checks the finalists').
-    Returns the runs that fit the first batch, the evaluations of those that ran every batch, and
-    `rejected` with this run's rejections added."""
+    Returns the runs that fit the first batch and the evaluations of those that ran every batch."""
     remaining = _RemainingWork.of(spec, batches, cost) if _flushes(spec.new_planner()) else None
     bounds = {id(run): remaining.at_start(run.parallel, run.config) if remaining else 0.0 for run in runs}
     evaluations: dict[int, LayoutEvaluation] = {}
@@ -1228,7 +1226,7 @@ def _run_in_bound_order(spec: StrategySpec, runs: list[_Run], batches: list[list
             continue
         evaluations[id(run)] = run.evaluation(len(batches))
         _drop_plans_of_slower(evaluations, finalists)
-    return started, evaluations, rejected
+    return started, evaluations
 
 
 def _not_worth_evaluating(parallel: ParallelConfig, cascade: _RecomputeCascade | None,

@@ -255,15 +255,8 @@ def segment_units(
     micropacks: list[MicroPack], costs: MicroPackCosts, units: int, symmetric: bool
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Forward units over the forward sequence; backward units over the backward sequence."""
-    forward_units, backward_units, _ = _segmented(costs, units, symmetric)
-    return forward_units, backward_units
-
-
-def _segmented(costs: MicroPackCosts, units: int,
-               symmetric: bool) -> tuple[list[list[int]], list[list[int]], "UnitStarts"]:
-    """`segment_units`, with where each unit starts in its sequence (`UnitStarts`)."""
     starts = _segment_starts(costs, units, symmetric)
-    return starts.forward_units(len(costs.backward_order)), starts.backward_units(costs.backward_order), starts
+    return starts.forward_units(len(micropacks)), starts.backward_units(costs.backward_order)
 
 
 def _segment_starts(costs: MicroPackCosts, units: int, symmetric: bool) -> "UnitStarts":
