@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from megatron_slimpack import plan as plan_batch
 from megatron_slimpack.costmodel import overlaps_of
 from megatron_slimpack.plan import MicroPack, Plan, ReplicaPlan, Sample, Slice, backward_sequence
 from megatron_slimpack.simulator import SimulationError, SimulationReport, busiest_device_s, dag, score, simulate
+from megatron_slimpack.simulator.compiled import program_successors
 from megatron_slimpack.simulator.report import (
     ComparisonRow,
     chrome_trace,
@@ -470,8 +472,20 @@ def test_compiled_list_schedule_is_the_python_loop(case):
     graph = dag._Graph(plan.validate(), cost.with_overlaps(overlaps_of(plan.strategy)))
     schedule = dag._run(graph)
     start, end, chain_end, transfers = python_list_schedule(graph)
-    assert transfers and (schedule.start, schedule.end, schedule.chain_end) == (start, end, chain_end)
-    assert schedule.transfers == transfers
+    assert transfers
+    assert (schedule.start.tolist(), schedule.end.tolist(), schedule.chain_end.tolist()) == (start, end, chain_end)
+    assert list(zip(schedule.sent_by.tolist(), schedule.sent_at.tolist(), schedule.arrived_at.tolist())) == transfers
+
+
+@given(st.lists(st.lists(st.integers(0, 30), max_size=12), min_size=1, max_size=6))
+def test_program_successors_are_the_stable_sort_of_the_programs(programs):
+    """The counting sort lists each task's program successors as a stable sort by task does, also
+    where a task is on several devices' programs (a DP-Merge group's)."""
+    before = np.array([t for p in programs for t in p[:-1]], dtype=np.int64)
+    after = np.array([t for p in programs for t in p[1:]], dtype=np.int64)
+    starts, successors = program_successors(before, after, 31)
+    assert starts.tolist() == dag._csr_starts(np.bincount(before, minlength=31)).tolist()
+    assert successors.tolist() == after[np.argsort(before, kind="stable")].tolist()
 
 
 # ---- speed -------------------------------------------------------------------------------------

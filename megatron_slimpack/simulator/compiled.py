@@ -96,3 +96,23 @@ def list_schedule(duration: np.ndarray, missing: np.ndarray, program_start: np.n
                 chain_ready[after] = chain + seconds
             top = _arrive(after, arrived, ready_at, missing, stack, top)
     return start, end, chain_end, sent_by[:transfers], sent_at[:transfers], arrived_at[:transfers], done
+
+
+@numba.njit(cache=True, nogil=True)
+def program_successors(before: np.ndarray, after: np.ndarray, n: int):
+    """Each task's program successors as CSR arrays (`starts`, `successors`): `after[k]` follows
+    `before[k]` on a device, listed per task in the order of the pairs (the devices' programs in
+    turn), as a stable sort by `before` orders them. A counting sort: linear in the pairs (a 150B
+    plan's millions of tasks made `argsort` a twentieth of a simulation)."""
+    starts = np.zeros(n + 1, dtype=np.int64)
+    for task in before:
+        starts[task + 1] += 1
+    for task in range(n):
+        starts[task + 1] += starts[task]
+    filled = starts[:-1].copy()
+    successors = np.empty(len(before), dtype=np.int64)
+    for k in range(len(before)):
+        task = before[k]
+        successors[filled[task]] = after[k]
+        filled[task] += 1
+    return starts, successors

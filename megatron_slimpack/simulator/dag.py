@@ -48,7 +48,7 @@ import numpy as np
 from ..costmodel import CostModel, Overlaps, overlaps_of
 from ..plan import PackFigures, Plan, ReplicaPlan, pack_figures, sequence_sharded_pairs, slice_table, task_chunk
 from ..specs import GIB, ParallelConfig
-from .compiled import list_schedule
+from .compiled import list_schedule, program_successors
 from .memory import MemoryLedger, MemoryTimeline
 
 # Megatron DDP's default gradient bucket: max(40M, 1M * dp) parameters.
@@ -456,22 +456,24 @@ class _Graph:
             release_counts.append(np.tile(counts, vstages))
             release_offsets.append(np.tile(rc.num_forward - needs[by_need] + by_need, vstages))
             device_counts.append(np.full(stride * vstages, len(rc.ranks), dtype=np.int64))
-            for vstage in range(vstages):
-                last = vstage == vstages - 1
-                devices = np.asarray(rc.ranks, dtype=np.int64) * pp + vstage % pp
-                device_ids.append(np.tile(devices, stride))
-                for backward, count, seconds in ((False, rc.num_forward, rc.forward_unit[last]),
-                                                 (True, rc.num_backward, rc.backward_unit[last])):
-                    sends = (vstage > 0) if backward else not last
-                    blocks["replica_of"].append(np.full(count, rc.index, dtype=np.int64))
-                    blocks["stage_of"].append(np.full(count, vstage, dtype=np.int64))
-                    blocks["is_backward"].append(np.full(count, backward, dtype=bool))
-                    blocks["unit_of"].append(np.arange(count, dtype=np.int64))
-                    blocks["duration"].append(np.asarray(seconds, dtype=float))
-                    blocks["send_offset"].append(
-                        np.full(count, (-stride if backward else stride) if sends else 0, dtype=np.int64))
-                    blocks["send_seconds"].append(
-                        np.asarray(rc.backward_p2p if backward else rc.forward_p2p, dtype=float))
+            # Each virtual stage's block: its forward units, then its backward units; every block
+            # alike but for the last stage's durations and the sends at the pipeline's ends.
+            stage_devices = np.asarray(rc.ranks, dtype=np.int64)[None, :] * pp + (np.arange(vstages) % pp)[:, None]
+            device_ids.append(np.repeat(stage_devices, stride, axis=0).ravel())
+            backward = np.repeat([False, True], [rc.num_forward, rc.num_backward])
+            blocks["replica_of"].append(np.full(stride * vstages, rc.index, dtype=np.int64))
+            blocks["stage_of"].append(np.repeat(np.arange(vstages, dtype=np.int64), stride))
+            blocks["is_backward"].append(np.tile(backward, vstages))
+            blocks["unit_of"].append(np.tile(np.concatenate([np.arange(rc.num_forward, dtype=np.int64),
+                                                             np.arange(rc.num_backward, dtype=np.int64)]), vstages))
+            durations = [np.concatenate([np.asarray(rc.forward_unit[last], dtype=float),
+                                         np.asarray(rc.backward_unit[last], dtype=float)]) for last in (False, True)]
+            blocks["duration"].append(np.concatenate([np.tile(durations[False], vstages - 1), durations[True]]))
+            sends = np.tile(np.where(backward, -stride, stride), (vstages, 1))
+            sends[-1, ~backward] = 0  # the last stage's forward units send nothing downstream
+            sends[0, backward] = 0  # the first stage's backward units nothing upstream
+            blocks["send_offset"].append(sends.ravel())
+            blocks["send_seconds"].append(np.tile(np.asarray(rc.forward_p2p + rc.backward_p2p, dtype=float), vstages))
             total += stride * vstages
         fields = {name: np.concatenate(blocks[name] + [np.zeros(0, dtype=dtype)])
                   for name, dtype in _TASK_FIELDS.items()}
@@ -603,10 +605,15 @@ def _task_ids(order, firsts: np.ndarray, num_forward: int, num_backward: int) ->
 
 @dataclass
 class _Schedule:
-    start: list[float]
-    end: list[float]
-    chain_end: list[float]  # critical path through data edges only
-    transfers: list[tuple[int, float, float]]  # (sending task, start, end)
+    """Per task, as arrays (a 150B plan has millions of tasks: Python lists of them cost more than
+    scheduling them); `_records` converts what a detailed report lists."""
+
+    start: np.ndarray
+    end: np.ndarray
+    chain_end: np.ndarray  # critical path through data edges only
+    sent_by: np.ndarray  # transfers: the sending task, when the link starts and ends it
+    sent_at: np.ndarray
+    arrived_at: np.ndarray
 
 
 def _run(graph: _Graph) -> _Schedule:
@@ -623,16 +630,14 @@ def _run(graph: _Graph) -> _Schedule:
     before = np.concatenate([program[:-1] for program in programs] + [np.zeros(0, dtype=np.int64)])
     after = np.concatenate([program[1:] for program in programs] + [np.zeros(0, dtype=np.int64)])
     missing += np.bincount(after, minlength=n)
-    # Each task's program successors in the order of the devices' programs (stable sort).
-    program_next = after[np.argsort(before, kind="stable")]
+    program_start, program_next = program_successors(before, after, n)
     start, end, chain_end, sent_by, sent_at, arrived_at, done = list_schedule(
-        graph.duration, missing, _csr_starts(np.bincount(before, minlength=n)), program_next, graph.release_start,
+        graph.duration, missing, program_start, program_next, graph.release_start,
         graph.release_offsets, graph.send_offset, graph.send_seconds, graph.device_start, graph.device_ids,
         2 * graph.dp * graph.pp)
     if done < n:
         raise _deadlock(graph, (missing == 0).tolist())
-    return _Schedule(start.tolist(), end.tolist(), chain_end.tolist(),
-                     list(zip(sent_by.tolist(), sent_at.tolist(), arrived_at.tolist())))
+    return _Schedule(start, end, chain_end, sent_by, sent_at, arrived_at)
 
 
 def _csr_starts(counts: np.ndarray) -> np.ndarray:
@@ -723,10 +728,9 @@ def _bucket_count(cost, plan: Plan) -> int:
 def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
             dp_buckets: int | None) -> SimulationReport:
     parallel, pp, dp = plan.parallel, graph.pp, graph.dp
-    start, end, duration = schedule.start, schedule.end, graph.duration
-    seconds = np.asarray(duration)
+    start, end, seconds = schedule.start, schedule.end, graph.duration
     busy = [[float(seconds[graph.programs[r * pp + s]].sum()) for s in range(pp)] for r in range(dp)]
-    last_task_end = max(end, default=0.0)
+    last_task_end = float(end.max()) if len(end) else 0.0
 
     reduce_seconds = cost.dp_reduce_time(parallel)
     buckets = dp_buckets or _bucket_count(cost, plan)
@@ -734,7 +738,8 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     for stage in range(pp):
         lasts = [_last_backwards(graph, r * pp + stage) for r in range(dp)]
         chunk_tasks = [[row[chunk] for row in lasts if chunk in row] for chunk in range(graph.vpp)]
-        parts = [([_last_micropack_start(graph, t, start[t], end[t]) for t in tasks], [end[t] for t in tasks])
+        parts = [([_last_micropack_start(graph, t, float(start[t]), float(end[t])) for t in tasks],
+                  [float(end[t]) for t in tasks])
                  for tasks in chunk_tasks if tasks]
         if reduce_seconds <= 0 or not parts:
             continue
@@ -748,7 +753,8 @@ def _report(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool,
     devices = dp * pp
     total_busy = sum(map(sum, busy))
     work_bound = total_busy / devices  # a merge task counts once per device it occupies
-    critical = max(schedule.chain_end, default=0.0) + (reduce_seconds / buckets if reduce_seconds > 0 else 0.0)
+    chain = float(schedule.chain_end.max()) if len(schedule.chain_end) else 0.0
+    critical = chain + (reduce_seconds / buckets if reduce_seconds > 0 else 0.0)
     slice_tokens, slice_pairs = np.concatenate(graph.slice_figures + [np.zeros((0, 2))]).T
     flops = float(_per_item(cost.model_flops, slice_tokens, slice_pairs).sum())
     peaks, timelines = _memory(plan, cost, graph, schedule, detail)
@@ -817,6 +823,7 @@ def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRec
     pp = graph.pp
     replica_of, stage_of, unit_of = graph.replica_of.tolist(), graph.stage_of.tolist(), graph.unit_of.tolist()
     is_backward = graph.is_backward.tolist()
+    start, end = schedule.start.tolist(), schedule.end.tolist()
     for task in range(graph.num_tasks):
         replica, unit = replica_of[task], unit_of[task]
         chunk, stage = divmod(stage_of[task], pp)
@@ -824,9 +831,10 @@ def _records(graph: _Graph, schedule: _Schedule, reduce_windows) -> list[TaskRec
         ranks = graph.replicas[replica].ranks
         detail = f"merge group {ranks}" if len(ranks) > 1 else ""
         for rank in ranks:
-            records.append(TaskRecord(rank, stage, replica, kind, unit, schedule.start[task], schedule.end[task],
+            records.append(TaskRecord(rank, stage, replica, kind, unit, start[task], end[task],
                                       detail, chunk))
-    for task, began, finished in schedule.transfers:
+    for task, began, finished in zip(schedule.sent_by.tolist(), schedule.sent_at.tolist(),
+                                     schedule.arrived_at.tolist()):
         replica, vstage, unit = replica_of[task], stage_of[task], unit_of[task]
         chunk, stage = divmod(vstage, pp)
         detail = (f"B {stage}->{(vstage - 1) % pp}" if is_backward[task] else f"F {stage}->{(vstage + 1) % pp}")
@@ -844,7 +852,7 @@ def _memory(plan: Plan, cost, graph: _Graph, schedule: _Schedule, detail: bool):
     a slice with later slices over the same span; the recompute transient during a backward."""
     parallel, pp = plan.parallel, graph.pp
     ledger = MemoryLedger(graph.dp * pp)
-    start, end = np.asarray(schedule.start), np.asarray(schedule.end)
+    start, end = schedule.start, schedule.end
     for rc in graph.replicas:
         effective, tokens, pairs, kv_tokens = rc.parallel, rc.tokens, rc.pairs, rc.kv_tokens
         kv = _per_item(lambda t, effective=effective: cost.kv_cache_bytes(t, effective), kv_tokens) * (kv_tokens > 0)
