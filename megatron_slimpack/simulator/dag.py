@@ -414,9 +414,6 @@ def _unit_index(units: list[list[int]], count: int, what: str) -> np.ndarray:
 
 
 # ---- the task graph ----------------------------------------------------------------------------
-# A task's fields in `_Graph` (one flat array each) and their dtypes.
-_TASK_FIELDS = {"replica_of": np.int64, "stage_of": np.int64, "is_backward": bool, "unit_of": np.int64,
-                "duration": float, "send_offset": np.int64, "send_seconds": float}
 
 
 class _Graph:
@@ -433,63 +430,58 @@ class _Graph:
         self.slice_figures: list[np.ndarray] = []  # per replica: (tokens, attention pairs) of each slice
         self.replicas = [_replica_costs(i, r, plan, cost, self.slice_figures)
                          for i, r in enumerate(plan.replicas)]
-        self.offset: list[int] = []
-        # Per task, as flat arrays built a block (replica, virtual stage, kind) at a time: a 150B
-        # plan has millions of tasks.
-        blocks: dict[str, list[np.ndarray]] = {name: [] for name in _TASK_FIELDS}
-        # Data successors as flat arrays (each task's run: `*_start[t]:*_start[t + 1]`), built per
-        # replica by array. Releases are task-id offsets, so the hot loop does no index
-        # arithmetic: the same-stage backward units a forward unit releases.
-        release_counts: list[np.ndarray] = []
+        # Per task, as flat arrays filled a replica (all its virtual stages) at a time: a 150B plan
+        # has millions of tasks. Replica r's tasks start at offset[r].
+        strides = [rc.num_forward + rc.num_backward for rc in self.replicas]
+        self.offset: list[int] = np.concatenate(([0], np.cumsum(strides, dtype=np.int64) * vstages)).tolist()
+        self.num_tasks = total = self.offset.pop()
+        self.replica_of = np.empty(total, dtype=np.int64)
+        self.stage_of = np.empty(total, dtype=np.int64)
+        self.is_backward = np.empty(total, dtype=bool)
+        self.unit_of = np.empty(total, dtype=np.int64)
+        self.duration = np.empty(total)
+        self.send_offset = np.empty(total, dtype=np.int64)  # +stride (F downstream), -stride (B upstream), 0: none
+        self.send_seconds = np.empty(total)
+        # Data successors as CSR arrays (each task's run: `*_start[t]:*_start[t + 1]`). Releases
+        # are task-id offsets, so the hot loop does no index arithmetic: the same-stage backward
+        # units a forward unit releases.
+        release_counts = np.empty(total, dtype=np.int64)
         release_offsets: list[np.ndarray] = []
-        device_counts: list[np.ndarray] = []
+        device_counts = np.empty(total, dtype=np.int64)
         device_ids: list[np.ndarray] = []
-        total = 0
-        for rc in self.replicas:
-            self.offset.append(total)
-            stride = rc.num_forward + rc.num_backward
+        for rc, stride, first in zip(self.replicas, strides, self.offset):
+            tasks = slice(first, first + stride * vstages)
             # forward u releases the backward units that need it last, in unit order: the same on
             # every virtual stage
             needs = np.asarray(rc.needs_forward, dtype=np.int64)
             by_need = np.argsort(needs, kind="stable")
             counts = np.concatenate([np.bincount(needs, minlength=rc.num_forward), np.zeros(rc.num_backward, np.int64)])
-            release_counts.append(np.tile(counts, vstages))
+            release_counts[tasks] = np.tile(counts, vstages)
             release_offsets.append(np.tile(rc.num_forward - needs[by_need] + by_need, vstages))
-            device_counts.append(np.full(stride * vstages, len(rc.ranks), dtype=np.int64))
+            device_counts[tasks] = len(rc.ranks)
             # Each virtual stage's block: its forward units, then its backward units; every block
             # alike but for the last stage's durations and the sends at the pipeline's ends.
             stage_devices = np.asarray(rc.ranks, dtype=np.int64)[None, :] * pp + (np.arange(vstages) % pp)[:, None]
             device_ids.append(np.repeat(stage_devices, stride, axis=0).ravel())
             backward = np.repeat([False, True], [rc.num_forward, rc.num_backward])
-            blocks["replica_of"].append(np.full(stride * vstages, rc.index, dtype=np.int64))
-            blocks["stage_of"].append(np.repeat(np.arange(vstages, dtype=np.int64), stride))
-            blocks["is_backward"].append(np.tile(backward, vstages))
-            blocks["unit_of"].append(np.tile(np.concatenate([np.arange(rc.num_forward, dtype=np.int64),
-                                                             np.arange(rc.num_backward, dtype=np.int64)]), vstages))
-            durations = [np.concatenate([np.asarray(rc.forward_unit[last], dtype=float),
-                                         np.asarray(rc.backward_unit[last], dtype=float)]) for last in (False, True)]
-            blocks["duration"].append(np.concatenate([np.tile(durations[False], vstages - 1), durations[True]]))
-            sends = np.tile(np.where(backward, -stride, stride), (vstages, 1))
+            self.replica_of[tasks] = rc.index
+            self.stage_of[tasks] = np.repeat(np.arange(vstages, dtype=np.int64), stride)
+            self.is_backward[tasks] = np.tile(backward, vstages)
+            self.unit_of[tasks] = np.tile(np.concatenate([np.arange(rc.num_forward, dtype=np.int64),
+                                                          np.arange(rc.num_backward, dtype=np.int64)]), vstages)
+            by_stage = self.duration[tasks].reshape(vstages, stride)
+            by_stage[:-1] = np.concatenate([rc.forward_unit[False], rc.backward_unit[False]])
+            by_stage[-1] = np.concatenate([rc.forward_unit[True], rc.backward_unit[True]])
+            sends = self.send_offset[tasks].reshape(vstages, stride)
+            sends[:] = np.where(backward, -stride, stride)
             sends[-1, ~backward] = 0  # the last stage's forward units send nothing downstream
             sends[0, backward] = 0  # the first stage's backward units nothing upstream
-            blocks["send_offset"].append(sends.ravel())
-            blocks["send_seconds"].append(np.tile(np.asarray(rc.forward_p2p + rc.backward_p2p, dtype=float), vstages))
-            total += stride * vstages
-        fields = {name: np.concatenate(blocks[name] + [np.zeros(0, dtype=dtype)])
-                  for name, dtype in _TASK_FIELDS.items()}
-        self.replica_of: np.ndarray = fields["replica_of"]
-        self.stage_of: np.ndarray = fields["stage_of"]
-        self.is_backward: np.ndarray = fields["is_backward"]
-        self.unit_of: np.ndarray = fields["unit_of"]
-        self.duration: np.ndarray = fields["duration"]
-        self.send_offset: np.ndarray = fields["send_offset"]  # +stride (F downstream), -stride (B upstream), 0: none
-        self.send_seconds: np.ndarray = fields["send_seconds"]
+            self.send_seconds[tasks] = np.tile(np.asarray(rc.forward_p2p + rc.backward_p2p, dtype=float), vstages)
         empty = [np.zeros(0, dtype=np.int64)]
-        self.release_start = _csr_starts(np.concatenate(release_counts + empty))
+        self.release_start = _csr_starts(release_counts)
         self.release_offsets = np.concatenate(release_offsets + empty)
-        self.device_start = _csr_starts(np.concatenate(device_counts + empty))
+        self.device_start = _csr_starts(device_counts)
         self.device_ids = np.concatenate(device_ids + empty)
-        self.num_tasks = total
         self.programs = self._programs()
 
     def devices_of(self, task: int) -> list[int]:
@@ -642,7 +634,10 @@ def _run(graph: _Graph) -> _Schedule:
 
 def _csr_starts(counts: np.ndarray) -> np.ndarray:
     """Where each row starts in a flat array of rows with `counts` entries, and the end."""
-    return np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    starts = np.empty(len(counts) + 1, dtype=np.int64)
+    starts[0] = 0
+    np.cumsum(counts, out=starts[1:])
+    return starts
 
 
 def _deadlock(graph: _Graph, finished: list[bool]) -> SimulationError:
