@@ -104,6 +104,16 @@ def test_one_batch_compare_equals_plan_and_simulate_of_its_layout():
     assert row.report.lower_bound_s == pytest.approx(report.lower_bound_s, rel=1e-12)
 
 
+def test_a_comparison_keeps_the_plans_of_each_strategys_best_layout_only():
+    """The other finalists keep their reports (their means, in the JSON) but not their plans,
+    which nothing reads and a worker would pickle back; the best keeps one plan per batch."""
+    found = compare(2, "megatron-fixed").results["megatron-fixed"]
+    others = [e for e in found.finalists if e is not found.best]
+    assert others and found.best in found.finalists and len(found.best.plans) == 2
+    assert all(e.plans == [] and len(e.reports) == 2 and e.mean_iteration_time_s >= found.mean_iteration_time_s
+               for e in others)
+
+
 def test_per_batch_report_is_the_steps_together():
     plans = [ms.plan(lengths, parallel=ms.ParallelConfig(dp=2, pp=2, tp=2), cost=COST, config=CONFIG)
              for lengths in batches(3)]
