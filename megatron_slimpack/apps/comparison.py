@@ -544,7 +544,7 @@ def _best_plans_only(found: LayoutResult) -> LayoutResult:
     """`found` with the plans of its best layout only; the other finalists keep their reports
     (their means). A comparison reads the best's plans (rows, explanations, charts) and nothing
     else, while a worker's result is pickled back and a cached one written whole: at 7B 256K on
-    128 GPUs the three finalists' plans of one strategy pickle to ~70 MB, seconds to load."""
+    128 GPUs the three finalists' plans of one strategy pickle to 66-78 MB, seconds to load."""
     finalists = [evaluation if evaluation is found.best else dataclasses.replace(evaluation, plans=[])
                  for evaluation in found.finalists]
     return dataclasses.replace(found, finalists=finalists)
