@@ -82,8 +82,10 @@ def test_wlb_llm_is_compared_with_its_fastest_delay_thresholds_at_its_layout():
     means = {text: seconds for text, seconds in tuning.items() if isinstance(seconds, float)}
     chosen = ",".join(f"{f:g}" for f in found.plans[0].metadata["delay_fractions"])
     assert found.mean_iteration_time_s == pytest.approx(min(means.values()), rel=1e-12) == means[chosen]
-    searched = best_layout("wlb-llm", batches(3), COST, 8, CONTEXT, CONFIG)
+    searched = best_layout("wlb-llm", batches(3), COST, 8, CONTEXT, CONFIG)  # three finalists
     assert searched.parallel == found.parallel  # tuned at the layout the search chose
+    # a stateful strategy's comparison searches for its best alone (`search_finalists`): the same best
+    assert [e.parallel for e in found.finalists] == [found.parallel] and len(searched.finalists) > 1
     assert means["0.5,0.25"] == pytest.approx(searched.mean_iteration_time_s, rel=1e-12)
     for text, seconds in means.items():  # each candidate as a run of its own thresholds would time it
         alone = best_layout("wlb-llm", batches(3), COST, 8, CONTEXT, CONFIG.with_(wlb_delay_fractions=text),
