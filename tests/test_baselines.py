@@ -142,6 +142,24 @@ def test_fixed_cuts_of_a_grid_search_stay_cached_across_its_layouts():
     assert baselines.cut_cached.cache_info().misses == len(batches)
 
 
+def test_the_fixed_grouping_cut_on_arrays_is_megatrons_cut():
+    """`cut_into_slices` (SlimPack's fixed-grouping floor, on arrays) gives the sequences of
+    `concatenate_and_cut` as slices of the batch's documents, piece by piece: empty documents,
+    documents longer than the context, cuts at a document's end, a run not at the batch's start."""
+    from megatron_slimpack.planner.baselines.sequences import cut_into_slices
+
+    rng = random.Random(5)
+    for trial in range(300):
+        context = rng.choice([1, 2, 7, 8, 64])
+        lengths = [rng.choice([0, 1, context, context + 1, rng.randint(1, 3 * context)])
+                   for _ in range(rng.randint(0, 30))]
+        first = rng.randint(0, 9)
+        expected = [[(first + piece.document, piece.offset, piece.offset + piece.sample.length) for piece in sequence]
+                    for sequence in baselines.concatenate_and_cut(lengths, context)]
+        assert [[tuple(piece) for piece in sequence] for sequence in cut_into_slices(lengths, first, context)] \
+            == expected, (lengths, context)
+
+
 def test_megatron_fixed_boundary_document_becomes_two_independent_samples():
     plan = run("megatron-fixed", [6, 6], context=8)
     # Document 1 crosses the cut at 8: pieces of 2 and 4 tokens, separate samples each starting at 0.

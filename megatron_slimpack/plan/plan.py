@@ -40,7 +40,8 @@ class Plan:
     # sample_sources[i]: where samples[i]'s tokens come from (the token source reads only this).
     # None: each sample is document `sample_id` from offset 0, allowed only for strategies whose
     # samples are the input lengths (not RENUMBERING_STRATEGIES).
-    sample_sources: list[SampleSource] | None = None
+    _given_sources: list[SampleSource] | None = field(default=None, init=False, repr=False, compare=False)
+    sample_sources: list[SampleSource] | None = None  # read through `_default_sources`, never None
     # Documents the planner's input held more than once (overlapping pieces: a global batch across an
     # epoch boundary of a small corpus); only their samples may overlap.
     repeated_documents: list[int] = field(default_factory=list)
@@ -48,23 +49,22 @@ class Plan:
     FORMAT_VERSION = 1
 
     def __post_init__(self):
-        if self.sample_sources is None:
-            if self.strategy in RENUMBERING_STRATEGIES:
-                raise PlanError(
-                    f"sample-sources: a {self.strategy} plan renumbers its samples and must give each sample's "
-                    "(document, offset) in sample_sources")
-            self.sample_sources = sources_of(map(tuple.__getitem__, self.samples, repeat(0)), repeat(0))
+        if self._given_sources is None and self.strategy in RENUMBERING_STRATEGIES:
+            raise PlanError(
+                f"sample-sources: a {self.strategy} plan renumbers its samples and must give each sample's "
+                "(document, offset) in sample_sources")
 
     def __reduce__(self):
-        # Samples and sources as arrays (see `ReplicaPlan.__reduce__`).
-        samples, sources = (np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
-                            for pairs in (self.samples, self._sources()))
+        # Samples and sources as arrays (see `ReplicaPlan.__reduce__`); default sources stay unbuilt.
+        samples, sources = (None if pairs is None else
+                            np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+                            for pairs in (self.samples, self._given_sources))
         return _plan_from_arrays, (self.replicas, samples, self.parallel, self.context_length, self.strategy,
                                    self.max_micropack_tokens, self.metadata, sources, self.repeated_documents)
 
     # ---- queries -------------------------------------------------------------------------
     def _sources(self) -> list[SampleSource]:
-        # A constructed plan always has them: __post_init__ replaces None.
+        # The property below never returns None.
         return cast("list[SampleSource]", self.sample_sources)
 
     @property
@@ -167,11 +167,29 @@ class Plan:
         return self
 
 
+def _default_sources(plan: Plan) -> list[SampleSource]:
+    """`Plan.sample_sources`: the sources given, else (sample id, 0) for each sample, built where
+    first read: a layout search makes hundreds of plans of ~10^5 samples and reads the sources of
+    none but the finalists' (the runtime's token source, validation, JSON)."""
+    if plan._given_sources is None:
+        plan._given_sources = sources_of(map(tuple.__getitem__, plan.samples, repeat(0)), repeat(0))
+    return plan._given_sources
+
+
+def _set_sources(plan: Plan, sources: list[SampleSource] | None) -> None:
+    plan._given_sources = sources
+
+
+# The dataclass keeps `sample_sources` as its field (the constructor's keyword, `replace`, equality,
+# repr); reading it goes through `_default_sources`.
+Plan.sample_sources = property(_default_sources, _set_sources)  # type: ignore[assignment]
+
+
 def _plan_from_arrays(replicas, samples: np.ndarray, parallel, context_length, strategy, max_micropack_tokens,
-                      metadata, sources: np.ndarray, repeated_documents) -> Plan:
+                      metadata, sources: np.ndarray | None, repeated_documents) -> Plan:
     """A `Plan` from its pickled form (`Plan.__reduce__`)."""
     def pairs(flat: np.ndarray, kind) -> list:
         return list(map(tuple.__new__, repeat(kind), zip(flat[0::2].tolist(), flat[1::2].tolist())))
 
     return Plan(replicas, pairs(samples, Sample), parallel, context_length, strategy, max_micropack_tokens, metadata,
-                pairs(sources, SampleSource), repeated_documents)
+                None if sources is None else pairs(sources, SampleSource), repeated_documents)

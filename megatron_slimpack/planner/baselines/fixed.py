@@ -16,7 +16,7 @@ from ...plan import (
 from ...specs import ParallelConfig
 from ..registry import register
 from .common import INTERLEAVED, assemble_plan, deal_contiguous, input_sources, meet_interleaved_count, whole_documents
-from .sequences import concatenate_and_cut, piece_metadata, piece_sources, sequence_first_sources
+from .sequences import concatenate_and_cut, cut_into_slices, piece_metadata, piece_sources, sequence_first_sources
 
 
 def _fixed_length_plan(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig,
@@ -60,15 +60,12 @@ def prefix_keeping_fixed_plan(lengths: list[int], parallel: ParallelConfig, cost
     in contiguous runs of about equal tokens, each cut into sequences of its own; with virtual
     stages a rank's count is brought to what interleaved 1F1B takes (`meet_interleaved_count`).
     Samples are the input lengths."""
-    new = tuple.__new__
     per_rank: list[list[MicroPack]] = []
     sequences = 0
     for first, last in _contiguous_runs(lengths, parallel.dp):
-        cut = concatenate_and_cut(lengths[first:last], config.context_length)
+        cut = cut_into_slices(lengths[first:last], first, config.context_length)
         sequences += len(cut)
-        per_rank.append([MicroPack([new(Slice, (first + piece.document, piece.offset,
-                                                piece.offset + piece.sample.length)) for piece in sequence])
-                         for sequence in cut])
+        per_rank.append([MicroPack(slices) for slices in cut])
     # A rank's own cut may end one sequence short of what interleaved 1F1B takes: split one in two.
     per_rank = meet_interleaved_count(per_rank, parallel, config.context_length, "the fixed-length grouping")
     return assemble_plan(per_rank, samples_of(lengths), parallel, cost, config, config.context_length,

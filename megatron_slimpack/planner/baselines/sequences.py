@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Sequence
 
 import numpy as np
@@ -12,6 +13,7 @@ import numpy as np
 from ...plan import (
     Sample,
     SampleSource,
+    Slice,
     overlapping_documents,
 )
 from .common import input_sources
@@ -58,6 +60,28 @@ def cut_cached(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Pie
             offset += take
             filled += take
     return tuple(tuple(sequence) for sequence in sequences if sequence)
+
+
+def cut_into_slices(lengths: Sequence[int], first: int, context_length: int) -> list[list[Slice]]:
+    """`concatenate_and_cut` of documents first, first + 1, ... of a batch (`lengths` theirs), each
+    sequence as its pieces' slices, a later piece continuing its document: the slice (document,
+    offset, offset + tokens). Computed on arrays: SlimPack's fixed-grouping floor cuts each
+    replica's documents on every batch it plans, a few hundred thousand pieces at 64K."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    starts = ends - np.asarray(lengths, dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    if not total:
+        return []
+    # every document start and cut, sorted and unique: each gap between two is one piece
+    bounds = np.union1d(np.concatenate([starts, np.arange(context_length, total, context_length)]), [total])
+    piece_start, piece_end = bounds[:-1], bounds[1:]
+    document = np.searchsorted(ends, piece_start, side="right")  # an empty document holds no piece
+    offset = piece_start - starts[document]
+    slices = list(map(tuple.__new__, repeat(Slice), zip((document + first).tolist(), offset.tolist(),
+                                                        (offset + piece_end - piece_start).tolist())))
+    sequence = piece_start // context_length
+    edges = [0, *(np.flatnonzero(np.diff(sequence)) + 1).tolist(), len(slices)]
+    return [slices[begin:end] for begin, end in zip(edges, edges[1:])]
 
 
 def piece_metadata(sequences: Sequence[Sequence[Piece]]) -> dict:
