@@ -149,7 +149,7 @@ def test_the_fixed_grouping_cut_on_arrays_is_megatrons_cut():
     from megatron_slimpack.planner.baselines.sequences import cut_into_slices
 
     rng = random.Random(5)
-    for trial in range(300):
+    for _trial in range(300):
         context = rng.choice([1, 2, 7, 8, 64])
         lengths = [rng.choice([0, 1, context, context + 1, rng.randint(1, 3 * context)])
                    for _ in range(rng.randint(0, 30))]
