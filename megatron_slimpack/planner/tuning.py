@@ -11,8 +11,13 @@ from ..plan import PlanError
 from ..simulator.dag import simulate
 from .baselines.wlb_llm import DELAY_CANDIDATES, WlbLlmPlanner
 from .layouts import LayoutEvaluation, LayoutResult
+from .strategies import cyclic_gc_paused
 
 
+# The cyclic collector is paused as for the layout search (`strategies.cyclic_gc_paused`): each
+# candidate plans every batch, ~10^5 tuples each, and its passes over them are wasted (the tuning at
+# llama-7b 64K Wikipedia on 128 GPUs, 10 batches: 54.1 s with it running, 29.6 s paused).
+@cyclic_gc_paused()
 def tune_delay_fractions(result: LayoutResult, batches: list[list[int]], cost: CostModel,
                          config: SlimPackConfig) -> LayoutResult:
     """WLB-LLM's delay thresholds tuned on the layout its search chose (`result`, its best run with
