@@ -142,10 +142,26 @@ def test_fixed_cuts_of_a_grid_search_stay_cached_across_its_layouts():
     assert baselines.cut_cached.cache_info().misses == len(batches)
 
 
-def test_the_fixed_grouping_cut_on_arrays_is_megatrons_cut():
-    """`cut_into_slices` (SlimPack's fixed-grouping floor, on arrays) gives the sequences of
-    `concatenate_and_cut` as slices of the batch's documents, piece by piece: empty documents,
-    documents longer than the context, cuts at a document's end, a run not at the batch's start."""
+def _cut_token_by_token(lengths: list[int], context: int) -> list[list[tuple[int, int, int]]]:
+    """Megatron's GPTDataset cut, spelled out: the token stream (document, position) cut every
+    `context` tokens, each sequence's runs of one document as (document, first, end)."""
+    stream = [(document, position) for document, length in enumerate(lengths) for position in range(length)]
+    sequences = []
+    for start in range(0, len(stream), context):
+        runs: list[list[int]] = []
+        for document, position in stream[start:start + context]:
+            if runs and runs[-1][0] == document:
+                runs[-1][2] = position + 1
+            else:
+                runs.append([document, position, position + 1])
+        sequences.append([tuple(run) for run in runs])
+    return sequences
+
+
+def test_the_cut_is_megatrons_token_by_token():
+    """`cut_into_slices` (on arrays; `concatenate_and_cut` numbers its pieces) is the token stream
+    cut every context length tokens, on 300 random batches: empty documents, documents longer than
+    the context, cuts at a document's end, a run not at the batch's start."""
     from megatron_slimpack.planner.baselines.sequences import cut_into_slices
 
     rng = random.Random(5)
@@ -154,10 +170,13 @@ def test_the_fixed_grouping_cut_on_arrays_is_megatrons_cut():
         lengths = [rng.choice([0, 1, context, context + 1, rng.randint(1, 3 * context)])
                    for _ in range(rng.randint(0, 30))]
         first = rng.randint(0, 9)
-        expected = [[(first + piece.document, piece.offset, piece.offset + piece.sample.length) for piece in sequence]
-                    for sequence in baselines.concatenate_and_cut(lengths, context)]
-        assert [[tuple(piece) for piece in sequence] for sequence in cut_into_slices(lengths, first, context)] \
+        expected = _cut_token_by_token(lengths, context)
+        assert [[(d - first, b, e) for d, b, e in sequence] for sequence in cut_into_slices(lengths, first, context)] \
             == expected, (lengths, context)
+        pieces = baselines.concatenate_and_cut(lengths, context)
+        assert [[(p.document, p.offset, p.offset + p.sample.length) for p in sequence]
+                for sequence in pieces] == expected
+        assert [p.sample.sample_id for sequence in pieces for p in sequence] == list(range(sum(map(len, expected))))
 
 
 def test_megatron_fixed_boundary_document_becomes_two_independent_samples():

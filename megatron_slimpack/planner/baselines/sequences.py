@@ -4,6 +4,7 @@ where each piece's tokens come from."""
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Sequence
@@ -45,27 +46,15 @@ BATCHES_CACHED = 16
 
 @functools.lru_cache(maxsize=BATCHES_CACHED)
 def cut_cached(lengths: tuple[int, ...], context_length: int) -> tuple[tuple[Piece, ...], ...]:
-    sequences: list[list[Piece]] = [[]]
-    filled = 0
-    next_id = 0
-    for document, length in enumerate(lengths):
-        offset = 0
-        while offset < length:
-            if filled == context_length:
-                sequences.append([])
-                filled = 0
-            take = min(length - offset, context_length - filled)
-            sequences[-1].append(Piece(Sample(next_id, take), document, offset))
-            next_id += 1
-            offset += take
-            filled += take
-    return tuple(tuple(sequence) for sequence in sequences if sequence)
+    numbered = itertools.count()  # sample ids in stream order
+    return tuple(tuple(Piece(Sample(next(numbered), end - offset), document, offset) for document, offset, end in cut)
+                 for cut in cut_into_slices(lengths, 0, context_length))
 
 
 def cut_into_slices(lengths: Sequence[int], first: int, context_length: int) -> list[list[Slice]]:
-    """`concatenate_and_cut` of documents first, first + 1, ... of a batch (`lengths` theirs), each
-    sequence as its pieces' slices, a later piece continuing its document: the slice (document,
-    offset, offset + tokens). Computed on arrays: SlimPack's fixed-grouping floor cuts each
+    """The cut of `concatenate_and_cut` for documents first, first + 1, ... of a batch (`lengths`
+    theirs): each sequence as its pieces' slices (document, offset, offset + tokens), a later piece
+    continuing its document. Computed on arrays: SlimPack's fixed-grouping floor cuts each
     replica's documents on every batch it plans, a few hundred thousand pieces at 64K."""
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
     starts = ends - np.asarray(lengths, dtype=np.int64)
