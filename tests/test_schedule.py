@@ -177,13 +177,28 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
         extra["deallocate_pipeline_outputs"] = True
     config = _config(**extra)
     chunk = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=64, backend="torch",
-                            pre_process=stage == 0, post_process=stage == pp - 1)
+                            pre_process=stage == 0, post_process=stage == pp - 1,
+                            tp_overlap=bool(options.get("tp_overlap")))
+    if options.get("tp_overlap"):
+        from megatron_slimpack.runtime.tp_overlap import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
+
+        from megatron_slimpack.runtime.tp_overlap import Ring
+
+        kinds = {type(module) for module in chunk.decoder.modules()}
+        assert {OverlappedColumnParallelLinear, OverlappedRowParallelLinear} <= kinds
+        pass_on = Ring.pass_on
+
+        def counted_pass_on(ring, outgoing):
+            calls["ring_passes"] += 1
+            return pass_on(ring, outgoing)
+
+        Ring.pass_on = counted_pass_on  # this worker process's own class
     names = {name: _global_name(name, stage, pp) for name, _ in chunk.named_parameters()}
     params = dict(chunk.named_parameters())
     chunk.load_state_dict({k: _shard(k, saved["state"][_global_name(k, stage, pp)], params.get(k), tp, tp_rank)
                            for k in chunk.state_dict()})
     model = chunk
-    calls = {"no_sync": 0, "finalize": 0}
+    calls = {"no_sync": 0, "finalize": 0, "ring_passes": 0}
     if options.get("ddp"):
         import contextlib
 
@@ -244,6 +259,7 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
             expected = saved["grads"][names[name]]
             worst = max(worst, ((grad - expected).norm() / expected.norm().clamp_min(1e-30)).item())
         assert worst <= 1e-5, f"rank {rank} (stage {stage}, {variant}): worst relative gradient error {worst:.2e}"
+    assert (calls.pop("ring_passes") > 0) == bool(options.get("tp_overlap"))  # the layers ran the rings
     if options.get("ddp"):
         steps = len(options.get("variants", [None]))
         assert calls == {"no_sync": steps, "finalize": steps}, calls  # once per step, as megatron's schedules
@@ -324,11 +340,20 @@ def test_tensor_sequence_and_pipeline_parallel(tmp_path, megatron_cpu):
 
 
 @pytest.mark.slow
-def test_tensor_sequence_and_data_parallel_megatron_ddp(tmp_path, megatron_cpu):
+@pytest.mark.parametrize("tp_overlap", [False, True])
+def test_tensor_sequence_and_data_parallel_megatron_ddp(tmp_path, megatron_cpu, tp_overlap):
     """TP=2 + sequence parallelism x DP=2 with megatron-core DDP: finalize_model_grads sums the
-    norms' partial gradients over TP (they are marked sequence_parallel)."""
+    norms' partial gradients over TP (they are marked sequence_parallel); with the TP overlap
+    (runtime/tp_overlap.py) the layers' collectives run as rings behind their GEMMs."""
     _run(tmp_path, megatron_cpu, pp=1, dp=2, seed=6, timeout_s=240, case="interleaved",
-         options={"tp": 2, "sp": True, "ddp": True})
+         options={"tp": 2, "sp": True, "ddp": True, "tp_overlap": tp_overlap})
+
+
+@pytest.mark.slow
+def test_tensor_parallel_overlap_with_pipeline_parallel(tmp_path, megatron_cpu):
+    """TP=2 + sequence parallelism with the TP overlap x PP=2, MicroPacks padded to even row
+    counts: gathered gradients == whole documents."""
+    _run(tmp_path, megatron_cpu, pp=2, dp=1, seed=3, timeout_s=240, options={"tp": 2, "sp": True, "tp_overlap": True})
 
 
 def test_one_stage_call_reports_units(megatron_cpu):

@@ -3,7 +3,8 @@
 Two changes to `GPTModel`: for a sliced THD batch (`SlicedSeqParams`) the rotary table is
 built from each token's absolute position (see rope.py) instead of restarting per segment, and
 handed to the SlimPack core attention, which applies it; and
-under sequence parallelism torch norms are swapped for ones that support it (norm.py).
+under sequence parallelism torch norms are swapped for ones that support it (norm.py), and with
+`tp_overlap` the local spec's linears for ones that hide their TP collectives (tp_overlap.py).
 Everything else, weights and state-dict keys included, is megatron's, so a checkpoint moves
 freely between this model and a stock one.
 """
@@ -20,8 +21,9 @@ from .norm import sequence_parallel_spec
 
 
 class SlimPackGPTModel(GPTModel):
-    def __init__(self, config: TransformerConfig, transformer_layer_spec, *args, **kwargs):
-        spec = sequence_parallel_spec(transformer_layer_spec, config, vp_stage=kwargs.get("vp_stage"))
+    def __init__(self, config: TransformerConfig, transformer_layer_spec, *args, tp_overlap: bool = False, **kwargs):
+        spec = sequence_parallel_spec(transformer_layer_spec, config, vp_stage=kwargs.get("vp_stage"),
+                                      tp_overlap=tp_overlap)
         super().__init__(config, spec, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
@@ -50,16 +52,18 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     layer_spec=None,
+    tp_overlap: bool = False,
     **gpt_kwargs,
 ) -> SlimPackGPTModel:
-    """A `SlimPackGPTModel` with the SlimPack layer spec (or `layer_spec`)."""
+    """A `SlimPackGPTModel` with the SlimPack layer spec (or `layer_spec`); `tp_overlap`: the
+    local spec's linears hide their sequence-parallel collectives (tp_overlap.py)."""
     if layer_spec is None:
         normalization = getattr(config, "normalization", "LayerNorm")
         layer_spec = slimpack_layer_spec(backend, normalization=normalization, config=config)
     return SlimPackGPTModel(
         config, layer_spec, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         position_embedding_type=position_embedding_type, pre_process=pre_process,
-        post_process=post_process, **gpt_kwargs,
+        post_process=post_process, tp_overlap=tp_overlap, **gpt_kwargs,
     )
 
 

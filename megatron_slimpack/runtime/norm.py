@@ -10,7 +10,8 @@ norm does the same with torch's modules, so SlimPack runs `--sequence-parallel` 
 spec too. The math is torch's; only the mark is added.
 
 `sequence_parallel_spec(spec, config)` swaps it in for `WrappedTorchNorm` (layers and the
-block's final norm); every other spec is returned as it is.
+block's final norm), and with `tp_overlap` megatron's local linears for the ring-overlapped ones
+of tp_overlap.py; every other spec is returned as it is.
 """
 from __future__ import annotations
 
@@ -40,22 +41,23 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _uses_torch_norm(module) -> bool:
+def _torch_norm_swap(module):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return module is WrappedTorchNorm
+    return SequenceParallelTorchNorm if module is WrappedTorchNorm else None
 
 
-def _swap_torch_norms(spec):
-    """A copy of a ModuleSpec whose `WrappedTorchNorm` submodules, at any depth (the layer's
-    norms, an attention's q/k norms), are `SequenceParallelTorchNorm`; `spec` itself if it has none."""
+def _swap_submodules(spec, swap):
+    """A copy of a ModuleSpec whose submodules, at any depth (the layer's norms and linears, an
+    attention's q/k norms), are replaced by `swap(module)` where that is not None; `spec` itself
+    if none is."""
     submodules = getattr(spec, "submodules", None)
     if submodules is None or not dataclasses.is_dataclass(submodules):
         return spec
     swaps = {}
     for field in dataclasses.fields(submodules):
         old = getattr(submodules, field.name)
-        new = SequenceParallelTorchNorm if _uses_torch_norm(old) else _swap_torch_norms(old)
+        new = swap(old) or _swap_submodules(old, swap)
         if new is not old:
             swaps[field.name] = new
     if not swaps:
@@ -65,20 +67,40 @@ def _swap_torch_norms(spec):
     return spec
 
 
-def sequence_parallel_spec(spec, config, *, vp_stage=None, pp_rank=None):
+def sequence_parallel_spec(spec, config, *, vp_stage=None, pp_rank=None, tp_overlap: bool = False):
     """`spec` (a layer ModuleSpec or TransformerBlockSubmodules) ready for `config`: under
     sequence parallelism with torch norms, a block spec whose layers' and final norms are
-    `SequenceParallelTorchNorm`; otherwise `spec` unchanged."""
+    `SequenceParallelTorchNorm`, and with `tp_overlap` whose local linears hide their TP
+    collectives (tp_overlap.py); otherwise `spec` unchanged."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         _get_block_submodules,
     )
 
+    from .tp_overlap import overlapped_linear
+
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if tp_overlap and tp > 1 and not getattr(config, "sequence_parallel", False):
+        raise ValueError("the TP overlap hides sequence parallelism's all-gathers and reduce-scatters: turn on "
+                         "sequence parallelism (--sequence-parallel) or leave the overlap off")
     if not getattr(config, "sequence_parallel", False):
         return spec
+    swapped_linears = []
+
+    def swap(module):
+        linear = overlapped_linear(module) if tp_overlap else None
+        if linear is not None:
+            swapped_linears.append(linear)
+        return _torch_norm_swap(module) or linear
+
     block = _get_block_submodules(config, spec, vp_stage=vp_stage, pp_rank=pp_rank)
-    layers = [_swap_torch_norms(layer) for layer in block.layer_specs]
-    final = SequenceParallelTorchNorm if _uses_torch_norm(block.layer_norm) else block.layer_norm
+    layers = [_swap_submodules(layer, swap) for layer in block.layer_specs]
+    if tp_overlap and tp > 1 and block.layer_specs and not swapped_linears:
+        raise ValueError("the TP overlap runs on megatron-core's local linears (ColumnParallelLinear, "
+                         "RowParallelLinear) and this layer spec has none (Transformer Engine's fuse the norm and "
+                         "keep their own overlap for fixed shapes): use --transformer-impl local, or leave the "
+                         "overlap off")
+    final = _torch_norm_swap(block.layer_norm) or block.layer_norm
     if final is block.layer_norm and all(new is old for new, old in zip(layers, block.layer_specs)):
         return spec
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final)
