@@ -180,9 +180,11 @@ def schedule_worker(rank, world_size, port, pp, seed, path, forward_only, case="
                             pre_process=stage == 0, post_process=stage == pp - 1,
                             tp_overlap=bool(options.get("tp_overlap")))
     if options.get("tp_overlap"):
-        from megatron_slimpack.runtime.tp_overlap import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
-
-        from megatron_slimpack.runtime.tp_overlap import Ring
+        from megatron_slimpack.runtime.tp_overlap import (
+            OverlappedColumnParallelLinear,
+            OverlappedRowParallelLinear,
+            Ring,
+        )
 
         kinds = {type(module) for module in chunk.decoder.modules()}
         assert {OverlappedColumnParallelLinear, OverlappedRowParallelLinear} <= kinds

@@ -76,30 +76,25 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 def _gather_multiply(shard: torch.Tensor, ring: Ring, multiply) -> None:
     """Pass every rank's `shard` around the ring, calling `multiply(index, chunk)` on each chunk
     (this rank's first) while the next one travels."""
-    current, requests = shard.contiguous(), []
-    for step in range(ring.size):
-        if step < ring.size - 1:
-            (incoming,), requests = ring.pass_on([current])
-        multiply((ring.rank - step) % ring.size, current)
-        if step < ring.size - 1:
-            _wait(requests)
-            current = incoming
+    current = shard.contiguous()
+    for step in range(ring.size - 1):
+        (incoming,), requests = ring.pass_on([current])
+        multiply((ring.rank - step) % ring.size, current)  # while `current` travels
+        _wait(requests)
+        current = incoming
+    multiply((ring.rank + 1) % ring.size, current)
 
 
 def _multiply_scatter(ring: Ring, partial) -> torch.Tensor:
     """The sum over ranks of `partial(index)` for this rank's chunk index: each chunk's running
     sum travels the ring, every rank adding its partial, computed while the previous sum travels."""
-    total, requests = None, []
-    for step in range(ring.size):
-        own = partial((ring.rank - 1 - step) % ring.size)
-        if requests:
-            _wait(requests)
-            own = own + incoming
-        if step < ring.size - 1:
-            (incoming,), requests = ring.pass_on([own])
-        else:
-            total = own
-    return total
+    running = partial((ring.rank - 1) % ring.size)
+    for step in range(1, ring.size):
+        (incoming,), requests = ring.pass_on([running])
+        own = partial((ring.rank - 1 - step) % ring.size)  # while `running` travels
+        _wait(requests)
+        running = own + incoming
+    return running
 
 
 def _accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, fused: bool):
