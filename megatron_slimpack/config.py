@@ -455,6 +455,13 @@ class MegatronIntegrationConfig:
     dump_plans: str | None = field(default=None, metadata=option(
         "Write each step's plan JSON to DIR (rank 0).", metavar="DIR", none_means="no plans written",
         cli="`slimpack plan --out` writes the plans"))
+    tp_overlap: bool = field(default=False, metadata=option(
+        "Hide the layers' sequence-parallel collectives behind their GEMMs: each all-gather and reduce-scatter runs "
+        "as a ring of TP-size chunks, each chunk's GEMM computed while the next travels (Transformer Engine's "
+        "--tp-comm-overlap does the same for one fixed shape; these buffers follow each MicroPack's size). Needs "
+        "--sequence-parallel and --transformer-impl local where --tensor-model-parallel-size > 1; `slimpack compare` "
+        "prices the SlimPack runtime's strategies with it.",
+        cli="`slimpack compare` prices the SlimPack runtime with it"))
     allow_untested_megatron: bool = field(default=False, metadata=option(
         "Train with a megatron-core newer than the newest release SlimPack is tested with (see patches/README.md). "
         "Without it such a release is refused: a release that builds its model another way could leave the sliced "
@@ -472,7 +479,7 @@ class MegatronIntegrationConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             problems.append(("planner_timeout", f"{n('planner_timeout')} must be a number of seconds > 0, got "
                                                 f"{timeout!r}"))
-        for name in ("planner_process", "allow_untested_megatron"):
+        for name in ("planner_process", "tp_overlap", "allow_untested_megatron"):
             if not isinstance(values[name], bool):
                 problems.append((name, f"{n(name)} must be True or False, got {values[name]!r}"))
         cost = values["cost_model"]

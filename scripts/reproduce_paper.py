@@ -261,9 +261,14 @@ def plan_run(cell: dict, strategy: str, bench: dict, clusters: dict, data_path: 
 
 def overlap_options(overlaps, layout: Layout) -> dict:
     """The Megatron flags of the communication overlaps the simulator priced this strategy with
-    (`StrategySpec.overlaps`): the same on the cluster as in the grid. TP overlap needs tp > 1."""
-    return {"tp-comm-overlap": overlaps.tp_comm and layout.tp > 1,
-            "overlap-grad-reduce": overlaps.grad_reduce, "overlap-param-gather": overlaps.param_gather}
+    (`StrategySpec.overlaps`): the same on the cluster as in the grid. TP overlap needs tp > 1; the
+    SlimPack runtime's (--slimpack-tp-overlap) runs on megatron-core's local linears."""
+    tp_overlap = overlaps.tp_comm and layout.tp > 1
+    options = {overlaps.tp_comm_flag.removeprefix("--"): tp_overlap,
+               "overlap-grad-reduce": overlaps.grad_reduce, "overlap-param-gather": overlaps.param_gather}
+    if tp_overlap and overlaps.tp_comm_flag == "--slimpack-tp-overlap":
+        options["transformer-impl"] = "local"
+    return options
 
 
 FILTERS = ("models", "contexts", "clusters", "datasets", "strategies")

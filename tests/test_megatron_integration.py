@@ -35,6 +35,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--qk-clip", action="store_true")
     parser.add_argument("--log-max-attention-logit", action="store_true")
     parser.add_argument("--tp-comm-overlap", action="store_true")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
     parser.add_argument("--enable-cuda-graph", action="store_true")
     parser.add_argument("--external-cuda-graph", action="store_true")
     parser.add_argument("--cuda-graph-impl", default="none")
@@ -110,7 +111,12 @@ def test_with_slimpack_args_chains_another_provider():
     (("--calculate-per-token-loss", "--log-max-attention-logit"), "--log-max-attention-logit"),
     (("--calculate-per-token-loss", "--seq-length", "0"), "--seq-length must be a positive integer"),
     # Megatron features built for one fixed activation shape:
-    (("--calculate-per-token-loss", "--tp-comm-overlap"), "--tp-comm-overlap: .*remove --tp-comm-overlap"),
+    (("--calculate-per-token-loss", "--tp-comm-overlap"),
+     "--tp-comm-overlap: .*remove --tp-comm-overlap and use --slimpack-tp-overlap"),
+    (("--calculate-per-token-loss", "--slimpack-tp-overlap", "--tensor-model-parallel-size", "2",
+      "--transformer-impl", "local"), "--slimpack-tp-overlap hides .*add --sequence-parallel"),
+    (("--calculate-per-token-loss", "--slimpack-tp-overlap", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"), "not --transformer-impl transformer_engine's .*use --transformer-impl local"),
     (("--calculate-per-token-loss", "--enable-cuda-graph"), "--enable-cuda-graph: .*use --cuda-graph-impl none"),
     (("--calculate-per-token-loss", "--external-cuda-graph"), "--external-cuda-graph: .*use --cuda-graph-impl none"),
     (("--calculate-per-token-loss", "--cuda-graph-impl", "local"),
@@ -124,6 +130,15 @@ def test_validation_errors_name_the_flag(argv, message):
     args = parse("--slimpack", *argv)
     with pytest.raises(SlimPackArgumentError, match=message.replace("(", r"\(")):
         validate_slimpack_args(args)
+
+
+def test_the_tp_overlap_is_accepted_where_it_runs():
+    from megatron_slimpack.megatron import validate_slimpack_args
+
+    validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-tp-overlap",
+                                 "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--transformer-impl", "local"))
+    validate_slimpack_args(parse("--slimpack", "--calculate-per-token-loss", "--slimpack-tp-overlap"))  # tp 1: no-op
 
 
 def test_slimpack_flags_without_slimpack_are_reported():

@@ -133,18 +133,23 @@ def test_dry_run_prints_one_run_per_grid_cell_and_strategy(printed):
 
 def test_every_run_uses_the_overlaps_its_strategy_was_priced_with(printed):
     """The cluster runs hide the communication the simulator priced as hidden, and no more: TP
-    overlap for the fixed-shape baselines where tp > 1, never for the plugin's strategies."""
+    overlap where tp > 1: TE's userbuffers for the fixed-shape baselines, the SlimPack runtime's
+    rings (on megatron-core's local linears) for the plugin's strategies."""
     seen = set()
     for cell, strategy, layout in expected_runs():
         run = printed[f"{cell_name(cell)}.{strategy}"]
         if run["args"] is None:
             continue
         overlaps = strategy_specs()[strategy].overlaps
-        assert ("--tp-comm-overlap" in run["args"]) == (overlaps.tp_comm and layout["tp"] > 1), strategy
+        tp_overlap = overlaps.tp_comm and layout["tp"] > 1
+        assert ("--tp-comm-overlap" in run["args"]) == (tp_overlap and strategy in STOCK), strategy
+        assert ("--slimpack-tp-overlap" in run["args"]) == (tp_overlap and strategy not in STOCK), strategy
+        if "--slimpack-tp-overlap" in run["args"]:
+            assert "--sequence-parallel" in run["args"] and "--transformer-impl local" in " ".join(run["args"])
         assert ("--overlap-grad-reduce" in run["args"]) == overlaps.grad_reduce, strategy
         assert ("--overlap-param-gather" in run["args"]) == overlaps.param_gather, strategy
-        seen.add(("--tp-comm-overlap" in run["args"], strategy in STOCK))
-    assert (True, True) in seen and (False, False) in seen  # both kinds of run are in the grid
+        seen.add(("--tp-comm-overlap" in run["args"] or "--slimpack-tp-overlap" in run["args"], strategy in STOCK))
+    assert (True, True) in seen and (True, False) in seen  # both kinds of TP overlap are in the grid
 
 
 def test_both_launchers_give_the_same_megatron_arguments(printed):

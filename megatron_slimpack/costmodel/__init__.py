@@ -24,11 +24,11 @@ from .model import (
     read_kernel_profile,
     read_profile,
 )
-from .overlaps import FIXED_SHAPE, SERIAL, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
+from .overlaps import FIXED_SHAPE, SERIAL, SLIMPACK_RUNTIME, VARIABLE_SHAPE_RING_CP, Overlaps, overlaps_of
 
 __all__ = [
     "PROFILE_KEYS", "REGENERATE_PROFILE", "ActivationCoefficients", "Amount", "CostModel", "ProfileError",
     "TimeCoefficients", "analytic_activation", "format_bytes", "read_kernel_profile", "read_profile",
     "KERNEL_PROFILE_FORMAT", "AttentionRate", "GemmRate", "KernelRates", "PublishedTable", "fit_report", "kernel_rates",
-    "Overlaps", "SERIAL", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "overlaps_of",
+    "Overlaps", "SERIAL", "SLIMPACK_RUNTIME", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "overlaps_of",
 ]

@@ -5,8 +5,9 @@ The simulator prices every strategy with the same kernels and links; what differ
 runtime can overlap. Stock Megatron-LM with fixed-shape micro-batches can hide tensor-parallel
 collectives inside the GEMMs (`--tp-comm-overlap`, TE userbuffers, which need fixed shapes) and
 exchanges context-parallel K/V in a ring while attention computes. The SlimPack runtime runs
-variable MicroPack shapes, so it refuses `--tp-comm-overlap`, and gathers K/V before attention
-(blocking). Every strategy reduces gradients and gathers parameters as Megatron's
+variable MicroPack shapes, so it refuses `--tp-comm-overlap`; with `--slimpack-tp-overlap` it runs
+the same chunked ring with buffers sized per MicroPack (runtime/tp_overlap.py), and it gathers K/V
+before attention (blocking). Every strategy reduces gradients and gathers parameters as Megatron's
 `--overlap-grad-reduce` / `--overlap-param-gather` do.
 """
 from __future__ import annotations
@@ -25,12 +26,14 @@ class Overlaps:
     # layer waits for the busiest (`plan.sequence_sharded_pairs`). Megatron's THD path and the
     # SlimPack runtime shard per document; a peer's baseline may be priced as its authors ran it.
     cp_per_sequence: bool = False
+    # the flag that gives a run `tp_comm`: TE's userbuffers, or the SlimPack runtime's rings
+    tp_comm_flag: str = "--tp-comm-overlap"
 
     def flags(self) -> list[str]:
         """Megatron-LM flags that give a real run these overlaps."""
         flags = []
         if self.tp_comm:
-            flags.append("--tp-comm-overlap")
+            flags.append(self.tp_comm_flag)
         if self.grad_reduce:
             flags.append("--overlap-grad-reduce")
         if self.param_gather:
@@ -41,8 +44,11 @@ class Overlaps:
         return {**asdict(self), "flags": self.flags()}
 
 
-# What the SlimPack runtime and other variable-shape runs overlap: no TP collective, a blocking K/V gather.
+# What variable-shape runs overlap by default: no TP collective, a blocking K/V gather.
 SERIAL = Overlaps()
+# The SlimPack runtime with --slimpack-tp-overlap: TP collectives as rings behind the GEMMs next to
+# them, as userbuffers chunk them (priced alike), a blocking K/V gather.
+SLIMPACK_RUNTIME = Overlaps(tp_comm=True, tp_comm_flag="--slimpack-tp-overlap")
 # Stock Megatron-LM on fixed-length sequences with TE: userbuffer TP overlap, ring-attention CP.
 FIXED_SHAPE = Overlaps(tp_comm=True, cp_exchange=True)
 # Megatron-LM on variable-length THD micro-batches: no userbuffers, TE's ring attention for CP.
@@ -62,4 +68,4 @@ def overlaps_of(strategy: str | None) -> Overlaps:
     return _DECLARED.get(strategy or "", SERIAL)
 
 
-__all__ = ["Overlaps", "SERIAL", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "declare", "overlaps_of"]
+__all__ = ["Overlaps", "SERIAL", "SLIMPACK_RUNTIME", "FIXED_SHAPE", "VARIABLE_SHAPE_RING_CP", "declare", "overlaps_of"]

@@ -159,6 +159,7 @@ def validate_slimpack_args(args, version: Optional[tuple] = None) -> None:
     if getattr(args, "apply_rope_fusion", False):
         problems.append("--slimpack needs --no-rope-fusion: the fused THD RoPE restarts positions at 0 per slice")
     problems += _fixed_shape_problems(args)
+    problems += _tp_overlap_problems(args)
     problems += _recompute_problems(args)
     problems += _attention_option_problems(args)
     if (getattr(args, "micro_batch_size", 1) or 1) != 1:
@@ -283,7 +284,8 @@ def _fixed_shape_problems(args) -> list[str]:
     if getattr(args, "tp_comm_overlap", False):
         problems.append("--slimpack cannot be combined with --tp-comm-overlap: Transformer Engine's userbuffers are "
                         "allocated once for --seq-length x --micro-batch-size tokens and MicroPacks vary in size; "
-                        "remove --tp-comm-overlap (tensor parallelism still runs, without the overlap)")
+                        "remove --tp-comm-overlap and use --slimpack-tp-overlap (with --sequence-parallel and "
+                        "--transformer-impl local), which hides the same collectives for any MicroPack size")
     for flag in ("enable_cuda_graph", "external_cuda_graph"):
         if getattr(args, flag, False):
             problems.append(f"--slimpack cannot be combined with --{flag.replace('_', '-')}: a CUDA graph replays "
@@ -292,6 +294,22 @@ def _fixed_shape_problems(args) -> list[str]:
     if impl != "none":
         problems.append(f"--slimpack cannot be combined with --cuda-graph-impl {impl}: a CUDA graph replays fixed "
                         f"tensor shapes and every MicroPack has its own token count; {_GRAPH_FIX}")
+    return problems
+
+
+def _tp_overlap_problems(args) -> list[str]:
+    """--slimpack-tp-overlap swaps megatron-core's local sequence-parallel linears (runtime/tp_overlap.py)."""
+    if not getattr(args, "slimpack_tp_overlap", False) or (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+        return []
+    problems = []
+    if not getattr(args, "sequence_parallel", False):
+        problems.append("--slimpack-tp-overlap hides sequence parallelism's all-gathers and reduce-scatters: add "
+                        "--sequence-parallel, or remove --slimpack-tp-overlap")
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    if impl != "local":
+        problems.append(f"--slimpack-tp-overlap runs on megatron-core's local linears, not --transformer-impl {impl}'s "
+                        "(Transformer Engine's fuse the norm and overlap only one fixed shape): use "
+                        "--transformer-impl local, or remove --slimpack-tp-overlap")
     return problems
 
 

@@ -547,7 +547,9 @@ def slimpack_gpt_model(*args, **kwargs):
     if kwargs.get("mtp_block_spec") is not None:
         raise SlimPackArgumentError("--slimpack does not support --mtp-num-layers: remove the flag")
     _mark_used("GPTModel")
-    return SlimPackGPTModel(config, with_sliced_core_attention(spec, config=config), *args[2:], **kwargs)
+    tp_overlap = bool(getattr(_args(), "slimpack_tp_overlap", False))
+    return SlimPackGPTModel(config, with_sliced_core_attention(spec, config=config), *args[2:],
+                            tp_overlap=tp_overlap, **kwargs)
 
 
 __all__ = ["install", "uninstall", "is_installed", "installed_seams", "used_seams", "check_sliced_model",

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 from ..config import SlimPackConfig
-from ..costmodel import CostModel
+from ..costmodel import SLIMPACK_RUNTIME, CostModel
 from ..plan import Plan, PlanError, check_sources
 from ..simulator import SimulationError, busiest_device_s, simulate
 from ..specs import ParallelConfig
@@ -92,14 +92,14 @@ def no_slower_than_fixed_grouping(plan: Plan, lengths: list[int], parallel: Para
 INTERLEAVED = LayoutConstraints(vpp=None, reason="the SlimPack schedule runs any vpp dividing the layers per stage")
 
 
-@register("slimpack", role="method", trainable=True,
+@register("slimpack", overlaps=SLIMPACK_RUNTIME, role="method", trainable=True,
           description="SlimPack: cost-balanced slices, asymmetric units, DP-Merge",
           minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True, constraints=INTERLEAVED)
 def _slimpack(lengths, parallel, cost, config, *, sources=None):
     return plan_slimpack(lengths, parallel, cost, config, sources=sources)
 
 
-@register("slimpack-sym", role="ablation", trainable=True,
+@register("slimpack-sym", overlaps=SLIMPACK_RUNTIME, role="ablation", trainable=True,
           description="SlimPack with symmetric units (same grouping for forward and backward)",
           minimum_in_flight="merged-document", sizes_to_memory=True, cp_is_base_merge=True, constraints=INTERLEAVED)
 def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
@@ -109,7 +109,8 @@ def _slimpack_symmetric(lengths, parallel, cost, config, *, sources=None):
 # SlimPack's cp k is its base merge: every MicroPack shared by a DP-Merge group of k replicas
 # (planned as cp k, `plan_slimpack`; run with Megatron's --context-parallel-size 1, dp x k replicas
 # and --slimpack-base-merge k). Without DP-Merge there is no such group.
-@register("slimpack-nomerge", role="ablation", trainable=True, description="SlimPack without DP-Merge",
+@register("slimpack-nomerge", overlaps=SLIMPACK_RUNTIME, role="ablation", trainable=True,
+          description="SlimPack without DP-Merge",
           minimum_in_flight="document", sizes_to_memory=True,
           constraints=LayoutConstraints(
               cp=(1,), vpp=None, reason="slimpack-nomerge has no DP-Merge, so no base merge (SlimPack's cp) either"))

@@ -7,7 +7,7 @@ import random
 import numpy as np
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel
+from ...costmodel import SLIMPACK_RUNTIME, CostModel
 from ...plan import (
     MicroPack,
     Plan,
@@ -45,7 +45,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-@register("bfd", role="baseline", trainable=True, description="best-fit-decreasing token packing (TRL, NeMo)",
+@register("bfd", overlaps=SLIMPACK_RUNTIME, role="baseline", trainable=True,
+          description="best-fit-decreasing token packing (TRL, NeMo)",
           minimum_in_flight="document", constraints=INTERLEAVED, plans_by_shape=True)
 def plan_bfd(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources=None) -> Plan:
@@ -80,7 +81,7 @@ def pack_in_order(order: list[int], lengths: list[int], capacity: int) -> list[l
     return [order[start:end] for start, end in zip(bounds, bounds[1:])]
 
 
-@register("sorted", role="baseline", trainable=True, description="LongAlign sorted batching",
+@register("sorted", overlaps=SLIMPACK_RUNTIME, role="baseline", trainable=True, description="LongAlign sorted batching",
           minimum_in_flight="document", constraints=INTERLEAVED, plans_by_shape=True)
 def plan_sorted(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                 sources=None) -> Plan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from ...config import SlimPackConfig
-from ...costmodel import CostModel
+from ...costmodel import SLIMPACK_RUNTIME, CostModel
 from ...plan import (
     MicroPack,
     Plan,
@@ -43,7 +43,8 @@ def slice_sequence(sequence: tuple[Piece, ...], slice_tokens: int) -> list[Micro
     return micropacks
 
 
-@register("slimpipe", role="baseline", trainable=True, description="SlimPipe: uniform slices, slice-level 1F1B",
+@register("slimpipe", overlaps=SLIMPACK_RUNTIME, role="baseline", trainable=True,
+          description="SlimPipe: uniform slices, slice-level 1F1B",
           minimum_in_flight="half-document", splits_documents=True, renumbers_samples=True,
           plans_by_shape=True)
 def plan_slimpipe(lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...config import DEFAULT_WLB_DELAY_FRACTIONS, SlimPackConfig, delay_fractions
-from ...costmodel import CostModel
+from ...costmodel import SLIMPACK_RUNTIME, CostModel
 from ...plan import (
     Plan,
     PlanError,
@@ -69,7 +69,7 @@ _LENGTH, _SOURCE = operator.attrgetter("length"), operator.attrgetter("document"
 DELAY_CANDIDATES = ("0.5,0.25", "0.75,0.5", "0.75,0.375", "0.25,0.125", "0.5", "")
 
 
-@register_stateful("wlb-llm", role="baseline", trainable=True,
+@register_stateful("wlb-llm", overlaps=SLIMPACK_RUNTIME, role="baseline", trainable=True,
                    description="WLB-LLM: cost-balanced variable-length packing, outlier-delay queues",
                    minimum_in_flight="document", renumbers_samples=True, constraints=INTERLEAVED)
 class WlbLlmPlanner(StepPlanner):
