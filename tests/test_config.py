@@ -32,12 +32,13 @@ MEGATRON_FLAGS = {
     "--no-slimpack-fixed-grouping-floor", "--slimpack-base-merge", "--slimpack-cost-model",
     "--slimpack-hardware", "--slimpack-dump-plans", "--slimpack-planner-process", "--no-slimpack-planner-process",
     "--slimpack-allow-untested-megatron", "--no-slimpack-allow-untested-megatron", "--slimpack-planner-timeout",
-    "--slimpack-long-documents", "--slimpack-wlb-delay-fractions",
+    "--slimpack-long-documents", "--slimpack-wlb-delay-fractions", "--slimpack-tp-overlap",
+    "--no-slimpack-tp-overlap",
 }
 # Fields deliberately not flags, on each surface.
 NOT_MEGATRON_FLAGS = {"context_length", "seed", "merge_threshold", "solver_workers", "tunables"}
 NOT_CLI_OPTIONS = {"merge_threshold", "solver_workers", "tunables", "plan_ahead", "dump_plans", "planner_process",
-                   "allow_untested_megatron", "planner_timeout"}
+                   "allow_untested_megatron", "planner_timeout", "tp_overlap"}
 
 
 def megatron_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_slimpack.apps.cli import main as cli_main
-from megatron_slimpack.costmodel import FIXED_SHAPE, SERIAL, CostModel, fit_report
+from megatron_slimpack.costmodel import FIXED_SHAPE, SERIAL, SLIMPACK_RUNTIME, CostModel, fit_report
 from megatron_slimpack.costmodel.kernels import ATTENTION_TABLES, AttentionRate, GemmRate
 from megatron_slimpack.specs import ParallelConfig
 
@@ -227,13 +227,15 @@ def test_simulator_prices_each_strategy_with_its_declared_overlaps():
                     config=ms.SlimPackConfig(strategy="megatron-fixed", context_length=8192))
     with_overlap = ms.simulate(fixed, LLAMA).iteration_time_s
     # the same plan under a name that declares no overlaps is priced serially
-    serial = ms.simulate(dataclasses.replace(fixed, strategy="slimpack"), LLAMA).iteration_time_s
+    serial = ms.simulate(dataclasses.replace(fixed, strategy="hand-built"), LLAMA).iteration_time_s
     assert with_overlap < serial
-    # SlimPack's price does not change whatever overlaps the caller's model carries
+    # SlimPack's price is its runtime's (TP rings, K/V gathered), whatever overlaps the caller's model carries
     slim = ms.plan(lengths, parallel=parallel, cost=LLAMA,
                    config=ms.SlimPackConfig(strategy="slimpack", context_length=8192))
-    assert (ms.simulate(slim, LLAMA).iteration_time_s
-            == ms.simulate(slim, LLAMA.with_overlaps(FIXED_SHAPE)).iteration_time_s)
+    priced = ms.simulate(slim, LLAMA).iteration_time_s
+    assert priced == ms.simulate(slim, LLAMA.with_overlaps(FIXED_SHAPE)).iteration_time_s
+    assert priced == ms.simulate(slim, LLAMA, overlaps=SLIMPACK_RUNTIME).iteration_time_s
+    assert priced < ms.simulate(slim, LLAMA, overlaps=SERIAL).iteration_time_s
 
 
 def test_slimpack_cost_json(capsys):

