@@ -12,9 +12,11 @@ properties at once (CI time: a launch costs 10-60 s on 2 cores):
            (recomputing a sliced document's attention must not store its K/V twice), each step's
            last backward unit 3, 5, then 2 MicroPacks wide (Megatron's DDP counts gradient hooks
            per backward call and launches a bucket's reduce at the count it learned in step 1);
-  tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP),
-           full recompute of the first of the stage's four layers (--recompute-method block
-           --recompute-num-layers 1: the planner's block-1, a recomputed layer next to plain ones);
+  tp2-sp:  TP=2 --sequence-parallel (padded MicroPacks, norms' gradients summed across TP) with
+           --slimpack-tp-overlap (the layers' collectives as rings behind their GEMMs; the run
+           stops before its first step if a linear is not the ring's), full recompute of the
+           first of the stage's four layers (--recompute-method block --recompute-num-layers 1:
+           the planner's block-1, a recomputed layer next to plain ones);
   vpp2:    PP=2 x 2 virtual stages per rank (interleaved 1F1B), --recompute-modules core_attn mlp
            (the planner's selective-mlp mode: the MLP block re-run in backward as well);
   resume:  a run saved at iteration 2 and resumed gives the unbroken run's iteration 3;
@@ -54,7 +56,7 @@ LAYOUTS = {
                                     "--overlap-grad-reduce", "--recompute-granularity", "selective"],
                     env={"SLIMPACK_TEST_LAST_BACKWARD_UNITS": ",".join(map(str, LAST_UNITS))}),
     "tp2-sp": dict(nproc=2, extra=["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                   "--recompute-granularity", "full", "--recompute-method", "block",
+                                   "--slimpack-tp-overlap", "--recompute-granularity", "full", "--recompute-method", "block",
                                    "--recompute-num-layers", "1"]),
     "vpp2": dict(nproc=2, extra=["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
                                  "2", "--recompute-granularity", "selective", "--recompute-modules", "core_attn",

@@ -130,3 +130,24 @@ def test_the_overlap_needs_sequence_parallelism_and_local_linears(megatron_cpu):
         setattr(te_like.submodules.mlp.submodules, name, torch.nn.Identity)
     with pytest.raises(ValueError, match="--transformer-impl local"):
         sequence_parallel_spec(te_like, config, tp_overlap=True)
+
+
+def test_a_run_asking_for_the_overlap_stops_on_a_model_without_it(megatron_cpu):
+    """hooks.check_sliced_model's list: with --slimpack-tp-overlap under TP > 1, every layer linear
+    that would run megatron's blocking collectives is named (a release building its layers another
+    way would otherwise train slower than planned, silently)."""
+    from megatron_slimpack.megatron.hooks import sliced_model_problems
+    from megatron_slimpack.runtime.model import build_gpt_model, tiny_config
+
+    models = {}
+    for tp_overlap in (False, True):
+        config = tiny_config(num_layers=2)
+        config.sequence_parallel, config.tensor_model_parallel_size = True, 2  # one process: set after checks
+        models[tp_overlap] = build_gpt_model(config, vocab_size=64, max_sequence_length=64, backend="torch",
+                                             tp_overlap=tp_overlap)
+    assert sliced_model_problems([models[True]], tp_overlap=True) == []
+    assert sliced_model_problems([models[False]], tp_overlap=False) == []
+    problems = sliced_model_problems([models[False]], tp_overlap=True)
+    assert len(problems) == 2 * 4  # two layers, four linears each
+    assert problems[0] == ("chunk 0 decoder.layers.0.self_attention.linear_qkv is ColumnParallelLinear, not the "
+                           "TP overlap's OverlappedColumnParallelLinear")

@@ -60,6 +60,12 @@ class KernelGrid:
 QUICK_GRID = KernelGrid(gemm_sizes=(64, 128, 256), doc_lengths=(32, 64, 128), pack_tokens=256, heads=2, head_dim=32)
 
 
+def _significant(tflops: float) -> float:
+    """A measured rate to 4 significant digits (a CPU's rates are thousandths of a TFLOP/s: a fixed
+    number of decimals would round them to zero)."""
+    return float(f"{tflops:.4g}")
+
+
 def _describe(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'host'})"
     precision = str(dtype).removeprefix("torch.")
@@ -76,7 +82,7 @@ def measure_gemm(sizes, device: torch.device, dtype: torch.dtype, repeats: int) 
             torch.matmul(a, b)
 
         seconds = median_seconds(multiply, repeats, device)
-        rates.append(round(2.0 * n ** 3 / seconds / TERA, 4))
+        rates.append(_significant(2.0 * n ** 3 / seconds / TERA))
     return PublishedTable("gemm", "matmul", "forward", False, 0, tuple(sizes), tuple(rates),
                           _describe(device, dtype), note="square torch.matmul")
 
@@ -118,8 +124,8 @@ def measure_attention(backend: str, grid: KernelGrid, device: torch.device, dtyp
         forward_s = median_seconds(forward, repeats, device)
         # The backward alone: forward+backward less the forward, floored (noise on a tiny shape).
         backward_s = max(median_seconds(forward_backward, repeats, device) - forward_s, 1e-3 * forward_s)
-        forward_rates.append(round(flops / forward_s / TERA, 4))
-        backward_rates.append(round(2.5 * flops / backward_s / TERA, 4))
+        forward_rates.append(_significant(flops / forward_s / TERA))
+        backward_rates.append(_significant(2.5 * flops / backward_s / TERA))
     source = _describe(device, dtype)
     note = f"the runtime's {backend} kernel, {grid.heads} heads, {grid.pack_tokens} tokens per call"
     return (PublishedTable("attention", backend, "forward", True, grid.head_dim, grid.doc_lengths,

@@ -290,7 +290,8 @@ def check_sliced_model(chunks) -> None:
     once per model list, before its first step."""
     if _state is not None and id(chunks) in _state.checked_models:
         return
-    problems = sliced_model_problems(chunks)
+    tp_overlap = _state is not None and bool(getattr(_args(), "slimpack_tp_overlap", False))
+    problems = sliced_model_problems(chunks, tp_overlap=tp_overlap)
     if problems:
         version = ".".join(map(str, _state.version if _state else mcore_version()))
         raise SlimPackInstallError(
@@ -303,12 +304,15 @@ def check_sliced_model(chunks) -> None:
         _state.checked_models.add(id(chunks))
 
 
-def sliced_model_problems(chunks) -> list[str]:
-    """What in `chunks` is not SlimPack's model: one line per chunk or layer (empty: all sliced)."""
+def sliced_model_problems(chunks, *, tp_overlap: bool = False) -> list[str]:
+    """What in `chunks` is not SlimPack's model: one line per chunk or layer (empty: all sliced).
+    With `tp_overlap` (--slimpack-tp-overlap) under TP > 1, also every layer linear that does not
+    run its collectives as rings (runtime/tp_overlap.py)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from ..runtime.attention.core import SlicedAttentionMixin
     from ..runtime.model import SlimPackGPTModel
+    from ..runtime.tp_overlap import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
 
     problems = []
     for index, chunk in enumerate(chunks):
@@ -323,7 +327,19 @@ def sliced_model_problems(chunks) -> list[str]:
             core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
             if not isinstance(core, SlicedAttentionMixin):
                 problems.append(f"chunk {index} {name}.self_attention.core_attention is {type(core).__name__}")
+            if tp_overlap and inner.config.tensor_model_parallel_size > 1:
+                for part, linear_name, kind in _LAYER_LINEARS:
+                    linear = getattr(getattr(getattr(layer, part, None), linear_name, None), "__class__", None)
+                    wanted = OverlappedColumnParallelLinear if kind == "column" else OverlappedRowParallelLinear
+                    if linear is not wanted:
+                        problems.append(f"chunk {index} {name}.{part}.{linear_name} is "
+                                        f"{getattr(linear, '__name__', None)}, not the TP overlap's {wanted.__name__}")
     return problems
+
+
+# The linears of a layer whose collectives --slimpack-tp-overlap runs as rings.
+_LAYER_LINEARS = (("self_attention", "linear_qkv", "column"), ("self_attention", "linear_proj", "row"),
+                  ("mlp", "linear_fc1", "column"), ("mlp", "linear_fc2", "row"))
 
 
 # ---- seam 2: the train data iterator -------------------------------------------------------
