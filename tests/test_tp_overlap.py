@@ -1,5 +1,9 @@
 """The ring-overlapped TP linears (runtime/tp_overlap.py) give megatron-core's sequence-parallel
 linears' outputs and gradients, on gloo with several processes; the spec swap and its refusals."""
+import copy
+import dataclasses
+import functools
+
 import pytest
 import torch
 
@@ -87,6 +91,10 @@ def test_overlapped_linears_are_megatrons_sequence_parallel_linears(world_size):
     run_multiprocess(linears_worker, world_size, timeout_s=120)
 
 
+def _mlp_of(*args, **kwargs):
+    """Stands in for megatron-core 0.18+'s `MLP.as_mlp_submodule` in a spec."""
+
+
 def test_the_spec_swaps_local_linears_only_when_asked(megatron_cpu):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -111,6 +119,15 @@ def test_the_spec_swaps_local_linears_only_when_asked(megatron_cpu):
     assert linears(overlapped) == 2 * [(OverlappedColumnParallelLinear, OverlappedRowParallelLinear,
                                         OverlappedColumnParallelLinear, OverlappedRowParallelLinear)]
     assert linears(sequence_parallel_spec(spec, config)) == linears(plain)  # the given spec is not changed
+    # megatron-core 0.18+ gives the MLP as a partial of MLP.as_mlp_submodule with its submodules
+    mlp = spec.submodules.mlp
+    as_partial = copy.copy(spec)
+    as_partial.submodules = dataclasses.replace(spec.submodules, mlp=functools.partial(
+        _mlp_of, submodules=mlp.submodules))
+    swapped = sequence_parallel_spec(as_partial, config, tp_overlap=True).layer_specs[0].submodules.mlp
+    assert swapped.func is _mlp_of and swapped.keywords["submodules"].linear_fc1 is OverlappedColumnParallelLinear
+    assert swapped.keywords["submodules"].linear_fc2 is OverlappedRowParallelLinear
+    assert as_partial.submodules.mlp.keywords["submodules"].linear_fc1 is ColumnParallelLinear  # not changed
 
 
 def test_the_overlap_needs_sequence_parallelism_and_local_linears(megatron_cpu):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 
@@ -50,21 +51,35 @@ def _torch_norm_swap(module):
 def _swap_submodules(spec, swap):
     """A copy of a ModuleSpec whose submodules, at any depth (the layer's norms and linears, an
     attention's q/k norms), are replaced by `swap(module)` where that is not None; `spec` itself
-    if none is."""
+    if none is. megatron-core 0.18+ builds the MLP as `functools.partial(MLP.as_mlp_submodule,
+    submodules=...)`: such a partial is copied with its submodules swapped too."""
+    if isinstance(spec, functools.partial):
+        submodules = spec.keywords.get("submodules")
+        swapped = _swap_fields(submodules, swap)
+        if swapped is submodules:
+            return spec
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": swapped})
     submodules = getattr(spec, "submodules", None)
-    if submodules is None or not dataclasses.is_dataclass(submodules):
+    swapped = _swap_fields(submodules, swap)
+    if swapped is submodules:
         return spec
+    spec = copy.copy(spec)
+    spec.submodules = swapped
+    return spec
+
+
+def _swap_fields(submodules, swap):
+    """A copy of a submodules dataclass with `_swap_submodules` applied to each field; itself
+    where nothing changes (or it is not a dataclass)."""
+    if submodules is None or not dataclasses.is_dataclass(submodules):
+        return submodules
     swaps = {}
     for field in dataclasses.fields(submodules):
         old = getattr(submodules, field.name)
         new = swap(old) or _swap_submodules(old, swap)
         if new is not old:
             swaps[field.name] = new
-    if not swaps:
-        return spec
-    spec = copy.copy(spec)
-    spec.submodules = dataclasses.replace(submodules, **swaps)
-    return spec
+    return dataclasses.replace(submodules, **swaps) if swaps else submodules
 
 
 def sequence_parallel_spec(spec, config, *, vp_stage=None, pp_rank=None, tp_overlap: bool = False):
