@@ -54,7 +54,8 @@ def _stack(config, layers: int, overlapped: bool):
     torch.manual_seed(0)
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
     return [(column(hidden, ffn, config=config, init_method=init.normal_, bias=False, gather_output=False),
-             row(ffn, hidden, config=config, init_method=init.normal_, bias=False, input_is_parallel=True))
+             row(ffn, hidden, config=config, init_method=init.normal_, bias=False, input_is_parallel=True,
+                 skip_bias_add=False))
             for _ in range(layers)]
 
 
