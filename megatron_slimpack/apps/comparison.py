@@ -425,15 +425,15 @@ def why_slower(result: ComparisonResult, cost: CostModel, strategy: str = "slimp
         theirs = result.results[name]
         if theirs.mean_iteration_time_s >= mine.mean_iteration_time_s or not theirs.plans:
             continue
-        serial = sum(simulate(plan, cost, detail=False, overlaps=own_overlaps).iteration_time_s
+        repriced = sum(simulate(plan, cost, detail=False, overlaps=own_overlaps).iteration_time_s
                      for plan in theirs.plans) / theirs.best.num_batches
         pairs = sum(_attention_pairs(plan) for plan in theirs.plans) / sum(_attention_pairs(p) for p in mine.plans)
         because = []
         if strategy_spec(name).overlaps != own_overlaps:
-            outcome = ("slower: it wins by the communication its runtime hides" if serial >= mine.mean_iteration_time_s
-                       else "still faster")
+            outcome = ("slower: it wins by the communication its runtime hides"
+                       if repriced >= mine.mean_iteration_time_s else "still faster")
             because.append(f"priced with {strategy}'s overlaps ({_overlap_words(strategy)}) its plans take "
-                           f"{serial:.3f} s, {outcome}")
+                           f"{repriced:.3f} s, {outcome}")
         if pairs < 0.995:
             because.append(f"it computes {pairs:.1%} of {strategy}'s attention pairs ({objective(name)})")
         lines.append(f"{strategy} is slower than {name} ({mine.mean_iteration_time_s:.3f} s vs "

@@ -37,7 +37,7 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=positive_int, default=1, help="context parallel size")
     parser.add_argument("--recompute", default="none", type=recompute_mode, metavar="MODE", help=RECOMPUTE_HELP)
     parser.add_argument("--strategy", default="slimpack",
-                        help="whose overlaps price the communication (default slimpack: serial TP, blocking CP)")
+                        help="whose overlaps price the communication (default slimpack: TP rings, blocking CP)")
     parser.add_argument("--json", action="store_true", help="the figures as one JSON document")
 
 

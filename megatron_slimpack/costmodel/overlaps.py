@@ -64,7 +64,8 @@ def declare(strategy: str, overlaps: Overlaps) -> None:
 
 
 def overlaps_of(strategy: str | None) -> Overlaps:
-    """The overlaps a strategy declared; a name that declared none runs serial (the SlimPack runtime's)."""
+    """The overlaps a strategy declared; a name that declared none runs serial (the SlimPack runtime
+    without --slimpack-tp-overlap)."""
     return _DECLARED.get(strategy or "", SERIAL)
 
 
