@@ -42,6 +42,7 @@ def _check(plain, overlapped, x, *, fused: bool):
             if output_bias is not None:
                 output = output + output_bias
             grad = torch.randn(output.shape, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+            grad = grad.to(output.dtype)
             output.backward(grad)
             weight_grad = module.weight.main_grad.clone() if module is overlapped and fused else module.weight.grad
             runs.append((output.detach(), inputs.grad, weight_grad,
@@ -49,11 +50,15 @@ def _check(plain, overlapped, x, *, fused: bool):
     finally:
         Ring.pass_on = pass_on
     assert calls, "the overlapped linear ran megatron's path, not the ring"
-    for got, expected in zip(runs[1], runs[0]):
-        if expected is None:
+    (output, input_grad, weight_grad, bias_grad), expected = runs[1], runs[0]
+    # the weight gradient is megatron's own GEMM over the same gathered rows: the same bits
+    assert torch.equal(weight_grad, expected[2])
+    tolerance = dict(rtol=1e-5, atol=1e-6) if x.dtype == torch.float32 else {}  # bf16: sums in another order
+    for got, wanted in zip((output, input_grad, bias_grad), (expected[0], expected[1], expected[3])):
+        if wanted is None:
             assert got is None
         else:
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, wanted, **tolerance)
     if fused:
         assert overlapped.weight.grad_added_to_main_grad
 
@@ -68,26 +73,28 @@ def linears_worker(rank, world_size, port):
     config = tiny_config(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=world_size,
                          sequence_parallel=True)
     generator = torch.Generator().manual_seed(100 + rank)
-    for bias, skip_bias_add, fused in [(False, False, False), (True, False, False), (True, True, False),
-                                       (False, False, True)]:
-        column = _pair("column", config, OverlappedColumnParallelLinear, ColumnParallelLinear,
-                       bias=bias, skip_bias_add=skip_bias_add)
-        row = _pair("row", config, OverlappedRowParallelLinear, RowParallelLinear, bias=bias,
-                    skip_bias_add=skip_bias_add)
+    for bias, skip_bias_add, fused, dtype in [(False, False, False, torch.float32), (True, False, False, torch.float32),
+                                              (True, True, False, torch.float32), (False, False, True, torch.float32),
+                                              (True, False, False, torch.bfloat16)]:
+        column, row = (tuple(module.to(dtype) for module in _pair(kind, config, overlapped, plain, bias=bias,
+                                                                  skip_bias_add=skip_bias_add))
+                       for kind, overlapped, plain in [("column", OverlappedColumnParallelLinear, ColumnParallelLinear),
+                                                       ("row", OverlappedRowParallelLinear, RowParallelLinear)])
         for (plain, overlapped), rows, width in [(column, ROWS_PER_RANK, 12),
                                                  (row, ROWS_PER_RANK * world_size, 6)]:
             if fused:  # megatron's DDP gives every weight a main_grad; fusion accumulates into it
                 overlapped.gradient_accumulation_fusion = True
                 overlapped.weight.main_grad = torch.zeros_like(overlapped.weight)
                 overlapped.weight.grad_added_to_main_grad = False
-            _check(plain, overlapped, torch.randn(rows, 1, width, generator=generator), fused=fused)
+            _check(plain, overlapped, torch.randn(rows, 1, width, generator=generator).to(dtype), fused=fused)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_overlapped_linears_are_megatrons_sequence_parallel_linears(world_size):
     """Outputs, input, weight and bias gradients equal megatron's collective-then-GEMM linears
-    (bias added or returned, gradient-accumulation fusion into main_grad), with the ring in use."""
+    (bias added or returned, gradient-accumulation fusion into main_grad, fp32 and bf16), the
+    weight gradients bit for bit, with the ring in use."""
     run_multiprocess(linears_worker, world_size, timeout_s=120)
 
 

@@ -18,8 +18,9 @@ pads to) works:
 - GEMM + reduce-scatter (`_MatmulScatter`, row-parallel forward; column-parallel backward): the
   partial sum of chunk c starts on rank c+1 and travels the ring, each rank adding its own
   partial (computed while the previous sum travels), and ends, complete, on rank c.
-- weight gradients are summed chunk by chunk as the gathered chunks arrive, so the backward keeps
-  only each rank's own input shard, as megatron's sequence-parallel linear does.
+- the column-parallel backward regathers the input shards beside the gradient's ring (the forward
+  keeps only each rank's own shard, as megatron's sequence-parallel linear does), and each weight
+  gradient is one GEMM over the gathered rows, as megatron's.
 
 The results are the collective-then-GEMM results up to floating-point summation order.
 `overlapped_linear_spec(spec)` swaps megatron-core's `ColumnParallelLinear`/`RowParallelLinear`
@@ -85,22 +86,32 @@ def _gather_multiply(shard: torch.Tensor, ring: Ring, multiply) -> None:
     multiply((ring.rank + 1) % ring.size, current)
 
 
-def _multiply_scatter(ring: Ring, partial) -> torch.Tensor:
+def _multiply_scatter(ring: Ring, partial, carried: torch.Tensor | None = None, receive=None) -> torch.Tensor:
     """The sum over ranks of `partial(index)` for this rank's chunk index: each chunk's running
-    sum travels the ring, every rank adding its partial, computed while the previous sum travels."""
+    sum travels the ring, every rank adding its partial, computed while the previous sum travels.
+    With `carried`, every rank's `carried` shard travels the ring beside the sums, and
+    `receive(index, shard)` is called on each (this rank's first)."""
     running = partial((ring.rank - 1) % ring.size)
+    if carried is not None:
+        receive(ring.rank, carried)
     for step in range(1, ring.size):
-        (incoming,), requests = ring.pass_on([running])
+        incoming, requests = ring.pass_on([running] if carried is None else [running, carried])
         own = partial((ring.rank - 1 - step) % ring.size)  # while `running` travels
         _wait(requests)
-        running = own + incoming
+        running = own + incoming[0]
+        if carried is not None:
+            carried = incoming[1]
+            receive((ring.rank - step) % ring.size, carried)
     return running
 
 
-def _accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, fused: bool):
-    """The gradient to return for `weight`: `grad`, or, with gradient-accumulation fusion,
-    `grad` added to `weight.main_grad` and megatron's placeholder returned (its DDP then skips the
-    weight's own accumulation, as after megatron's fused wgrad kernel)."""
+def _weight_grad(grad_output: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, fused: bool):
+    """The gradient to return for `weight`, one GEMM over the whole gathered rows as megatron's
+    (a sum of per-chunk GEMMs would round each partial to the weight's dtype: bf16). With
+    gradient-accumulation fusion it is added to `weight.main_grad` and megatron's placeholder is
+    returned (its DDP then skips the weight's own accumulation, as after megatron's fused wgrad
+    kernel; the GEMM itself runs in the weight's dtype, as megatron's unfused path)."""
+    grad = _flat(grad_output).t().matmul(_flat(inputs))
     if not (fused and hasattr(weight, "main_grad")):
         return grad
     weight.main_grad.add_(grad)
@@ -131,12 +142,12 @@ class _GatherMatmul(torch.autograd.Function):
         shard, weight = ctx.saved_tensors
         ring, chunk = ctx.ring, shard.shape[0]
         grad_output = grad_output.contiguous()
-        grad_shard = _multiply_scatter(ring, lambda index: torch.matmul(_rows(grad_output, chunk, index), weight))
-        grad_weight = torch.zeros_like(weight)
-        _gather_multiply(shard, ring, lambda index, rows: grad_weight.addmm_(
-            _flat(_rows(grad_output, chunk, index)).t(), _flat(rows)))
+        # the input shards travel with the input gradient's partial sums: regathered, not saved whole
+        full = shard.new_empty((chunk * ring.size, *shard.shape[1:]))
+        grad_shard = _multiply_scatter(ring, lambda index: torch.matmul(_rows(grad_output, chunk, index), weight),
+                                       shard.contiguous(), lambda index, rows: _rows(full, chunk, index).copy_(rows))
         grad_bias = _flat(grad_output).sum(dim=0) if ctx.has_bias else None
-        return grad_shard, _accumulate_weight_grad(weight, grad_weight, ctx.fused), grad_bias, None, None
+        return grad_shard, _weight_grad(grad_output, full, weight, ctx.fused), grad_bias, None, None
 
 
 class _MatmulScatter(torch.autograd.Function):
@@ -154,14 +165,14 @@ class _MatmulScatter(torch.autograd.Function):
         full, weight = ctx.saved_tensors
         ring, chunk = ctx.ring, grad_shard.shape[0]
         grad_full = torch.empty_like(full)
-        grad_weight = torch.zeros_like(weight)
+        grad_output = grad_shard.new_empty((chunk * ring.size, *grad_shard.shape[1:]))
 
         def multiply(index, grad_rows):
             torch.matmul(grad_rows, weight, out=_rows(grad_full, chunk, index))
-            grad_weight.addmm_(_flat(grad_rows).t(), _flat(_rows(full, chunk, index)))
+            _rows(grad_output, chunk, index).copy_(grad_rows)
 
         _gather_multiply(grad_shard, ring, multiply)
-        return grad_full, _accumulate_weight_grad(weight, grad_weight, ctx.fused), None, None
+        return grad_full, _weight_grad(grad_output, full, weight, ctx.fused), None, None
 
 
 def _ring_applies(linear, weight: torch.Tensor) -> bool:
