@@ -22,10 +22,11 @@ pads to) works:
   keeps only each rank's own shard, as megatron's sequence-parallel linear does), and each weight
   gradient is one GEMM over the gathered rows, as megatron's.
 
-The results are the collective-then-GEMM results up to floating-point summation order.
-`overlapped_linear_spec(spec)` swaps megatron-core's `ColumnParallelLinear`/`RowParallelLinear`
-for the classes below in a layer spec (`--slimpack-tp-overlap`, local spec); every other case
-(no sequence parallelism, TP 1, frozen weights, deferred embedding wgrad) runs megatron's own path.
+The outputs and input gradients are the collective-then-GEMM ones up to floating-point summation
+order; the weight gradients are the same bits. `norm.sequence_parallel_spec(..., tp_overlap=True)`
+swaps megatron-core's `ColumnParallelLinear`/`RowParallelLinear` for the classes below in a layer
+spec (`overlapped_linear`; `--slimpack-tp-overlap`, local spec); every other case (no sequence
+parallelism, TP 1, frozen weights, deferred embedding wgrad) runs megatron's own path.
 """
 from __future__ import annotations
 
