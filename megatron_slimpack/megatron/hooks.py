@@ -329,11 +329,11 @@ def sliced_model_problems(chunks, *, tp_overlap: bool = False) -> list[str]:
                 problems.append(f"chunk {index} {name}.self_attention.core_attention is {type(core).__name__}")
             if tp_overlap and inner.config.tensor_model_parallel_size > 1:
                 for part, linear_name, kind in _LAYER_LINEARS:
-                    linear = getattr(getattr(getattr(layer, part, None), linear_name, None), "__class__", None)
+                    linear = type(getattr(getattr(layer, part, None), linear_name, None))
                     wanted = OverlappedColumnParallelLinear if kind == "column" else OverlappedRowParallelLinear
                     if linear is not wanted:
-                        problems.append(f"chunk {index} {name}.{part}.{linear_name} is "
-                                        f"{getattr(linear, '__name__', None)}, not the TP overlap's {wanted.__name__}")
+                        problems.append(f"chunk {index} {name}.{part}.{linear_name} is {linear.__name__}, not the "
+                                        f"TP overlap's {wanted.__name__}")
     return problems
 
 

@@ -30,6 +30,7 @@ parallelism, TP 1, frozen weights, deferred embedding wgrad) runs megatron's own
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ class Ring:
     previous: int
 
     @classmethod
+    @functools.lru_cache(maxsize=None)
     def of(cls, group: dist.ProcessGroup) -> "Ring":
+        """The ring of `group`, built once per group (every layer's every call asks for it)."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         return cls(group, rank, size, dist.get_global_rank(group, (rank + 1) % size),
                    dist.get_global_rank(group, (rank - 1) % size))
@@ -177,7 +180,7 @@ class _MatmulScatter(torch.autograd.Function):
 
 
 def _ring_applies(linear, weight: torch.Tensor) -> bool:
-    return (linear.sequence_parallel and linear.tp_group is not None and dist.get_world_size(linear.tp_group) > 1
+    return (linear.sequence_parallel and linear.tp_group is not None and Ring.of(linear.tp_group).size > 1
             and weight.requires_grad and not getattr(linear, "explicit_expert_comm", False))
 
 
