@@ -368,7 +368,8 @@ def test_slimpack_screens_one_block_mode_a_shape_where_its_bound_says_the_memory
     most one block-N a shape, the N of the lowest bound, where that is below every other mode's of
     the shape (llama-7b 32K, 8 GPUs of 50 GB: memory caps the packs and the pipelined and tp2
     shapes gain from recompute). Checked against every block-N's bound; a shape gets none where no
-    block-N's bound is below its modes'; the search screens what was added."""
+    block-N's bound is below its modes'; the search screens what was added, and counts it among
+    its candidates."""
     from dataclasses import replace
 
     from megatron_slimpack.planner import layouts
@@ -400,9 +401,14 @@ def test_slimpack_screens_one_block_mode_a_shape_where_its_bound_says_the_memory
         lowest = min(better.values())
         assert added[shape] == min((p for p in better if better[p] == lowest),
                                    key=lambda p: specs.block_recompute_layers(p.recompute))
-    result = best_layout("slimpack", [lengths], cost, 8, context, FAST, finalists=1)
+    events = []
+    result = best_layout("slimpack", [lengths], cost, 8, context, FAST, finalists=1, progress=events.append)
     decided = {parallel for parallel, _ in result.screened} | {r.parallel for r in result.rejected}
     assert set(added.values()) <= decided
+    # The added modes are candidates too: the progress never screens more layouts than it counts.
+    enumerated = len(enumerate_layouts(cost, 8, "slimpack"))
+    assert result.candidates == enumerated + len(added)
+    assert all(e.total <= e.candidates == result.candidates for e in events if e.phase == "screening")
 
 
 def test_plans_of_layouts_out_of_the_running_are_shelved_and_change_nothing(monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,12 +11,17 @@ from hypothesis import strategies as st
 
 import megatron_slimpack as ms
 from megatron_slimpack.config import PlannerTunables
+from megatron_slimpack.costmodel import SERIAL, SLIMPACK_RUNTIME
 from megatron_slimpack.plan import MicroPack, Plan, PlanError, ReplicaPlan, Sample, Slice, backward_sequence, samples_of
+from megatron_slimpack.planner.baselines import wlb_llm
 from megatron_slimpack.planner.orders import StageWork, build_stage_orders, replay, segment
 from megatron_slimpack.planner.slimpack import dp_phase
+from megatron_slimpack.planner.strategies import new_planner, plan_slimpack, strategy_spec
 from megatron_slimpack.specs import ParallelConfig, SpecError
+from megatron_slimpack.workload import GlobalBatchSampler, load_lengths
 
 COST = ms.CostModel.analytic("llama-7b", "h100-sxm")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def make_plan(lengths, dp=2, pp=2, tp=8, context=65536, strategy="slimpack", **config):
@@ -1118,3 +1124,34 @@ def test_a_batch_keeps_its_samples_and_whole_slices_until_another_comes():
     sources = default_sources(2)
     sources.clear()
     assert default_sources(2) == [(0, 0), (1, 0)] and default_sources(3)[2] == (2, 0)
+
+
+def test_a_strategy_plans_with_the_cost_its_run_is_priced_at():
+    """The communication a strategy's run hides (its `overlaps`) is not what its planner trades
+    against compute: SlimPack's TP collectives run as rings, so its packing balances the priced
+    cost, and the plan differs from one balanced against serial communication."""
+    assert strategy_spec("slimpack").new_planner().overlaps == SLIMPACK_RUNTIME
+    wikipedia = load_lengths(f"file:{SHARED_DATA / 'wikipedia_lengths.txt'}")
+    lengths = GlobalBatchSampler(wikipedia, 65536, 64, seed=0, long_documents="split").next_batch().lengths
+    parallel = ParallelConfig(dp=4, pp=4, tp=8)
+    config = ms.SlimPackConfig(strategy="slimpack-nomerge", context_length=65536, solver_time_limit_s=120.0,
+                               solver_deterministic_limit=0.5)
+    planned = ms.plan(lengths, parallel=parallel, cost=COST, config=config)
+    priced = plan_slimpack(lengths, parallel, COST.with_overlaps(SLIMPACK_RUNTIME), config, dp_merge=False)
+    serial = plan_slimpack(lengths, parallel, COST.with_overlaps(SERIAL), config, dp_merge=False)
+    assert planned.fingerprint() == priced.fingerprint() != serial.fingerprint()
+
+
+def test_a_stateful_planner_prices_the_cost_in_every_method(monkeypatch):
+    """WLB-LLM keeps queues across batches; its plan, advance and flush each balance the cost
+    priced with its strategy's overlaps."""
+    seen = []
+    original = wlb_llm.WorkRates.from_cost
+    monkeypatch.setattr(wlb_llm.WorkRates, "from_cost",
+                        lambda cost, *args: seen.append(cost.overlaps) or original(cost, *args))
+    planner, parallel = new_planner("wlb-llm"), ParallelConfig(dp=2, tp=8)
+    config = ms.SlimPackConfig(strategy="wlb-llm", context_length=100, wlb_delay_fractions="0.5,0.25")
+    planner.advance([60, 30, 30, 30, 20], parallel, COST, config)  # 60 and a 30 wait in the queues
+    planner.plan([70, 10, 10], parallel, COST, config)  # 70 releases the 60; the 30 still waits
+    assert planner.flush(parallel, COST, config) is not None
+    assert len(seen) >= 3 and set(seen) == {SLIMPACK_RUNTIME}

@@ -864,7 +864,10 @@ def best_layout(
             continue
         screened.append(_Run(parallel, config, shape_plans=shape_plans))
     if spec.sizes_to_memory and layouts is None:
-        screened += _block_modes_that_may_pay(spec, screened, first_lengths, cost, context_length)
+        # Block-N modes are not enumerated: one a shape is added where it may pay, a candidate too.
+        added = _block_modes_that_may_pay(spec, screened, first_lengths, cost, context_length)
+        screened += added
+        candidates = candidates + [run.parallel for run in added]
     ticker = _Ticker(progress, spec.name, started, len(candidates))
     ticker.start("screening", len(screened))
     if spec.stateful:

@@ -47,17 +47,28 @@ class StepPlanner:
 
     Every planner can be brought to its state after N batches without planning them (`advance`,
     e.g. when a training run resumes at step N) and saves/restores that state as JSON-able
-    `state_dict()` / `load_state_dict()` (empty for stateless strategies)."""
+    `state_dict()` / `load_state_dict()` (empty for stateless strategies).
+
+    A planner plans with the cost its strategy's run is priced at (`overlaps`, set from the
+    strategy's `StrategySpec.overlaps` by `new_planner`): the communication its run hides is not
+    what its balancing trades against compute, as the simulator will not charge it either. A
+    stateful subclass prices the cost it is given with `priced` in each of its methods."""
+
+    overlaps: Overlaps = SERIAL
 
     def __init__(self, function: Strategy | None = None):
         self.function = function
+
+    def priced(self, cost: CostModel) -> CostModel:
+        """`cost` pricing communication as this strategy's run does."""
+        return cost.with_overlaps(self.overlaps)
 
     def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources: Sources = None) -> Plan:
         """The plan of one global batch; `sources[i]` = (document, offset) of `lengths[i]` (default
         (i, 0)), recorded for every sample of the plan in `Plan.sample_sources`."""
         assert self.function is not None
-        return self.function(lengths, parallel, cost, config, sources=sources)
+        return self.function(lengths, parallel, self.priced(cost), config, sources=sources)
 
     def advance(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
                 sources: Sources = None) -> None:
@@ -187,7 +198,9 @@ class StrategySpec:
                              "so it cannot plan by shape")
 
     def new_planner(self) -> StepPlanner:
-        return self.factory()
+        planner = self.factory()
+        planner.overlaps = self.overlaps
+        return planner
 
 
 # name -> spec, in registration order. Complete only once every registering module is imported:

@@ -167,6 +167,7 @@ class WlbLlmPlanner(StepPlanner):
     # ---- planning ------------------------------------------------------------------------
     def plan(self, lengths: list[int], parallel: ParallelConfig, cost: CostModel, config: SlimPackConfig, *,
              sources=None) -> Plan:
+        cost = self.priced(cost)
         micro_batches, per_replica, rates, metadata = self._pack_step(lengths, parallel, cost, config, sources)
         if micro_batches is None:
             return self._plan_pending(parallel, cost, config, rates, metadata)
@@ -176,7 +177,7 @@ class WlbLlmPlanner(StepPlanner):
                 sources=None) -> None:
         """The state after planning this batch (queues, carried documents, step), without the plan:
         the packing decides what is carried over, the plan's assembly and schedule are skipped."""
-        micro_batches, _, _, _ = self._pack_step(lengths, parallel, cost, config, sources)
+        micro_batches, _, _, _ = self._pack_step(lengths, parallel, self.priced(cost), config, sources)
         if micro_batches is None:
             self._take_pending()
         self.step += 1
@@ -185,6 +186,7 @@ class WlbLlmPlanner(StepPlanner):
         """Plan every pending document as one last step (None when nothing is pending)."""
         if not self.pending:
             return None
+        cost = self.priced(cost)
         rates = WorkRates.from_cost(cost, parallel, config.context_length)
         return self._plan_pending(parallel, cost, config, rates, {"flush": True})
 
