@@ -1155,3 +1155,4 @@ def test_a_stateful_planner_prices_the_cost_in_every_method(monkeypatch):
     planner.plan([70, 10, 10], parallel, COST, config)  # 70 releases the 60; the 30 still waits
     assert planner.flush(parallel, COST, config) is not None
     assert len(seen) >= 3 and set(seen) == {SLIMPACK_RUNTIME}
+    assert wlb_llm.WlbLlmPlanner().overlaps == SLIMPACK_RUNTIME  # made directly, as the delay tuning does

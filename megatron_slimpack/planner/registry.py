@@ -235,6 +235,7 @@ def register_stateful(name: str, *, role: str, trainable: bool, description: str
             raise TypeError(f"register_stateful({name!r}) needs a StepPlanner subclass, got {cls!r}")
         _add(StrategySpec(name, cls, stateful=True, trainable=trainable, role=role, description=description,
                           **facts))
+        cls.overlaps = REGISTRY[name].overlaps  # an instance made from the class directly prices as its runs
         return cls
 
     return wrap
