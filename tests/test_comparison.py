@@ -258,7 +258,8 @@ def _single_layout_result(name: str, plan) -> "comparison.LayoutResult":
 
 def test_a_competitor_faster_than_slimpack_is_explained_by_its_overlaps_and_attention_pairs():
     """Where megatron-fixed is faster, the notes say what its plans cost with SlimPack's overlaps
-    (re-priced here by hand) and what share of SlimPack's attention pairs it computes."""
+    (re-priced here by hand), what share of SlimPack's attention pairs it computes, and how much of
+    SlimPack's own step is idle."""
     from megatron_slimpack.costmodel.overlaps import overlaps_of
     from megatron_slimpack.planner.strategies import new_planner
 
@@ -279,6 +280,9 @@ def test_a_competitor_faster_than_slimpack_is_explained_by_its_overlaps_and_atte
     pairs = (sum(m.attention_pairs for r in fixed.replicas for m in r.micropacks)
              / sum(m.attention_pairs for r in mine.replicas for m in r.micropacks))
     assert f"it computes {pairs:.1%} of slimpack's attention pairs" in lines[0]
+    own = simulate(mine, COST, detail=False)
+    assert lines[0].endswith(f"slimpack's devices idle {own.bubble_ratio:.1%} of its step (pipeline bubbles and "
+                             f"waits; its busiest rank computes {own.dp_imbalance - 1:.1%} more than the mean)")
     result.explanations = lines
     assert lines[0] in result.notes() and result.to_dict()["explanations"] == lines
 

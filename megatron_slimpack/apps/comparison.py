@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -414,12 +415,17 @@ def run_comparison(
 def why_slower(result: ComparisonResult, cost: CostModel, strategy: str = "slimpack") -> list[str]:
     """One line per competitor faster than `strategy`, saying where its time goes: the same plans
     priced with `strategy`'s overlaps (what its runtime hides that `strategy`'s cannot) and the
-    attention pairs each trains per step (documents cut at sequence boundaries lose their prefix).
+    attention pairs each trains per step (documents cut at sequence boundaries lose their prefix);
+    then where `strategy`'s own step goes idle (what its plans lose to bubbles and stragglers).
     Empty where `strategy` is fastest or has no row."""
     mine = result.results.get(strategy)
     if mine is None:
         return []
     own_overlaps = strategy_spec(strategy).overlaps
+    idle = statistics.mean(report.bubble_ratio for report in mine.reports)
+    straggler = statistics.mean(report.dp_imbalance for report in mine.reports) - 1
+    own = (f"{strategy}'s devices idle {idle:.1%} of its step (pipeline bubbles and waits; its busiest rank "
+           f"computes {straggler:.1%} more than the mean)")
     lines = []
     for name in competitors(result.results, strategy):
         theirs = result.results[name]
@@ -436,9 +442,9 @@ def why_slower(result: ComparisonResult, cost: CostModel, strategy: str = "slimp
                            f"{repriced:.3f} s, {outcome}")
         if pairs < 0.995:
             because.append(f"it computes {pairs:.1%} of {strategy}'s attention pairs ({objective(name)})")
+        because = because or ["on the same overlaps and objective: a plan its search did not find"]
         lines.append(f"{strategy} is slower than {name} ({mine.mean_iteration_time_s:.3f} s vs "
-                     f"{theirs.mean_iteration_time_s:.3f} s): " + ("; ".join(because) or "on the same overlaps and "
-                                                                  "objective: a plan its search did not find"))
+                     f"{theirs.mean_iteration_time_s:.3f} s): " + "; ".join(because + [own]))
     return lines
 
 
