@@ -256,8 +256,8 @@ def test_the_planner_takes_the_first_schedule_within_its_budget():
 
 
 def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
-    """llama-7b 256K tp2 pp2 vpp2 dp32, the paper grid's first Wikipedia batch, documents kept
-    whole (`slice_tokens` = the context): `auto_token_cap` sizes MicroPacks (20480 tokens) for the
+    """llama-7b 256K tp4 pp2 vpp2 dp16, the paper grid's first Wikipedia batch, documents kept
+    whole (`slice_tokens` = the context): `auto_token_cap` sizes MicroPacks (45056 tokens) for the
     chunks a multiple of pp keeps in flight. Replicas with an odd count of them do not all fit
     Megatron's interleaved table alone: some need a leaner grouping. Every replica fits at base
     merge 1, and since some needed a leaner grouping, the sizing was planned without them too
@@ -283,13 +283,13 @@ def test_whole_documents_at_the_cap_fit_their_interleaved_replicas(monkeypatch):
     batch = GlobalBatchSampler(load_lengths(f"file:{wikipedia}", seed=0), context, 512, seed=0,
                                long_documents="split").next_batch()
     cost = CostModel.analytic("llama-7b", "h100-sxm")
-    parallel = ParallelConfig(dp=32, pp=2, vpp=2, tp=2, recompute="selective")
+    parallel = ParallelConfig(dp=16, pp=2, vpp=2, tp=4, recompute="selective")
     plan = plan_global_batch(batch.lengths, parallel=parallel, cost=cost,
                              config=SlimPackConfig(context_length=context, slice_tokens=context))
-    assert "base_merge" not in plan.metadata and plan.metadata["token_cap"] == 20480
-    assert plannings == [(32, 2), (32, 0)]  # replicas needed the other groupings (level 1), then none
+    assert "base_merge" not in plan.metadata and plan.metadata["token_cap"] == 45056
+    assert plannings == [(16, 2), (16, 0)]  # replicas needed the other groupings (level 1), then none
     singles = [r for r in plan.metadata["replicas"] if len(r["dp_ranks"]) == 1]
-    assert len(singles) == 32 and any(r["units"] % 2 for r in singles)
+    assert len(singles) == 16 and any(r["units"] % 2 for r in singles)
     assert max(simulate_plan(plan, cost).peak_memory_bytes) <= cost.memory_budget_bytes()
 
 

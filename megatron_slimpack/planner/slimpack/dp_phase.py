@@ -285,13 +285,24 @@ def _water_fill(loads: list[int], total: int) -> list[int]:
     return amounts
 
 
+# The light tail of the sand is poured in up to this many strata of as many documents (largest
+# first), each split over the replicas by what they still lack: every replica gets documents of
+# every size. Poured in one run, the first replica took the largest tail documents and the last
+# the smallest, and their MicroPacks filled unevenly (llama-70b 64K Wikipedia, tp8 pp4 dp4: packs
+# 89.8% full on the first replica, 99.7% on the last, whose planned makespans spread 1.9%). A
+# stratum holds at least TAIL_PER_STRATUM documents a replica, so a short tail is poured in
+# fewer, down to one run.
+SAND_STRATA = 256
+TAIL_PER_STRATUM = 64
+
+
 def _pour_sand(costs, sand, replicas, targets, dealt_per_replica: int) -> None:
     """Deal the sand (largest first) so each replica meets its target: the heavy head
     (`dealt_per_replica` documents per replica) one document at a time to the replica furthest
-    below its target, then the light tail, each no heavier than any of those, in contiguous runs
-    that fill what each still lacks. Each replica ends within about one tail document of its
-    target, even when the sand's head holds whole long documents (a batch with more long ones
-    than CP-SAT decides, `PlannerTunables.max_model_items`)."""
+    below its target, then the light tail, each no heavier than any of those, in strata
+    (`_pour_tail`). Each replica ends within about one tail document of its target, even when the
+    sand's head holds whole long documents (a batch with more long ones than CP-SAT decides,
+    `PlannerTunables.max_model_items`)."""
     if len(sand) == 0:
         return
     dealt = min(len(sand), dealt_per_replica * len(replicas))
@@ -307,10 +318,30 @@ def _pour_sand(costs, sand, replicas, targets, dealt_per_replica: int) -> None:
     lacking = np.zeros(len(replicas))
     for wanted, rank in gaps:
         lacking[rank] = max(-wanted, 0.0)
-    if lacking.sum() <= 0:
-        lacking[:] = 1.0
+    _pour_tail(costs, tail, replicas, lacking)
+
+
+def _pour_tail(costs, tail, replicas, lacking: np.ndarray) -> None:
+    """The tail (largest first) poured in strata of as many documents (`SAND_STRATA`). Each stratum
+    is cut into contiguous runs, one a replica, in proportion to what each still lacks (scaled to the
+    tail's cost), so a replica's share of one stratum makes up for what the ones before gave it too
+    much or too little; the replica that takes the stratum's largest documents rotates."""
     tail_costs = costs[tail]
-    boundaries = np.cumsum(lacking * (tail_costs.sum() / lacking.sum()))[:-1]
-    owner = np.searchsorted(boundaries, np.cumsum(tail_costs) - tail_costs / 2, side="right")
+    total = float(tail_costs.sum())
+    lacking = lacking * (total / lacking.sum()) if lacking.sum() > 0 else np.full(len(replicas), total / len(replicas))
+    strata = max(1, min(SAND_STRATA, len(tail) // (TAIL_PER_STRATUM * len(replicas))))
+    cuts = len(tail) * np.arange(1, strata) // strata
+    owner = np.empty(len(tail), dtype=np.int64)
+    for stratum, (start, stop) in enumerate(zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(tail)])))):
+        if start == stop:
+            continue
+        order = np.roll(np.arange(len(replicas)), -stratum)
+        stratum_costs = tail_costs[start:stop]
+        wanted = np.maximum(lacking[order], 0.0)
+        wanted = wanted if wanted.sum() > 0 else np.ones(len(replicas))
+        boundaries = np.cumsum(wanted * (stratum_costs.sum() / wanted.sum()))[:-1]
+        slot = np.searchsorted(boundaries, np.cumsum(stratum_costs) - stratum_costs / 2, side="right")
+        owner[start:stop] = order[slot]
+        lacking -= np.bincount(owner[start:stop], weights=stratum_costs, minlength=len(replicas))
     for rank in range(len(replicas)):
         replicas[rank].extend(tail[owner == rank].tolist())
